@@ -1,0 +1,151 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Sparse MLA attention: TRITON_MLA_SPARSE's kernel path vs FlashMLA sparse.
+
+    python benchmarks/kernels/benchmark_triton_mla_sparse.py [--json out.json]
+
+For every (tokens T, heads H, KV dtype) it times one call of the backend's
+attention step on global top-k slots (`sparse_mla_decode_fwd`: the Triton MLA
+decode kernel with the slots as a page-size-1 block table) and, for bf16 KV on
+SM90/SM100, FlashMLA's `flash_mla_sparse_fwd` on the same inputs (heads padded
+to 64/128 as FLASHMLA_SPARSE does). Bytes counted: T x topk x 576 x bytes per
+element, i.e. each selected latent row read once. The device's copy bandwidth
+(read + write) is measured in the same run. Index sets rotate so that repeated
+calls do not find their rows in L2.
+"""
+
+import argparse
+import json
+import math
+
+import torch
+from triton.testing import do_bench
+
+from vllm.platforms import current_platform
+from vllm.v1.attention.backends.mla.triton_mla_sparse import (
+    num_kv_splits_for,
+    sparse_mla_decode_fwd,
+)
+
+KV_LORA, HEAD = 512, 576
+
+
+def copy_bandwidth(gib: float = 2.0) -> float:
+    n = int(gib * 2**30) // 4
+    src = torch.randn(n, device="cuda")
+    dst = torch.empty_like(src)
+    ms = do_bench(lambda: dst.copy_(src), warmup=50, rep=300, return_mode="median")
+    return 2 * src.numel() * 4 / (ms * 1e-3)
+
+
+def slot_sets(num_sets, num_tokens, topk, pool, device):
+    # Random distinct slots per token, all valid (a decode past topk tokens).
+    return [
+        torch.argsort(torch.rand(num_tokens, pool, device=device), dim=1)[:, :topk]
+        .to(torch.int32)
+        .contiguous()
+        if num_tokens * pool <= 2**28
+        else torch.randint(0, pool, (num_tokens, topk), device=device, dtype=torch.int32)
+        for _ in range(num_sets)
+    ]
+
+
+def bench_case(num_tokens, num_heads, kv, topk, pool, l2_bytes, sms, flashmla):
+    dev = "cuda"
+    kv_dtype = torch.float8_e4m3fn if kv == "fp8" else torch.bfloat16
+    cache = (torch.randn(pool // 64, 64, HEAD, device=dev) * 0.5).to(kv_dtype)
+    q = torch.randn(num_tokens, num_heads, HEAD, device=dev, dtype=torch.bfloat16)
+    elem = 1 if kv == "fp8" else 2
+    bytes_read = num_tokens * topk * HEAD * elem
+    sets = slot_sets(max(1, min(64, math.ceil(4 * l2_bytes / bytes_read))),
+                     num_tokens, topk, pool, dev)
+    valid = torch.full((num_tokens,), topk, dtype=torch.int32, device=dev)
+    scale = 1.0 / math.sqrt(256)
+    k_scale = torch.ones(1, device=dev)
+    it = {"i": 0}
+
+    def ours():
+        s = sets[it["i"] % len(sets)]
+        it["i"] += 1
+        sparse_mla_decode_fwd(q, cache, s, valid, KV_LORA, scale, k_scale, sms)
+
+    ours()
+    t_ours = do_bench(ours, warmup=25, rep=200, return_mode="median") * 1e3
+    row = {
+        "tokens": num_tokens, "heads": num_heads, "kv": kv, "topk": topk,
+        "num_kv_splits": num_kv_splits_for(num_tokens, num_heads, topk, sms),
+        "triton_us": t_ours, "triton_TBps": bytes_read / (t_ours * 1e-6) / 1e12,
+        "bytes": bytes_read,
+    }
+    if flashmla is not None and kv == "bf16":
+        padded = 64 if num_heads <= 64 else 128
+        if current_platform.is_device_capability_family(100):
+            padded = 128
+        qp = torch.zeros(num_tokens, padded, HEAD, device=dev, dtype=torch.bfloat16)
+        qp[:, :num_heads] = q
+        kv_view = cache.view(-1, 1, HEAD)
+        idx = [s.view(num_tokens, 1, topk) for s in sets]
+
+        def theirs():
+            s = idx[it["i"] % len(idx)]
+            it["i"] += 1
+            flashmla.flash_mla_sparse_fwd(qp, kv_view, s, scale)
+
+        theirs()
+        t_fm = do_bench(theirs, warmup=25, rep=200, return_mode="median") * 1e3
+        row.update(flashmla_us=t_fm, flashmla_TBps=bytes_read / (t_fm * 1e-6) / 1e12,
+                   ratio_vs_flashmla=t_ours / t_fm)
+    return row
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--json", default=None, help="write the rows here")
+    parser.add_argument("--tokens", type=int, nargs="*", default=[1, 8, 64, 256, 4096])
+    parser.add_argument("--heads", type=int, nargs="*", default=[8, 64, 128])
+    parser.add_argument("--kv", nargs="*", default=["bf16", "fp8"])
+    parser.add_argument("--topk", type=int, default=2048)
+    parser.add_argument("--pool", type=int, default=262144, help="KV pool tokens")
+    args = parser.parse_args()
+
+    props = torch.cuda.get_device_properties(0)
+    sms = props.multi_processor_count
+    l2 = getattr(props, "L2_cache_size", 50 * 2**20)
+    try:
+        from vllm.v1.attention.ops import flashmla
+
+        ok, reason = flashmla.is_flashmla_sparse_supported()
+        flashmla = flashmla if ok else None
+    except ImportError as e:
+        flashmla, reason = None, str(e)
+    bw = copy_bandwidth()
+    rows = []
+    for kv in args.kv:
+        for h in args.heads:
+            for t in args.tokens:
+                rows.append(bench_case(t, h, kv, args.topk, args.pool, l2, sms, flashmla))
+                torch.cuda.empty_cache()
+    for r in rows:
+        r["fraction_of_copy_bw"] = r["triton_TBps"] * 1e12 / bw
+
+    print(f"device: {props.name} ({sms} SMs), copy bandwidth {bw / 1e12:.2f} TB/s "
+          f"(read+write), FlashMLA sparse: {'yes' if flashmla else reason}")
+    print(f"topk {args.topk}, KV pool {args.pool} tokens, bytes = T x topk x 576 x elem")
+    print("|    T |   H | kv   | splits | triton_us | TB/s | % copy bw | flashmla_us "
+          "| flashmla TB/s | triton/flashmla |")
+    print("|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|")
+    for r in rows:
+        fm = (f"{r['flashmla_us']:11.1f} | {r['flashmla_TBps']:13.2f} | "
+              f"{r['ratio_vs_flashmla']:15.2f}") if "flashmla_us" in r else \
+             f"{'-':>11} | {'-':>13} | {'-':>15}"
+        print(f"| {r['tokens']:4d} | {r['heads']:3d} | {r['kv']:4} | {r['num_kv_splits']:6d} "
+              f"| {r['triton_us']:9.1f} | {r['triton_TBps']:4.2f} "
+              f"| {100 * r['fraction_of_copy_bw']:8.1f}% | {fm} |")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"device": props.name, "sms": sms, "copy_bw_Bps": bw,
+                       "topk": args.topk, "pool_tokens": args.pool, "rows": rows}, f,
+                      indent=1)
+
+
+if __name__ == "__main__":
+    main()

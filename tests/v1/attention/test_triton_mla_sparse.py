@@ -1,0 +1,296 @@
+# SPDX-License-Identifier: Apache-2.0
+"""TRITON_MLA_SPARSE against a float64 PyTorch reference of sparse MLA.
+
+CPU (Triton interpreter): small shapes. GPU (`gpu` marker, H200): GLM-5 shapes,
+memory-safety cases and CUDA-graph capture; `test_matches_flashmla_sparse`
+compares with upstream's FlashMLA sparse kernel on the same inputs.
+"""
+
+import math
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from vllm.v1.attention.backends.mla import triton_mla_sparse as tms
+from vllm.v1.attention.backends.mla.triton_mla_sparse import (
+    TritonMLASparseImpl,
+    TritonMLASparseMetadata,
+    num_kv_splits_for,
+    sparse_mla_decode_fwd,
+)
+
+KV_LORA, ROPE = 512, 64
+HEAD = KV_LORA + ROPE
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+FP8 = torch.float8_e4m3fn
+
+
+def reference_sparse_mla(q, cache, block_table, req_id, indices, scale, k_scale=1.0):
+    """float64 sparse MLA: softmax over each token's valid top-k entries.
+
+    q [T,H,576]; cache [NB,BS,576] (any dtype; fp8 dequantized with k_scale);
+    indices [T,K] request-local positions, -1 = unused. Duplicates count twice,
+    as they do for every sparse MLA kernel. Rows with no valid entry give 0.
+    """
+    bs = cache.shape[1]
+    kv = cache.to(torch.float64).reshape(-1, HEAD) * k_scale
+    out = torch.zeros(q.shape[0], q.shape[1], KV_LORA, dtype=torch.float64)
+    for t in range(q.shape[0]):
+        idx = indices[t][indices[t] >= 0].long().cpu()
+        if idx.numel() == 0:
+            continue
+        blocks = block_table[req_id[t]].long().cpu()[idx // bs]
+        rows = kv.cpu()[blocks * bs + idx % bs]  # [n, 576]
+        logits = q[t].to(torch.float64).cpu() @ rows.T * scale  # [H, n]
+        out[t] = torch.softmax(logits, dim=-1) @ rows[:, :KV_LORA]
+    return out
+
+
+def make_case(
+    num_tokens_per_req,
+    context_lens,
+    num_heads,
+    topk,
+    block_size,
+    dtype,
+    kv_dtype,
+    seed,
+    empty_rows=(),
+    duplicates=True,
+    num_blocks=None,
+    device=DEVICE,
+):
+    """Random requests with paged caches and indexer-style top-k rows."""
+    g = torch.Generator().manual_seed(seed)
+    num_reqs = len(context_lens)
+    blocks_per_req = [math.ceil(c / block_size) for c in context_lens]
+    total_blocks = num_blocks or sum(blocks_per_req) + 3
+    perm = torch.randperm(total_blocks, generator=g)
+    block_table = torch.zeros(num_reqs, max(blocks_per_req), dtype=torch.int32)
+    used = 0
+    for r, n in enumerate(blocks_per_req):
+        block_table[r, :n] = perm[used : used + n]
+        used += n
+    cache = torch.randn(total_blocks, block_size, HEAD, generator=g) * 0.5
+    cache = cache.to(kv_dtype)
+    req_id, rows = [], []
+    for r, (n_tok, ctx) in enumerate(zip(num_tokens_per_req, context_lens)):
+        for i in range(n_tok):
+            pos = ctx - n_tok + i  # causal: a token sees positions [0, pos]
+            n_valid = int(torch.randint(1, min(topk, pos + 1) + 1, (1,), generator=g))
+            idx = torch.randperm(pos + 1, generator=g)[:n_valid].to(torch.int32)
+            if duplicates and n_valid > 2:
+                idx[-1] = idx[0]  # the same position twice
+            row = torch.full((topk,), -1, dtype=torch.int32)
+            row[:n_valid] = idx
+            rows.append(row)
+            req_id.append(r)
+    indices = torch.stack(rows)
+    for t in empty_rows:
+        indices[t] = -1
+    q = (torch.randn(len(rows), num_heads, HEAD, generator=g) * 0.5).to(dtype)
+    to = dict(device=device)
+    return SimpleNamespace(
+        q=q.to(**to),
+        cache=cache.to(**to),
+        block_table=block_table.to(**to),
+        req_id=torch.tensor(req_id, dtype=torch.int32, device=device),
+        indices=indices.to(**to),
+        block_size=block_size,
+        topk=topk,
+    )
+
+
+def run_backend(case, num_heads, kv_scale=1.0, num_sms=132):
+    """The impl's forward_mqa, fed as MLAAttention feeds it."""
+    impl = TritonMLASparseImpl.__new__(TritonMLASparseImpl)
+    impl.kv_lora_rank = KV_LORA
+    impl.scale = 1.0 / math.sqrt(192 + ROPE)
+    impl.topk_indices_buffer = case.indices
+    impl._num_sms = num_sms
+    md = TritonMLASparseMetadata(
+        num_reqs=case.block_table.shape[0],
+        max_query_len=0,
+        max_seq_len=0,
+        num_actual_tokens=case.q.shape[0],
+        query_start_loc=None,
+        slot_mapping=None,
+        block_table=case.block_table,
+        req_id_per_token=case.req_id,
+        block_size=case.block_size,
+        topk_tokens=case.topk,
+    )
+    layer = SimpleNamespace(
+        _k_scale=torch.tensor([kv_scale], dtype=torch.float32, device=case.q.device)
+    )
+    q = (case.q[..., :KV_LORA], case.q[..., KV_LORA:])  # the layer passes a tuple
+    o, lse = impl.forward_mqa(q, case.cache, md, layer)
+    assert lse is None
+    assert o.shape == (case.q.shape[0], num_heads, KV_LORA) and o.dtype == case.q.dtype
+    return o, impl.scale
+
+
+def check(case, num_heads, tol, kv_scale=1.0, num_sms=132):
+    o, scale = run_backend(case, num_heads, kv_scale=kv_scale, num_sms=num_sms)
+    ref = reference_sparse_mla(
+        case.q, case.cache, case.block_table, case.req_id, case.indices, scale, kv_scale
+    )
+    assert torch.isfinite(o).all()
+    torch.testing.assert_close(o.double().cpu(), ref, rtol=tol, atol=tol)
+    return o
+
+
+# --------------------------------------------------------------------------------------
+# CPU (Triton interpreter) and GPU
+# --------------------------------------------------------------------------------------
+# Triton 3.6's interpreter computes tl.dot on bf16 operands wrongly (a bf16
+# 16x16 product is off by ~1e10 there), so bf16 runs on the GPU only.
+BF16_GPU_ONLY = pytest.param(torch.bfloat16, 2e-2, marks=pytest.mark.gpu, id="bf16")
+
+
+@pytest.mark.parametrize(
+    "dtype,tol", [BF16_GPU_ONLY, pytest.param(torch.float16, 4e-3, id="fp16")]
+)
+def test_sparse_mla_small(dtype, tol):
+    # Two requests (a 3-token prefill chunk and a decode), -1 suffixes,
+    # a duplicated slot per row, and one row left without any valid slot.
+    case = make_case(
+        [3, 1], [40, 70], 16, 128, 16, dtype, dtype, seed=0, empty_rows=[1]
+    )
+    o = check(case, 16, tol)
+    assert (o[1] == 0).all()
+
+
+@pytest.mark.parametrize(
+    "dtype,tol", [BF16_GPU_ONLY, pytest.param(torch.float16, 1e-2, id="fp16")]
+)
+def test_sparse_mla_fp8_cache(dtype, tol):
+    # fp8 cache with a per-tensor scale; the reference dequantizes the same bytes.
+    case = make_case([2], [50], 16, 128, 16, dtype, FP8, seed=1)
+    check(case, 16, tol, kv_scale=0.75)
+
+
+def test_sparse_mla_chunked_workspace(monkeypatch):
+    # A workspace bound below one token's need forces one kernel launch per token.
+    case = make_case([3], [30], 16, 128, 16, torch.float16, torch.float16, seed=2)
+    whole, _ = run_backend(case, 16)
+    monkeypatch.setattr(tms, "_MAX_WORKSPACE_BYTES", 1)
+    chunked, _ = run_backend(case, 16)
+    torch.testing.assert_close(chunked, whole, rtol=0, atol=0)
+
+
+def test_num_kv_splits():
+    # Depends only on shapes; fills ~2 waves at small batch; 1 split once the
+    # tokens alone fill the GPU; never fewer than 64 slots per split.
+    assert num_kv_splits_for(1, 8, 2048, 132) == 32
+    assert num_kv_splits_for(1, 128, 2048, 132) == 32
+    assert num_kv_splits_for(8, 64, 2048, 132) == 16
+    assert num_kv_splits_for(132, 8, 2048, 132) == 1
+    assert num_kv_splits_for(4096, 64, 2048, 132) == 1
+    assert num_kv_splits_for(1, 8, 128, 132) == 2
+    for t in (1, 3, 8, 64, 256):
+        s = num_kv_splits_for(t, 16, 2048, 132)
+        assert s & (s - 1) == 0 and 2048 // s >= 64
+
+
+def test_sparse_mla_decode_fwd_empty_batch():
+    q = torch.empty(0, 16, HEAD, dtype=torch.bfloat16, device=DEVICE)
+    cache = torch.zeros(2, 16, HEAD, dtype=torch.bfloat16, device=DEVICE)
+    slots = torch.empty(0, 128, dtype=torch.int32, device=DEVICE)
+    valid = torch.empty(0, dtype=torch.int32, device=DEVICE)
+    one = torch.ones(1, device=DEVICE)
+    o = sparse_mla_decode_fwd(q, cache, slots, valid, KV_LORA, 0.1, one, 132)
+    assert o.shape == (0, 16, KV_LORA)
+
+
+# --------------------------------------------------------------------------------------
+# GPU only: GLM-5 shapes, memory safety, CUDA graphs, FlashMLA sparse
+# --------------------------------------------------------------------------------------
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_heads", [8, 16, 64, 128])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("kv", ["model", "fp8"])
+def test_glm5_shapes(num_heads, dtype, kv):
+    # GLM-5: topk 2048, block 64; one long-context decode (64K), a short request
+    # whose context is below topk, and a 4-token speculative/prefill chunk.
+    kv_dtype = FP8 if kv == "fp8" else dtype
+    case = make_case(
+        [1, 1, 4], [65536, 1500, 9000], num_heads, 2048, 64, dtype, kv_dtype, seed=3
+    )
+    tol = 3e-2 if kv == "fp8" or dtype == torch.bfloat16 else 5e-3
+    check(case, num_heads, tol, kv_scale=0.5 if kv == "fp8" else 1.0)
+
+
+@pytest.mark.gpu
+def test_memory_safety_edges():
+    # Slots in the very last cache block, all -1 rows, topk larger than context.
+    bs, topk = 64, 2048
+    case = make_case([2, 1], [100, 64], 16, topk, bs, torch.bfloat16, torch.bfloat16, 4)
+    nb = case.cache.shape[0]
+    case.block_table[1, 0] = nb - 1  # the second request lives in the last block
+    case.indices[2] = -1
+    case.indices[2, :64] = torch.arange(64, dtype=torch.int32)  # all of it
+    case.indices[1] = -1  # a row without any valid entry
+    o = check(case, 16, 2e-2)
+    assert (o[1] == 0).all()
+    # A cache that ends exactly at the last block: an out-of-bounds read would
+    # fault or bring NaN from a poisoned neighbour, which is placed right after.
+    big = torch.full((nb + 1, bs, HEAD), float("nan"), dtype=torch.bfloat16, device="cuda")
+    big[:nb] = case.cache
+    case.cache = big[:nb]
+    check(case, 16, 2e-2)
+
+
+@pytest.mark.gpu
+def test_cuda_graph_capture_and_replay():
+    # UNIFORM_BATCH capture: the same launch replayed on new data gives eager results.
+    num_heads = 16
+    case = make_case([1] * 4, [3000, 500, 70, 2048], num_heads, 2048, 64,
+                     torch.bfloat16, torch.bfloat16, seed=5)
+    eager, _ = run_backend(case, num_heads)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        run_backend(case, num_heads)  # warm up (Triton compilation) off-graph
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        graphed, _ = run_backend(case, num_heads)
+    graph.replay()
+    torch.testing.assert_close(graphed, eager, rtol=0, atol=0)
+    # New queries, cache and indices in the same buffers.
+    fresh = make_case([1] * 4, [3000, 500, 70, 2048], num_heads, 2048, 64,
+                      torch.bfloat16, torch.bfloat16, seed=6)
+    case.q.copy_(fresh.q)
+    case.cache.copy_(fresh.cache)
+    case.indices.copy_(fresh.indices)
+    graph.replay()
+    expect, _ = run_backend(case, num_heads)
+    torch.testing.assert_close(graphed, expect, rtol=0, atol=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_heads", [16, 64, 128])
+def test_matches_flashmla_sparse(num_heads):
+    flashmla = pytest.importorskip("vllm.v1.attention.ops.flashmla")
+    ok, reason = flashmla.is_flashmla_sparse_supported()
+    if not ok:
+        pytest.skip(reason)
+    from vllm.v1.attention.backends.mla.sparse_utils import (
+        triton_convert_req_index_to_global_index,
+    )
+
+    case = make_case([1, 1, 8], [20000, 900, 5000], num_heads, 2048, 64,
+                     torch.bfloat16, torch.bfloat16, seed=7)
+    ours, scale = run_backend(case, num_heads)
+    slots = triton_convert_req_index_to_global_index(
+        case.req_id, case.block_table, case.indices, BLOCK_SIZE=64, NUM_TOPK_TOKENS=2048
+    )
+    padded = 64 if num_heads <= 64 else 128
+    q = torch.zeros(case.q.shape[0], padded, HEAD, dtype=torch.bfloat16, device="cuda")
+    q[:, :num_heads] = case.q
+    theirs = flashmla.flash_mla_sparse_fwd(
+        q, case.cache.view(-1, 1, HEAD), slots.unsqueeze(1), scale, KV_LORA
+    )[0][:, :num_heads]
+    torch.testing.assert_close(ours, theirs, rtol=1e-2, atol=1e-2)

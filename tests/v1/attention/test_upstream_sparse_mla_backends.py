@@ -1,0 +1,178 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Upstream's sparse MLA backend test, run against TRITON_MLA_SPARSE.
+
+`tests/v1/attention/test_sparse_mla_backends.py` from the pinned vLLM sdist is
+imported unmodified; its `test_sparse_backend_decode_correctness` is re-applied
+here with every parametrization upstream declares, except that the backend
+list is TRITON_MLA_SPARSE. Its reference (SDPA over the dense context with the
+sparse mask) and tolerances are upstream's.
+
+Where the upstream files come from: $VLLM_OVERLAY_UPSTREAM_TESTS (a folder that
+holds `tests/...` as in the sdist), else the sdist pinned in upstream.lock
+(downloaded and cached by `build.py sdist`).
+
+Plumbing the offline GPU host needs, and nothing else:
+- `create_vllm_config("deepseek-ai/DeepSeek-V2-Lite-Chat")` reads that model's
+  config.json from the Hugging Face hub. A stand-in with DeepSeek-V2-Lite's
+  published dimensions is written to a private hub cache; the test overrides
+  every MLA dimension it uses.
+- The module imports FlashInfer's sparse backend; where flashinfer is not
+  installed, `flashinfer.decode` is a stand-in whose kernel raises if called
+  (FlashInfer cases need SM100 and are not run here).
+"""
+
+import json
+import os
+import subprocess
+import sys
+import tarfile
+import tempfile
+import types
+from pathlib import Path
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    pytest.skip("upstream's sparse MLA test needs a CUDA GPU", allow_module_level=True)
+
+ROOT = Path(__file__).resolve().parents[3]
+UPSTREAM_FILES = [
+    "tests/__init__.py",
+    "tests/v1/__init__.py",
+    "tests/v1/attention/test_sparse_mla_backends.py",
+    "tests/v1/attention/test_mla_backends.py",
+    "tests/v1/attention/utils.py",
+]
+DEEPSEEK_V2_LITE_CHAT = {
+    "architectures": ["DeepseekV2ForCausalLM"],
+    "model_type": "deepseek_v2",
+    "vocab_size": 102400,
+    "hidden_size": 2048,
+    "intermediate_size": 10944,
+    "moe_intermediate_size": 1408,
+    "num_hidden_layers": 27,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 16,
+    "n_shared_experts": 2,
+    "n_routed_experts": 64,
+    "num_experts_per_tok": 6,
+    "first_k_dense_replace": 1,
+    "moe_layer_freq": 1,
+    "kv_lora_rank": 512,
+    "q_lora_rank": None,
+    "qk_nope_head_dim": 128,
+    "qk_rope_head_dim": 64,
+    "v_head_dim": 128,
+    "topk_method": "greedy",
+    "n_group": 1,
+    "topk_group": 1,
+    "routed_scaling_factor": 1.0,
+    "max_position_embeddings": 163840,
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 10000,
+    "bos_token_id": 100000,
+    "eos_token_id": 100001,
+    "torch_dtype": "bfloat16",
+}
+
+
+def upstream_root() -> Path:
+    given = os.environ.get("VLLM_OVERLAY_UPSTREAM_TESTS")
+    if given:
+        return Path(given)
+    sdist = subprocess.run(
+        [sys.executable, str(ROOT / "build.py"), "sdist", "-q"],
+        capture_output=True, text=True, check=True,
+    ).stdout.strip()
+    dest = Path(tempfile.mkdtemp(prefix="vllm-upstream-tests-"))
+    with tarfile.open(sdist) as tar:
+        prefix = tar.getnames()[0].split("/")[0]
+        for rel in UPSTREAM_FILES:
+            member = tar.getmember(f"{prefix}/{rel}")
+            member.name = rel
+            tar.extract(member, dest, filter="data")
+    return dest
+
+
+def offline_hub_cache() -> Path:
+    cache = Path(tempfile.mkdtemp(prefix="hf-stand-in-"))
+    repo = cache / "models--deepseek-ai--DeepSeek-V2-Lite-Chat"
+    commit = "0" * 40
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text(commit)
+    snap = repo / "snapshots" / commit
+    snap.mkdir(parents=True)
+    (snap / "config.json").write_text(json.dumps(DEEPSEEK_V2_LITE_CHAT))
+    return cache
+
+
+try:
+    import flashinfer.decode  # noqa: F401
+except ImportError:
+    stand_in = types.ModuleType("flashinfer.decode")
+
+    def trtllm_batch_decode_with_kv_cache_mla(*args, **kwargs):
+        raise RuntimeError("flashinfer is not installed on this host")
+
+    stand_in.trtllm_batch_decode_with_kv_cache_mla = trtllm_batch_decode_with_kv_cache_mla
+    sys.modules.setdefault("flashinfer", types.ModuleType("flashinfer"))
+    sys.modules["flashinfer.decode"] = stand_in
+
+if os.environ.get("HF_HUB_OFFLINE") == "1" and "VLLM_OVERLAY_KEEP_HF_CACHE" not in os.environ:
+    os.environ["HF_HUB_CACHE"] = str(offline_hub_cache())
+    import huggingface_hub.constants as hub_constants
+
+    hub_constants.HF_HUB_CACHE = os.environ["HF_HUB_CACHE"]
+
+sys.path.insert(0, str(upstream_root()))
+from tests.v1.attention import test_sparse_mla_backends as upstream  # noqa: E402
+
+from vllm.v1.attention.backends.mla.triton_mla_sparse import (  # noqa: E402
+    TritonMLASparseBackend,
+)
+
+UPSTREAM_TEST = upstream.test_sparse_backend_decode_correctness
+_param_marks = [
+    m for m in UPSTREAM_TEST.pytestmark
+    if m.name == "parametrize" and m.args[0] != "backend_cls"
+]
+assert len(_param_marks) == len(UPSTREAM_TEST.pytestmark) - 1, "upstream test changed"
+
+
+def _apply(marks):
+    def wrap(fn):
+        for mark in reversed(marks):
+            fn = pytest.mark.parametrize(*mark.args, **mark.kwargs)(fn)
+        return fn
+
+    return wrap
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend_cls", [TritonMLASparseBackend], ids=["TritonMLASparse"])
+@_apply(_param_marks)
+def test_sparse_backend_decode_correctness(
+    default_vllm_config,
+    dist_init,
+    backend_cls,
+    batch_name,
+    kv_cache_dtype,
+    tensor_parallel_size,
+    block_size,
+    workspace_init,
+    q_scale,
+    k_scale,
+):
+    UPSTREAM_TEST(
+        default_vllm_config,
+        dist_init,
+        backend_cls,
+        batch_name,
+        kv_cache_dtype,
+        tensor_parallel_size,
+        block_size,
+        workspace_init,
+        q_scale,
+        k_scale,
+    )

@@ -1,0 +1,378 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""Triton sparse MLA attention backend (DeepSeek-V3.2 / GLM-5 "DSA").
+
+Portable counterpart of FLASHMLA_SPARSE / FLASHINFER_MLA_SPARSE for every CUDA GPU
+that runs Triton (SM80, SM86, SM89, SM90, SM100, SM120, SM121).
+
+Every query token, whether it belongs to a prefill, a decode or a speculative
+decode, is one row of the Triton MLA decode kernel (`decode_attention_fwd`):
+the indexer's top-k request-local positions of the token are converted to
+global KV-cache slots and serve as the token's private block table with a page
+size of 1. The indexer pads each row with -1 after its valid entries, so the
+number of valid entries is the row's sequence length for the kernel.
+"""
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, ClassVar
+
+import numpy as np
+import torch
+
+import vllm.envs as envs
+from vllm.config import VllmConfig
+from vllm.config.cache import CacheDType
+from vllm.logger import init_logger
+from vllm.platforms import current_platform
+from vllm.platforms.interface import DeviceCapability
+from vllm.triton_utils import triton
+from vllm.utils.math_utils import cdiv
+from vllm.v1.attention.backend import (
+    AttentionBackend,
+    AttentionCGSupport,
+    AttentionLayer,
+    AttentionMetadata,
+    AttentionMetadataBuilder,
+    AttentionType,
+    CommonAttentionMetadata,
+    MultipleOf,
+    SparseMLAAttentionImpl,
+)
+from vllm.v1.attention.backends.mla.sparse_utils import (
+    triton_convert_req_index_to_global_index,
+)
+from vllm.v1.attention.ops.triton_decode_attention import decode_attention_fwd
+from vllm.v1.kv_cache_interface import AttentionSpec
+
+if TYPE_CHECKING:
+    from vllm.model_executor.models.deepseek_v2 import Indexer
+
+logger = init_logger(__name__)
+
+# Heads handled by one program of the grouped Triton MLA decode kernel.
+_KERNEL_BLOCK_H = 16
+# Fewest top-k slots one KV split should cover (two 32-slot kernel iterations).
+_MIN_SLOTS_PER_SPLIT = 64
+# Upper bound of the fp32 split-KV workspace of one kernel launch; larger
+# batches are processed in token chunks.
+_MAX_WORKSPACE_BYTES = 256 * 1024 * 1024
+# triton_convert_req_index_to_global_index works on 128-wide column tiles.
+_TOPK_ALIGNMENT = 128
+
+
+class TritonMLASparseBackend(AttentionBackend):
+    supported_dtypes: ClassVar[list[torch.dtype]] = [torch.float16, torch.bfloat16]
+    supported_kv_cache_dtypes: ClassVar[list[CacheDType]] = [
+        "auto",
+        "float16",
+        "bfloat16",
+        "fp8",
+        "fp8_e4m3",
+    ]
+
+    @staticmethod
+    def get_supported_kernel_block_sizes() -> list[int | MultipleOf]:
+        # The sparse indexer's K cache shares the block size and needs 64 on
+        # CUDA (DeepseekV32IndexerBackend); the kernel itself addresses slots.
+        return [64]
+
+    @staticmethod
+    def get_name() -> str:
+        return "TRITON_MLA_SPARSE"
+
+    @staticmethod
+    def get_impl_cls() -> type["TritonMLASparseImpl"]:
+        return TritonMLASparseImpl
+
+    @staticmethod
+    def get_builder_cls() -> type["TritonMLASparseMetadataBuilder"]:
+        return TritonMLASparseMetadataBuilder
+
+    @classmethod
+    def get_supported_head_sizes(cls) -> list[int]:
+        # kv_lora_rank 512 + qk_rope_head_dim 64 (DeepSeek-V3.2, GLM-5).
+        return [576]
+
+    @classmethod
+    def is_mla(cls) -> bool:
+        return True
+
+    @classmethod
+    def is_sparse(cls) -> bool:
+        return True
+
+    @classmethod
+    def supports_compute_capability(cls, capability: DeviceCapability) -> bool:
+        return True
+
+    @classmethod
+    def supports_combination(
+        cls,
+        head_size: int,
+        dtype: torch.dtype,
+        kv_cache_dtype: CacheDType | None,
+        block_size: int | None,
+        use_mla: bool,
+        has_sink: bool,
+        use_sparse: bool,
+        device_capability: DeviceCapability,
+    ) -> str | None:
+        if (
+            kv_cache_dtype is not None
+            and kv_cache_dtype.startswith("fp8")
+            and not device_capability >= DeviceCapability(8, 9)
+        ):
+            return "fp8 KV cache needs compute capability 8.9 or newer"
+        from vllm.config import get_current_vllm_config
+
+        model_config = get_current_vllm_config().model_config
+        if model_config is not None:
+            topk = getattr(model_config.hf_text_config, "index_topk", None)
+            if topk is not None and topk % _TOPK_ALIGNMENT != 0:
+                return f"index_topk ({topk}) must be a multiple of {_TOPK_ALIGNMENT}"
+        return None
+
+    @staticmethod
+    def get_kv_cache_shape(
+        num_blocks: int,
+        block_size: int,
+        num_kv_heads: int,  # assumed to be 1 for MLA
+        head_size: int,
+        cache_dtype_str: str = "auto",
+    ) -> tuple[int, ...]:
+        return (num_blocks, block_size, head_size)
+
+
+@dataclass
+class TritonMLASparseMetadata(AttentionMetadata):
+    num_reqs: int
+    max_query_len: int
+    max_seq_len: int
+    num_actual_tokens: int
+
+    query_start_loc: torch.Tensor
+    slot_mapping: torch.Tensor
+    block_table: torch.Tensor
+    # Request index of every query token, zero-filled past the real tokens.
+    req_id_per_token: torch.Tensor
+
+    block_size: int = 64
+    topk_tokens: int = 2048
+
+
+class TritonMLASparseMetadataBuilder(AttentionMetadataBuilder[TritonMLASparseMetadata]):
+    # Every step is a device-side kernel whose launch shape depends only on the
+    # number of tokens, so batches of uniform query length can be captured.
+    _cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.UNIFORM_BATCH
+
+    def __init__(
+        self,
+        kv_cache_spec: AttentionSpec,
+        layer_names: list[str],
+        vllm_config: VllmConfig,
+        device: torch.device,
+    ) -> None:
+        self.kv_cache_spec = kv_cache_spec
+        self.layer_names = layer_names
+        self.vllm_config = vllm_config
+        self.device = device
+        self.topk_tokens = vllm_config.model_config.hf_config.index_topk
+        self.req_id_per_token_buffer = torch.zeros(
+            (vllm_config.scheduler_config.max_num_batched_tokens,),
+            dtype=torch.int32,
+            device=device,
+        )
+
+    def build(
+        self,
+        common_prefix_len: int,
+        common_attn_metadata: CommonAttentionMetadata,
+        fast_build: bool = False,
+    ) -> TritonMLASparseMetadata:
+        cm = common_attn_metadata
+        starts = np.asarray(cm.query_start_loc_cpu, dtype=np.int32)
+        req_id_per_token = np.repeat(
+            np.arange(starts.shape[0] - 1, dtype=np.int32), np.diff(starts)
+        )
+        # Zero-fill so that CUDA-graph padding rows point at a real request.
+        self.req_id_per_token_buffer.fill_(0)
+        self.req_id_per_token_buffer[: req_id_per_token.shape[0]].copy_(
+            torch.from_numpy(req_id_per_token), non_blocking=True
+        )
+        return TritonMLASparseMetadata(
+            num_reqs=cm.num_reqs,
+            max_query_len=cm.max_query_len,
+            max_seq_len=cm.max_seq_len,
+            num_actual_tokens=cm.num_actual_tokens,
+            query_start_loc=cm.query_start_loc,
+            slot_mapping=cm.slot_mapping,
+            block_table=cm.block_table_tensor,
+            req_id_per_token=self.req_id_per_token_buffer[: cm.num_actual_tokens],
+            block_size=self.kv_cache_spec.block_size,
+            topk_tokens=self.topk_tokens,
+        )
+
+
+def num_kv_splits_for(
+    num_tokens: int, num_heads: int, topk: int, num_sms: int
+) -> int:
+    """KV splits per token: enough programs for about two waves at small batch.
+
+    Depends only on shapes, never on data, so it is stable under CUDA graphs.
+    """
+    if envs.VLLM_BATCH_INVARIANT:
+        return 1
+    programs = num_tokens * cdiv(num_heads, _KERNEL_BLOCK_H)
+    if programs >= num_sms:
+        return 1
+    wanted = triton.next_power_of_2(cdiv(2 * num_sms, programs))
+    return max(1, min(wanted, topk // _MIN_SLOTS_PER_SPLIT))
+
+
+def sparse_mla_decode_fwd(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    slots: torch.Tensor,
+    valid_counts: torch.Tensor,
+    kv_lora_rank: int,
+    scale: float,
+    k_scale: torch.Tensor,
+    num_sms: int,
+) -> torch.Tensor:
+    """Sparse MLA over global KV slots.
+
+    q: [T, H, kv_lora_rank + rope] (fp16/bf16); kv_cache: [NB, BS, 576] (fp16/bf16,
+    or fp8 dequantized with the per-tensor `k_scale`); slots: int32 [T, K] global
+    slots, valid entries first, -1 after; valid_counts: int32 [T].
+    Returns o: [T, H, kv_lora_rank]; a row without valid slots gives zeros.
+    """
+    num_tokens, num_heads, _ = q.shape
+    topk = slots.shape[1]
+    o = torch.empty(
+        num_tokens, num_heads, kv_lora_rank, dtype=q.dtype, device=q.device
+    )
+    if num_tokens == 0:
+        return o
+    # The kernel reads entries [0, valid) of a row. Rows without any valid entry
+    # (CUDA-graph padding) read slot 0 instead of turning 0/0 into NaN and are
+    # zeroed below; a negative slot can then never be dereferenced.
+    has_valid = valid_counts > 0
+    seq_lens = valid_counts.clamp(min=1)
+    slots = slots.clamp(min=0)
+
+    kv = kv_cache.unsqueeze(2)  # [NB, BS, 1, 576]: one latent "KV head"
+    kv_c = kv[..., :kv_lora_rank]
+    num_kv_splits = num_kv_splits_for(num_tokens, num_heads, topk, num_sms)
+    per_token = num_heads * num_kv_splits * (kv_lora_rank + 1) * 4
+    chunk = max(1, _MAX_WORKSPACE_BYTES // per_token)
+    lse = torch.empty(
+        min(chunk, num_tokens), num_heads, dtype=torch.float32, device=q.device
+    )
+    attn_logits = torch.empty(
+        min(chunk, num_tokens),
+        num_heads,
+        num_kv_splits,
+        kv_lora_rank + 1,
+        dtype=torch.float32,
+        device=q.device,
+    )
+    for start in range(0, num_tokens, chunk):
+        end = min(start + chunk, num_tokens)
+        n = end - start
+        decode_attention_fwd(
+            q[start:end],
+            kv,
+            kv_c,
+            o[start:end],
+            lse[:n],
+            slots[start:end],
+            seq_lens[start:end],
+            attn_logits[:n],
+            num_kv_splits,
+            scale,
+            page_size=1,
+            k_scale=k_scale,
+            v_scale=k_scale,
+            is_mla=True,
+        )
+    return o.masked_fill_(~has_valid[:, None, None], 0)
+
+
+class TritonMLASparseImpl(SparseMLAAttentionImpl[TritonMLASparseMetadata]):
+    def __init__(
+        self,
+        num_heads: int,
+        head_size: int,
+        scale: float,
+        num_kv_heads: int,
+        alibi_slopes: list[float] | None,
+        sliding_window: int | None,
+        kv_cache_dtype: str,
+        logits_soft_cap: float | None,
+        attn_type: str,
+        kv_sharing_target_layer_name: str | None,
+        # MLA Specific Arguments
+        topk_indices_buffer: torch.Tensor | None = None,
+        indexer: "Indexer | None" = None,
+        **mla_args,
+    ) -> None:
+        if any([alibi_slopes, sliding_window, logits_soft_cap]):
+            raise NotImplementedError(
+                "TritonMLASparseImpl does not support one of the following: "
+                "alibi_slopes, sliding_window, logits_soft_cap"
+            )
+        if attn_type != AttentionType.DECODER:
+            raise NotImplementedError(
+                "Encoder self-attention and encoder/decoder cross-attention "
+                "are not implemented for TritonMLASparseImpl"
+            )
+        if kv_cache_dtype == "fp8_ds_mla":
+            raise NotImplementedError(
+                "TritonMLASparseImpl reads the standard MLA cache layout; use "
+                "kv_cache_dtype 'fp8' instead of 'fp8_ds_mla'"
+            )
+        self.num_heads = num_heads
+        self.head_size = head_size
+        self.scale = float(scale)
+        self.num_kv_heads = num_kv_heads
+        self.kv_cache_dtype = kv_cache_dtype
+        self.kv_lora_rank: int = mla_args["kv_lora_rank"]
+        if indexer is not None:
+            topk_indices_buffer = indexer.topk_indices_buffer
+        if topk_indices_buffer is None:
+            raise ValueError("TritonMLASparseImpl needs the indexer's top-k buffer")
+        self.topk_indices_buffer: torch.Tensor = topk_indices_buffer
+        # Queries stay in the model dtype; an fp8 cache is dequantized on load.
+        self.supports_quant_query_input = False
+        self._num_sms = current_platform.num_compute_units()
+
+    def forward_mqa(
+        self,
+        q: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
+        kv_c_and_k_pe_cache: torch.Tensor,
+        attn_metadata: TritonMLASparseMetadata,
+        layer: AttentionLayer,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if isinstance(q, tuple):
+            q = torch.cat(q, dim=-1)
+        num_tokens = q.shape[0]
+        topk_indices = self.topk_indices_buffer[:num_tokens]
+        slots, valid_counts = triton_convert_req_index_to_global_index(
+            attn_metadata.req_id_per_token[:num_tokens],
+            attn_metadata.block_table,
+            topk_indices,
+            BLOCK_SIZE=attn_metadata.block_size,
+            NUM_TOPK_TOKENS=topk_indices.shape[1],
+            return_valid_counts=True,
+        )
+        o = sparse_mla_decode_fwd(
+            q,
+            kv_c_and_k_pe_cache,
+            slots,
+            valid_counts,
+            self.kv_lora_rank,
+            self.scale,
+            layer._k_scale,
+            self._num_sms,
+        )
+        return o, None
