@@ -34,14 +34,15 @@ def reference_sparse_mla(q, cache, block_table, req_id, indices, scale, k_scale=
     as they do for every sparse MLA kernel. Rows with no valid entry give 0.
     """
     bs = cache.shape[1]
-    kv = cache.to(torch.float64).reshape(-1, HEAD) * k_scale
+    kv = cache.cpu().to(torch.float64).reshape(-1, HEAD) * k_scale
+    indices, block_table, req_id = indices.cpu(), block_table.cpu(), req_id.cpu()
     out = torch.zeros(q.shape[0], q.shape[1], KV_LORA, dtype=torch.float64)
     for t in range(q.shape[0]):
-        idx = indices[t][indices[t] >= 0].long().cpu()
+        idx = indices[t][indices[t] >= 0].long()
         if idx.numel() == 0:
             continue
-        blocks = block_table[req_id[t]].long().cpu()[idx // bs]
-        rows = kv.cpu()[blocks * bs + idx % bs]  # [n, 576]
+        blocks = block_table[req_id[t]].long()[idx // bs]
+        rows = kv[blocks * bs + idx % bs]  # [n, 576]
         logits = q[t].to(torch.float64).cpu() @ rows.T * scale  # [H, n]
         out[t] = torch.softmax(logits, dim=-1) @ rows[:, :KV_LORA]
     return out
