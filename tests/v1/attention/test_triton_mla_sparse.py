@@ -122,8 +122,9 @@ def run_backend(case, num_heads, kv_scale=1.0, num_sms=132):
         block_size=case.block_size,
         topk_tokens=case.topk,
     )
+    # torch.full, not torch.tensor: no host-to-device copy (CUDA-graph capture).
     layer = SimpleNamespace(
-        _k_scale=torch.tensor([kv_scale], dtype=torch.float32, device=case.q.device)
+        _k_scale=torch.full((1,), kv_scale, dtype=torch.float32, device=case.q.device)
     )
     q = (case.q[..., :KV_LORA], case.q[..., KV_LORA:])  # the layer passes a tuple
     o, lse = impl.forward_mqa(q, case.cache, md, layer)

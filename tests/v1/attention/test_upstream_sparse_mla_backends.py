@@ -17,10 +17,12 @@ Plumbing the offline GPU host needs, and nothing else:
   published dimensions is written to a private hub cache; the test overrides
   every MLA dimension it uses.
 - The module imports FlashInfer's sparse backend; where flashinfer is not
-  installed, `flashinfer.decode` is a stand-in whose kernel raises if called
-  (FlashInfer cases need SM100 and are not run here).
+  installed, that vLLM module is a stand-in during the import (FlashInfer
+  cases are not parametrized here, and need SM100 anyway).
 """
 
+import contextlib
+import importlib
 import json
 import os
 import subprocess
@@ -107,17 +109,27 @@ def offline_hub_cache() -> Path:
     return cache
 
 
-try:
-    import flashinfer.decode  # noqa: F401
-except ImportError:
-    stand_in = types.ModuleType("flashinfer.decode")
+@contextlib.contextmanager
+def flashinfer_sparse_stand_in():
+    """While upstream's module is imported: FlashInfer's sparse backend module,
+    or, where flashinfer is not installed, a stand-in holding only the class
+    name that upstream's parametrization refers to (replaced here anyway)."""
+    name = "vllm.v1.attention.backends.mla.flashinfer_mla_sparse"
+    try:
+        importlib.import_module(name)
+    except ImportError:
+        stand_in = types.ModuleType(name)
+        stand_in.FlashInferMLASparseBackend = type(
+            "FlashInferMLASparseBackend", (), {"__doc__": "flashinfer is not installed"}
+        )
+        sys.modules[name] = stand_in
+        try:
+            yield
+        finally:
+            del sys.modules[name]
+    else:
+        yield
 
-    def trtllm_batch_decode_with_kv_cache_mla(*args, **kwargs):
-        raise RuntimeError("flashinfer is not installed on this host")
-
-    stand_in.trtllm_batch_decode_with_kv_cache_mla = trtllm_batch_decode_with_kv_cache_mla
-    sys.modules.setdefault("flashinfer", types.ModuleType("flashinfer"))
-    sys.modules["flashinfer.decode"] = stand_in
 
 if os.environ.get("HF_HUB_OFFLINE") == "1" and "VLLM_OVERLAY_KEEP_HF_CACHE" not in os.environ:
     os.environ["HF_HUB_CACHE"] = str(offline_hub_cache())
@@ -126,7 +138,8 @@ if os.environ.get("HF_HUB_OFFLINE") == "1" and "VLLM_OVERLAY_KEEP_HF_CACHE" not 
     hub_constants.HF_HUB_CACHE = os.environ["HF_HUB_CACHE"]
 
 sys.path.insert(0, str(upstream_root()))
-from tests.v1.attention import test_sparse_mla_backends as upstream  # noqa: E402
+with flashinfer_sparse_stand_in():
+    from tests.v1.attention import test_sparse_mla_backends as upstream  # noqa: E402
 
 from vllm.v1.attention.backends.mla.triton_mla_sparse import (  # noqa: E402
     TritonMLASparseBackend,
