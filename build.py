@@ -493,22 +493,81 @@ def parse_size(text: str) -> int:
     return int(m.group(1)) * {"": 1, "K": 2**10, "M": 2**20, "G": 2**30}[m.group(2).upper()]
 
 
+def freeze_pins(freeze: Path) -> dict[str, str]:
+    pins = {}
+    for line in freeze.read_text().splitlines():
+        m = re.fullmatch(r"([A-Za-z0-9][A-Za-z0-9._-]*)\s*==\s*(\S+)", line.split("#")[0].strip())
+        if m:
+            pins[re.sub(r"[-_.]+", "-", m.group(1)).lower()] = m.group(2)
+    return pins
+
+
 def fake_environment(freeze: Path, root: Path) -> Path:
-    """A venv whose site-packages holds stub metadata of the target's packages (pip freeze)."""
+    """A venv whose site-packages holds stub metadata of the target's packages (pip freeze);
+    lines that are not name==version (editable installs, direct references) are left out."""
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(root)], check=True)
     site = next(root.glob("lib/python*/site-packages"))
-    for line in freeze.read_text().splitlines():
-        line = line.split("#", 1)[0].strip()
-        m = re.fullmatch(r"([A-Za-z0-9][A-Za-z0-9._-]*)\s*==\s*(\S+)", line)
-        if not m:
-            continue  # editable installs, direct references: not something pip can satisfy
-        name, version = m.groups()
-        norm = re.sub(r"[-_.]+", "_", name)
-        info = site / f"{norm}-{version}.dist-info"
+    for name, version in freeze_pins(freeze).items():
+        info = site / f"{name.replace('-', '_')}-{version}.dist-info"
         info.mkdir()
         (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n")
         (info / "INSTALLER").write_text("freeze\n")
     return root / "bin" / "python"
+
+
+def pinned_lacking(only: Path, freeze: Path) -> list[str]:
+    """`name==version` lines of `only` that the target's freeze does not have."""
+    have = freeze_pins(freeze)
+    wanted = freeze_pins(only)
+    if not wanted:
+        raise BuildError(f"{only}: no 'name==version' lines", EXIT_BUNDLE)
+    return [f"{n}=={v}" for n, v in sorted(wanted.items()) if have.get(n) != v]
+
+
+def resolve_lacking(wheel: Path, freeze: Path, target: list[str], tmp: Path) -> list[str]:
+    """The wheel's whole dependency closure for the target, minus what it has (pip's resolver
+    run against a stand-in environment holding the freeze's packages)."""
+    python = fake_environment(freeze, tmp / "target")
+    report = tmp / "report.json"
+    log(f"[bundle] resolving {wheel.name} against {freeze.name}")
+    res = subprocess.run([sys.executable, "-m", "pip", "--python", str(python), "install",
+                          "--dry-run", "--quiet", "--report", str(report), *target, str(wheel)],
+                         capture_output=True, text=True)
+    if "Can not use any platform or abi specific options" in res.stderr:
+        raise BuildError("this pip cannot resolve for another platform without --target; "
+                         "upgrade it: python -m pip install -U 'pip>=25'", EXIT_BUNDLE)
+    if res.returncode != 0:
+        raise BuildError(f"pip could not resolve the dependencies:\n{res.stderr.strip()}",
+                         EXIT_BUNDLE)
+    return [f"{i['metadata']['name']}=={i['metadata']['version']} "
+            f"--hash=sha256:{i['download_info']['archive_info']['hashes']['sha256']}"
+            for i in json.loads(report.read_text())["install"]
+            if not i.get("is_direct")]  # the wheel itself, given as a path
+
+
+def slim_wheel(src_path: Path, dst_path: Path, patterns: list[str]) -> None:
+    """Copy a wheel without the members matching any glob; RECORD follows."""
+    import fnmatch
+
+    with zipfile.ZipFile(src_path) as src, zipfile.ZipFile(dst_path, "w") as dst:
+        infos = src.infolist()
+        dropped = {i.filename for i in infos
+                   if any(fnmatch.fnmatch(i.filename, p) for p in patterns)}
+        if not dropped:
+            raise BuildError(f"--drop {patterns} matches nothing in {src_path.name}", EXIT_BUNDLE)
+        for info in infos:
+            if info.filename in dropped:
+                continue
+            if info.filename.endswith(".dist-info/RECORD"):
+                rows = [r for r in csv.reader(io.StringIO(src.read(info).decode()))
+                        if r and r[0] not in dropped]
+                buf = io.StringIO()
+                csv.writer(buf, lineterminator="\n").writerows(rows)
+                dst.writestr(entry_info(info.filename, 0o644, info.date_time),
+                             buf.getvalue().encode(), compress_type=zipfile.ZIP_DEFLATED)
+            else:
+                copy_raw(src, info, dst, info.date_time)
+    log(f"[bundle] dropped {len(dropped)} members from {src_path.name}")
 
 
 def cmd_bundle(args) -> int:
@@ -520,33 +579,24 @@ def cmd_bundle(args) -> int:
     py = args.python_version
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
-        python = fake_environment(freeze, tmp / "target")
         wheels = tmp / "bundle" / "wheels"
         wheels.mkdir(parents=True)
-        shutil.copy2(wheel, wheels / wheel.name)
-        pip = [sys.executable, "-m", "pip", "--python", str(python)]
+        if args.drop:
+            slim_wheel(wheel, wheels / wheel.name, args.drop)
+        else:
+            shutil.copy2(wheel, wheels / wheel.name)
         target = ["--only-binary=:all:", "--python-version", py, "--implementation", "cp",
                   *[a for p in args.platform for a in ("--platform", p)]]
-        report = tmp / "report.json"
-        log(f"[bundle] resolving {wheel.name} against {freeze.name}")
-        res = subprocess.run(pip + ["install", "--dry-run", "--quiet", "--report", str(report),
-                                    *target, str(wheel)], capture_output=True, text=True)
-        if "Can not use any platform or abi specific options" in res.stderr:
-            raise BuildError("this pip cannot resolve for another platform without --target; "
-                             "upgrade it: python -m pip install -U 'pip>=25'", EXIT_BUNDLE)
-        if res.returncode != 0:
-            raise BuildError(f"pip could not resolve the dependencies:\n{res.stderr.strip()}",
-                             EXIT_BUNDLE)
-        needed = [i for i in json.loads(report.read_text())["install"]
-                  if i["metadata"]["name"].lower() != "vllm"]
+        if args.only:
+            needed = pinned_lacking(Path(args.only), freeze)
+        else:
+            needed = resolve_lacking(wheel, freeze, target, tmp)
         log(f"[bundle] the target lacks {len(needed)} packages")
         if needed:
             reqs = tmp / "reqs.txt"
-            reqs.write_text("".join(f"{i['metadata']['name']}=={i['metadata']['version']} "
-                                    f"--hash=sha256:{i['download_info']['archive_info']['hashes']['sha256']}\n"
-                                    for i in needed))
+            reqs.write_text("".join(f"{r}\n" for r in needed))
             res = subprocess.run([sys.executable, "-m", "pip", "download", "--quiet", "--no-deps",
-                                  "--require-hashes", "-r", str(reqs), "-d", str(wheels), *target],
+                                  "-r", str(reqs), "-d", str(wheels), *target],
                                  capture_output=True, text=True)
             if res.returncode != 0:
                 raise BuildError(f"pip download failed:\n{res.stderr.strip()}", EXIT_DOWNLOAD)
@@ -627,6 +677,12 @@ def main(argv: list[str] | None = None) -> int:
                    help="`pip freeze` of the target: packages it already has")
     p.add_argument("--max-part", type=parse_size, default=parse_size("60M"))
     p.add_argument("--python-version", default="3.12", help="target Python (default 3.12)")
+    p.add_argument("--only", metavar="REQS",
+                   help="bundle just these name==version pins (installed without their "
+                        "dependencies) instead of the wheel's whole dependency closure")
+    p.add_argument("--drop", action="append", default=[], metavar="GLOB",
+                   help="leave wheel members matching GLOB out of the bundled wheel "
+                        "(e.g. kernels the target never loads); RECORD follows")
     p.add_argument("--out", default=str(ROOT / ".bundle"))
     p.set_defaults(func=cmd_bundle)
     args = parser.parse_args(argv)

@@ -331,3 +331,95 @@ def test_unknown_platform_refused(tmp_path):
 def test_check_passes_on_repository():
     res = run_build("check")
     assert res.returncode == 0, res.stderr
+
+
+# --------------------------------------------------------------------------------------
+# Offline bundle
+# --------------------------------------------------------------------------------------
+def test_bundle_only_and_drop(built, tmp_path):
+    """A bundle for a host whose `pip freeze` is given: checksummed parts that
+    reassemble into the slimmed wheel plus only the pins the host lacks, and an
+    install script that installs them."""
+    import tarfile
+
+    freeze = tmp_path / "freeze.txt"
+    freeze.write_text("six==1.16.0\nnumpy==2.0.0\n-e git+https://example.invalid/x#egg=x\n")
+    only = tmp_path / "only.txt"
+    only.write_text("# runtime extras\nsix==1.16.0\nannotated-types==0.7.0\n")
+    out = tmp_path / "bundle"
+    res = run_build("bundle", "--wheel", str(built[0]), "--exclude-from", str(freeze),
+                    "--only", str(only), "--drop", "vllm/vllm-rs", "--max-part", "50M",
+                    "--out", str(out))
+    assert res.returncode == 0, res.stderr
+    parts = sorted(out.glob("part-*"))
+    assert len(parts) > 1 and all(p.stat().st_size <= 50 * 2**20 for p in parts)
+    sums = dict(line.split()[::-1] for line in (out / "SHA256SUMS").read_text().splitlines())
+    assert sums == {p.name: sha256(p) for p in parts}
+    joined = tmp_path / "bundle.tar"
+    joined.write_bytes(b"".join(p.read_bytes() for p in parts))
+    with tarfile.open(joined) as tar:
+        tar.extractall(tmp_path / "x", filter="data")
+    wheels = sorted(p.name for p in (tmp_path / "x/bundle/wheels").iterdir())
+    assert wheels[0].startswith("annotated_types-0.7.0-") and wheels[1] == built[0].name
+    assert len(wheels) == 2  # six is on the host already
+    slim = tmp_path / "x/bundle/wheels" / built[0].name
+    with zipfile.ZipFile(slim) as zf:
+        names = set(zf.namelist())
+        assert "vllm/vllm-rs" not in names
+        info = next(n for n in names if n.endswith(".dist-info/RECORD"))
+        assert {r[0] for r in read_record(zf, info.rsplit("/", 1)[0] + "/")} == names
+    # A corrupted part is refused before anything is installed.
+    site = tmp_path / "site"
+    bad = tmp_path / "bad"
+    shutil.copytree(out, bad)
+    with open(bad / "part-00", "r+b") as f:
+        f.write(b"\0")
+    res = subprocess.run(["bash", str(bad / "install.sh"), str(bad), str(site)],
+                         capture_output=True, text=True)
+    assert res.returncode != 0 and not site.exists()
+    res = subprocess.run(["bash", str(out / "install.sh"), str(out), str(site)],
+                         capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr
+    version = built[0].name.split("-")[1]
+    assert f"vllm {version} installed" in res.stdout
+    assert (site / "env.sh").read_text().startswith(f'export PYTHONPATH="{site}')
+
+
+def test_bundle_bad_input(tmp_path):
+    res = run_build("bundle", "--wheel", str(tmp_path / "missing.whl"),
+                    "--exclude-from", str(tmp_path / "freeze.txt"), "--out", str(tmp_path / "o"))
+    assert res.returncode == 2 and "missing.whl: no such file" in res.stderr
+    assert not (tmp_path / "o").exists()
+
+
+def test_bundle_resolves_dependency_closure(tmp_path):
+    """Default mode: pip resolves the wheel's dependencies for the target and the
+    bundle carries exactly those the freeze lacks."""
+    from importlib.metadata import version
+
+    if int(version("pip").split(".")[0]) < 25:
+        pytest.skip("resolving for another platform needs pip >= 25 (CI upgrades it)")
+    meta = ("Metadata-Version: 2.1\nName: demo\nVersion: 1.0\n"
+            "Requires-Dist: six==1.16.0\nRequires-Dist: annotated-types==0.7.0\n")
+    wheel = tmp_path / "demo-1.0-py3-none-any.whl"
+    files = {"demo/__init__.py": "", "demo-1.0.dist-info/METADATA": meta,
+             "demo-1.0.dist-info/WHEEL": "Wheel-Version: 1.0\nRoot-Is-Purelib: true\nTag: py3-none-any\n"}
+    rows = [[n, record_hash(d.encode()), str(len(d))] for n, d in files.items()]
+    files["demo-1.0.dist-info/RECORD"] = "".join(",".join(r) + "\n" for r in rows) + \
+        "demo-1.0.dist-info/RECORD,,\n"
+    with zipfile.ZipFile(wheel, "w") as zf:
+        for n, d in files.items():
+            zf.writestr(n, d)
+    freeze = tmp_path / "freeze.txt"
+    freeze.write_text("six==1.16.0\n")
+    out = tmp_path / "bundle"
+    res = run_build("bundle", "--wheel", str(wheel), "--exclude-from", str(freeze),
+                    "--out", str(out))
+    assert res.returncode == 0, res.stderr
+    assert "the target lacks 1 packages" in res.stderr
+    import tarfile
+
+    with tarfile.open(fileobj=io.BytesIO(b"".join(
+            p.read_bytes() for p in sorted(out.glob("part-*"))))) as tar:
+        names = sorted(n for n in tar.getnames() if n.endswith(".whl"))
+    assert [n.split("/")[-1].split("-")[0] for n in names] == ["annotated_types", "demo"]
