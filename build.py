@@ -7,9 +7,11 @@
     python build.py sdist                                  fetch the pinned sdist (upstream tests/)
     python build.py bundle --wheel W --exclude-from FREEZE.txt [--max-part 60M] [--out DIR]
                                                            offline install bundle for an air-gapped host
+    python build.py rebase --to X.Y.Z | --check latest     carry the overlay onto another release
 
 Every command takes -q/-v. Exit codes: 0 ok, 2 usage, 3 download failed, 4 hash mismatch,
-5 lock/overlay inconsistent or upstream drifted, 6 bundle dependency resolution failed.
+5 lock/overlay inconsistent or upstream drifted, 6 bundle dependency resolution failed,
+7 rebase left files that need a maintainer (conflicts, deleted or added upstream).
 """
 from __future__ import annotations
 
@@ -43,7 +45,7 @@ DEFAULT_PLATFORM = "manylinux_2_28_x86_64"
 # 1980-01-01, the earliest time a zip entry can carry; SOURCE_DATE_EPOCH overrides it.
 ZIP_EPOCH = 315532800
 
-EXIT_DOWNLOAD, EXIT_HASH, EXIT_LOCK, EXIT_BUNDLE = 3, 4, 5, 6
+EXIT_DOWNLOAD, EXIT_HASH, EXIT_LOCK, EXIT_BUNDLE, EXIT_REBASE = 3, 4, 5, 6, 7
 VERBOSITY = 1
 
 
@@ -64,6 +66,12 @@ def sha256_file(path: Path) -> str:
         for chunk in iter(lambda: f.read(1 << 20), b""):
             h.update(chunk)
     return h.hexdigest()
+
+
+def write_atomic(path: Path, data: bytes) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_bytes(data)
+    tmp.replace(path)
 
 
 def cache_dir() -> Path:
@@ -124,7 +132,10 @@ def index_url() -> str:
 def index_files(package: str) -> dict[str, dict]:
     """filename -> {url, sha256} for every file of `package` on the index (PEP 691 JSON)."""
     url = f"{index_url()}/{package}/"
-    req = urllib.request.Request(url, headers={"Accept": "application/vnd.pypi.simple.v1+json"})
+    # A file:// index (a local mirror) is a folder per project with the JSON in index.json.
+    local = url.startswith("file:")
+    req = urllib.request.Request(url + "index.json" if local else url,
+                                 headers={"Accept": "application/vnd.pypi.simple.v1+json"})
     try:
         with urllib.request.urlopen(req, timeout=60) as resp:
             data = json.load(resp)
@@ -268,6 +279,9 @@ def check_overlay(lock: dict, wheel: Path) -> dict[str, Path]:
                                 f"base {entry['base_sha256']}): rebase the overlay onto it")
                 continue
             problems += marker_problems(rel, data.decode(), files[rel].read_text())
+    for rel, path in sorted(files.items()):
+        if re.search(r"^(<<<<<<< |>>>>>>> )", path.read_text(errors="replace"), re.M):
+            problems.append(f"vllm_overlay/{rel} has unresolved merge conflict markers")
     if problems:
         raise BuildError("overlay check failed:\n  " + "\n  ".join(problems), EXIT_LOCK)
     return files
@@ -652,6 +666,20 @@ fi
 """
 
 
+def cmd_rebase(args) -> int:
+    sys.path.insert(0, str(ROOT / "tools"))
+    # tools/rebase.py does `import build`: let it find this module, not a second copy.
+    sys.modules.setdefault("build", sys.modules[__name__])
+    import rebase
+
+    report = Path(args.report) if args.report else None
+    if args.resume or args.abort:
+        return rebase.resume(abort=args.abort)
+    if args.check:
+        return rebase.rebase(args.check, False, True, report)
+    return rebase.rebase(args.to, args.allow_conflicts, False, report)
+
+
 def main(argv: list[str] | None = None) -> int:
     global VERBOSITY
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -685,6 +713,18 @@ def main(argv: list[str] | None = None) -> int:
                         "(e.g. kernels the target never loads); RECORD follows")
     p.add_argument("--out", default=str(ROOT / ".bundle"))
     p.set_defaults(func=cmd_bundle)
+    p = sub.add_parser("rebase", parents=[common], help="carry the overlay onto another release")
+    group = p.add_mutually_exclusive_group(required=True)
+    group.add_argument("--to", metavar="X.Y.Z", help="merge the overlay onto this release")
+    group.add_argument("--check", metavar="X.Y.Z|latest",
+                       help="dry run: report what a rebase would do, write nothing")
+    group.add_argument("--continue", dest="resume", action="store_true",
+                       help="after resolving conflicts: move the pin")
+    group.add_argument("--abort", action="store_true", help="restore the overlay files")
+    p.add_argument("--allow-conflicts", action="store_true",
+                   help="update upstream.lock even if files need a maintainer")
+    p.add_argument("--report", metavar="JSON", help="also write the report as JSON")
+    p.set_defaults(func=cmd_rebase)
     args = parser.parse_args(argv)
     if args.command == "bundle":
         args.platform = [args.platform] + [f"manylinux_2_{n}_x86_64" for n in range(17, 40)] + [

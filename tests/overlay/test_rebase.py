@@ -1,0 +1,255 @@
+# SPDX-License-Identifier: Apache-2.0
+"""`build.py rebase`: real upstream releases (cached like the pinned wheel) and
+synthetic releases served from a local file:// index for the conflict cases."""
+
+import csv
+import hashlib
+import io
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tomllib
+import zipfile
+from pathlib import Path
+
+import pytest
+
+from test_build import record_hash, run_build, sha256
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def copy_project(dest: Path) -> Path:
+    dest.mkdir()
+    for name in ("build.py", "upstream.lock"):
+        shutil.copy(ROOT / name, dest / name)
+    for name in ("tools", "vllm_overlay"):
+        shutil.copytree(ROOT / name, dest / name,
+                        ignore=shutil.ignore_patterns("__pycache__"))
+    return dest
+
+
+def overlay_snapshot(proj: Path) -> dict[str, bytes]:
+    return {p.relative_to(proj).as_posix(): p.read_bytes()
+            for p in sorted((proj / "vllm_overlay").rglob("*.py"))}
+
+
+# --------------------------------------------------------------------------------------
+# Real releases
+# --------------------------------------------------------------------------------------
+def test_round_trip_0_22_1(tmp_path):
+    """0.23.0 -> 0.22.1 merges cleanly and moves the pin; back to 0.23.0 restores
+    the overlay and the lock byte for byte."""
+    proj = copy_project(tmp_path / "proj")
+    lock0, files0 = (proj / "upstream.lock").read_text(), overlay_snapshot(proj)
+    res = run_build("rebase", "--to", "0.22.1", "--report", str(tmp_path / "r.json"), cwd=proj)
+    assert res.returncode == 0, res.stdout + res.stderr
+    report = json.loads((tmp_path / "r.json").read_text())
+    assert report["clean"] and report["lock_updated"]
+    results = {f["path"]: f["result"] for f in report["files"]}
+    assert results["vllm/platforms/cuda.py"] in ("clean", "upstream-unchanged")
+    assert results["vllm/v1/attention/backends/mla/triton_mla_sparse.py"] == "new"
+    lock = tomllib.loads((proj / "upstream.lock").read_text())
+    assert lock["upstream"]["version"] == "0.22.1"
+    assert lock["upstream"]["sdist"]["filename"] == "vllm-0.22.1.tar.gz"
+    assert lock["upstream"]["wheels"]["manylinux_2_28_x86_64"]["sha256"] == report["wheel"]["sha256"]
+    cuda = (proj / "vllm_overlay/vllm/platforms/cuda.py").read_text()
+    assert cuda.count("AttentionBackendEnum.TRITON_MLA_SPARSE,") == 2
+    check = run_build("check", cwd=proj)
+    assert check.returncode == 0, check.stderr
+    back = run_build("rebase", "--to", "0.23.0", cwd=proj)
+    assert back.returncode == 0, back.stdout + back.stderr
+    assert (proj / "upstream.lock").read_text() == lock0
+    assert overlay_snapshot(proj) == files0
+
+
+def test_0_24_0_reports_deleted_gguf_loader(tmp_path):
+    """vLLM 0.24.0 deleted the GGUF loader: an overlay of it is reported, and
+    nothing is written (no half-rebased tree)."""
+    proj = copy_project(tmp_path / "proj")
+    rel = "vllm/model_executor/model_loader/gguf_loader.py"
+    wheel = Path(run_build("sdist", "-q").stdout.strip()).parent / tomllib.loads(
+        (ROOT / "upstream.lock").read_text())["upstream"]["wheels"]["manylinux_2_28_x86_64"]["filename"]
+    with zipfile.ZipFile(wheel) as zf:
+        base = zf.read(rel)
+    (proj / "vllm_overlay" / rel).parent.mkdir(parents=True)
+    (proj / "vllm_overlay" / rel).write_bytes(base + b"# overlay: GLM-5 mapping goes here\n")
+    with open(proj / "upstream.lock", "a") as f:
+        f.write(f'\n[overlay."{rel}"]\nbase_sha256 = "{hashlib.sha256(base).hexdigest()}"\n')
+    assert run_build("check", cwd=proj).returncode == 0
+    lock0, files0 = (proj / "upstream.lock").read_text(), overlay_snapshot(proj)
+    res = run_build("rebase", "--to", "0.24.0", "--report", str(tmp_path / "r.json"), cwd=proj)
+    assert res.returncode == 7, res.stdout + res.stderr
+    assert f"deleted-upstream     {rel}" in res.stdout
+    report = json.loads((tmp_path / "r.json").read_text())
+    assert {f["path"]: f["result"] for f in report["files"]}[rel] == "deleted-upstream"
+    assert not report["lock_updated"] and "written" not in report
+    assert (proj / "upstream.lock").read_text() == lock0
+    assert overlay_snapshot(proj) == files0
+    # The report names what the backend relies on that changed upstream.
+    backend = next(f for f in report["files"]
+                   if f["path"].endswith("triton_mla_sparse.py"))
+    assert "vllm/v1/attention/backend.py" in backend["imports_changed_upstream"]
+
+
+# --------------------------------------------------------------------------------------
+# Synthetic releases on a local index
+# --------------------------------------------------------------------------------------
+def make_wheel(path: Path, version: str, files: dict[str, str]) -> None:
+    info = f"vllm-{version}.dist-info/"
+    files = {**files, info + "METADATA": f"Metadata-Version: 2.1\nName: vllm\nVersion: {version}\n",
+             info + "WHEEL": "Wheel-Version: 1.0\nRoot-Is-Purelib: false\n"}
+    rows = [[n, record_hash(d.encode()), str(len(d.encode()))] for n, d in files.items()]
+    buf = io.StringIO()
+    csv.writer(buf, lineterminator="\n").writerows(rows + [[info + "RECORD", "", ""]])
+    files[info + "RECORD"] = buf.getvalue()
+    with zipfile.ZipFile(path, "w") as zf:
+        for n, d in files.items():
+            zf.writestr(n, d)
+
+
+BASE = "a = 1\nb = 2\nc = 3\nd = 4\n"
+OURS = "a = 1\n# overlay: b matters\nb = 20\nc = 3\nd = 4\n"
+
+
+def synthetic(tmp_path, new_files: dict[str, str]):
+    """Project pinned to synthetic 0.23.0 with vllm/mod.py replaced; index with 0.23.1."""
+    index = tmp_path / "index" / "vllm"
+    index.mkdir(parents=True)
+    common = {"vllm/__init__.py": "", "vllm/_version.py":
+              "__version__ = version = 'x'\n__version_tuple__ = version_tuple = (0,)\n"}
+    listing = []
+    for version, files in (("0.23.0", {**common, "vllm/mod.py": BASE}),
+                           ("0.23.1", {**common, **new_files})):
+        name = f"vllm-{version}-cp38-abi3-manylinux_2_28_x86_64.whl"
+        make_wheel(index / name, version, files)
+        sdist = index / f"vllm-{version}.tar.gz"
+        sdist.write_bytes(f"sdist {version}".encode())
+        listing += [{"filename": p.name, "url": p.name, "hashes": {"sha256": sha256(p)}}
+                    for p in (index / name, sdist)]
+    (index / "index.json").write_text(json.dumps({"files": listing}))
+    proj = tmp_path / "proj"
+    (proj / "vllm_overlay/vllm").mkdir(parents=True)
+    shutil.copy(ROOT / "build.py", proj)
+    shutil.copytree(ROOT / "tools", proj / "tools", ignore=shutil.ignore_patterns("__pycache__"))
+    (proj / "vllm_overlay/vllm/mod.py").write_text(OURS)
+    (proj / "vllm_overlay/vllm/extra.py").write_text("x = 1\n")
+    sha = {f["filename"]: f["hashes"]["sha256"] for f in listing}
+    (proj / "upstream.lock").write_text(f"""
+[upstream]
+package = "vllm"
+version = "0.23.0"
+label = "dsa"
+[upstream.sdist]
+filename = "vllm-0.23.0.tar.gz"
+sha256 = "{sha['vllm-0.23.0.tar.gz']}"
+[upstream.wheels.manylinux_2_28_x86_64]
+filename = "vllm-0.23.0-cp38-abi3-manylinux_2_28_x86_64.whl"
+sha256 = "{sha['vllm-0.23.0-cp38-abi3-manylinux_2_28_x86_64.whl']}"
+[requires]
+[overlay."vllm/mod.py"]
+base_sha256 = "{hashlib.sha256(BASE.encode()).hexdigest()}"
+[overlay."vllm/extra.py"]
+new = true
+""")
+    env = dict(os.environ, PIP_INDEX_URL=(tmp_path / "index").as_uri(),
+               VLLM_OVERLAY_CACHE=str(tmp_path / "cache"))
+    return proj, env
+
+
+def rebase(proj, env, *args):
+    return subprocess.run([sys.executable, "build.py", "rebase", *args], cwd=proj, env=env,
+                          capture_output=True, text=True)
+
+
+def test_synthetic_clean_merge(tmp_path):
+    proj, env = synthetic(tmp_path, {"vllm/mod.py": BASE.replace("d = 4", "d = 40")})
+    res = rebase(proj, env, "--to", "0.23.1")
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert (proj / "vllm_overlay/vllm/mod.py").read_text() == OURS.replace("d = 4", "d = 40")
+    lock = tomllib.loads((proj / "upstream.lock").read_text())
+    assert lock["upstream"]["version"] == "0.23.1"
+    assert lock["overlay"]["vllm/mod.py"]["base_sha256"] == hashlib.sha256(
+        BASE.replace("d = 4", "d = 40").encode()).hexdigest()
+    assert subprocess.run([sys.executable, "build.py", "check"], cwd=proj, env=env,
+                          capture_output=True).returncode == 0
+
+
+def test_synthetic_conflict(tmp_path):
+    proj, env = synthetic(tmp_path, {"vllm/mod.py": BASE.replace("b = 2", "b = 3")})
+    lock0 = (proj / "upstream.lock").read_text()
+    dry = rebase(proj, env, "--check", "0.23.1")
+    assert dry.returncode == 7 and "conflict" in dry.stdout
+    assert (proj / "vllm_overlay/vllm/mod.py").read_text() == OURS
+    res = rebase(proj, env, "--to", "0.23.1", "--report", str(tmp_path / "r.json"))
+    assert res.returncode == 7
+    merged = (proj / "vllm_overlay/vllm/mod.py").read_text()
+    assert "<<<<<<< overlay" in merged and ">>>>>>> upstream 0.23.1" in merged
+    assert (proj / "upstream.lock").read_text() == lock0
+    report = json.loads((tmp_path / "r.json").read_text())
+    assert report["files"][1]["result"] == "conflict" and report["files"][1]["conflicts"] == 1
+    check = subprocess.run([sys.executable, "build.py", "check"], cwd=proj, env=env,
+                           capture_output=True, text=True)
+    assert check.returncode == 5 and "unresolved merge conflict markers" in check.stderr
+    again = rebase(proj, env, "--to", "0.23.1")
+    assert again.returncode == 7 and "a rebase is in progress" in again.stderr
+    early = rebase(proj, env, "--continue")
+    assert early.returncode == 7 and "unresolved conflict markers in: vllm/mod.py" in early.stderr
+    # The maintainer resolves the conflict, then --continue moves the pin.
+    (proj / "vllm_overlay/vllm/mod.py").write_text(
+        "a = 1\n# overlay: b matters\nb = 30\nc = 3\nd = 4\n")
+    res = rebase(proj, env, "--continue")
+    assert res.returncode == 0, res.stdout + res.stderr
+    lock = tomllib.loads((proj / "upstream.lock").read_text())
+    assert lock["upstream"]["version"] == "0.23.1"
+    assert lock["overlay"]["vllm/mod.py"]["base_sha256"] == hashlib.sha256(
+        BASE.replace("b = 2", "b = 3").encode()).hexdigest()
+    assert not (proj / "rebase-pending.json").exists()
+    check = subprocess.run([sys.executable, "build.py", "check"], cwd=proj, env=env,
+                           capture_output=True, text=True)
+    assert check.returncode == 0, check.stderr
+
+
+def test_synthetic_conflict_abort(tmp_path):
+    proj, env = synthetic(tmp_path, {"vllm/mod.py": BASE.replace("b = 2", "b = 3")})
+    lock0, files0 = (proj / "upstream.lock").read_text(), overlay_snapshot(proj)
+    assert rebase(proj, env, "--to", "0.23.1").returncode == 7
+    assert overlay_snapshot(proj) != files0
+    res = rebase(proj, env, "--abort")
+    assert res.returncode == 0, res.stderr
+    assert overlay_snapshot(proj) == files0 and (proj / "upstream.lock").read_text() == lock0
+    assert not (proj / "rebase-pending.json").exists()
+
+
+def test_synthetic_allow_conflicts_moves_pin(tmp_path):
+    proj, env = synthetic(tmp_path, {"vllm/mod.py": BASE.replace("b = 2", "b = 3")})
+    res = rebase(proj, env, "--to", "0.23.1", "--allow-conflicts")
+    assert res.returncode == 7
+    assert tomllib.loads((proj / "upstream.lock").read_text())["upstream"]["version"] == "0.23.1"
+    assert "<<<<<<< overlay" in (proj / "vllm_overlay/vllm/mod.py").read_text()
+    assert not (proj / "rebase-pending.json").exists()
+
+
+@pytest.mark.parametrize("change,result", [
+    ({"vllm/mod.py": BASE, "vllm/extra.py": "y = 2\n"}, "added-upstream"),
+    ({"vllm/renamed/mod.py": BASE}, "deleted-upstream"),
+])
+def test_synthetic_structural_changes(tmp_path, change, result):
+    proj, env = synthetic(tmp_path, change)
+    lock0, files0 = (proj / "upstream.lock").read_text(), overlay_snapshot(proj)
+    res = rebase(proj, env, "--to", "0.23.1", "--report", str(tmp_path / "r.json"))
+    assert res.returncode == 7 and result in res.stdout
+    report = json.loads((tmp_path / "r.json").read_text())
+    assert result in {f["result"] for f in report["files"]}
+    if result == "deleted-upstream":
+        assert "vllm/renamed/mod.py" in res.stdout  # a rename candidate is named
+    assert (proj / "upstream.lock").read_text() == lock0
+    assert overlay_snapshot(proj) == files0
+
+
+def test_unknown_release(tmp_path):
+    proj, env = synthetic(tmp_path, {"vllm/mod.py": BASE})
+    res = rebase(proj, env, "--to", "9.9.9")
+    assert res.returncode == 3 and "vllm 9.9.9 is not on the package index" in res.stderr
