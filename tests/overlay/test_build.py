@@ -163,7 +163,13 @@ def test_fresh_venv_install(built, tmp_path):
     ).stdout.strip()
     # vLLM's dependencies (torch alone is GBs) come from this environment,
     # appended after the venv's own site-packages: pip must find them satisfied.
-    Path(site, "zz_dependencies.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
+    # Without vllm itself (a link to every other entry), so that pip installs it.
+    deps = tmp_path / "dependencies"
+    deps.mkdir()
+    for entry in Path(sysconfig.get_paths()["purelib"]).iterdir():
+        if entry.name != "vllm" and not entry.name.startswith("vllm-"):
+            (deps / entry.name).symlink_to(entry)
+    Path(site, "zz_dependencies.pth").write_text(f"{deps}\n")
     res = subprocess.run(
         [str(py), "-m", "pip", "install", "--no-index", "--no-cache-dir", str(built[0])],
         capture_output=True, text=True,

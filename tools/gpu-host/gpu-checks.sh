@@ -1,33 +1,51 @@
 #!/usr/bin/env bash
 # GPU checks on the offline H200 test host, after the bundle's parts were copied to PARTS_DIR:
-#   bash tools/gpu-host/gpu-checks.sh PARTS_DIR OUT_DIR [pytest args...]
-# Installs the bundle into /tmp/site, then runs the GPU-marked tests, upstream's sparse MLA backend
-# test (TRITON_MLA_SPARSE added from our side) and the kernel benchmark; logs and JSON go to OUT_DIR.
+#   bash tools/gpu-host/gpu-checks.sh PARTS_DIR OUT_DIR [STAGE ...]
+# Stages (default: all, in this order): install (bundle into /tmp/site), tests (GPU-marked tests),
+# upstream (upstream's sparse MLA backend test with TRITON_MLA_SPARSE added from our side),
+# bench (kernel benchmarks). Logs and JSON go to OUT_DIR. Split the stages over calls when one
+# call's time limit is short: /tmp/site stays while the machine does.
 # The bundle comes from:
 #   python build.py bundle --wheel dist/vllm-*.whl --exclude-from tools/gpu-host/h200-pip-freeze.txt \
-#     --only tools/gpu-host/h200-runtime-extras.txt --max-part 56M \
+#     --only tools/gpu-host/h200-runtime-extras.txt --max-part 56M --out .bundle \
 #     --drop 'vllm/vllm_flash_attn/_vllm_fa2_C.abi3.so' --drop vllm/vllm-rs \
 #     --drop 'vllm/third_party/deep_gemm/_C.cpython-31[01345]-*'
 # and upstream's test files from `python build.py sdist` (see tests/v1/attention/
 # test_upstream_sparse_mla_backends.py; VLLM_OVERLAY_UPSTREAM_TESTS points at them).
 set -uo pipefail
 parts="${1:?parts dir}"; out="${2:?out dir}"; shift 2
+stages="${*:-install tests upstream bench}"
 here="$(cd "$(dirname "$0")/../.." && pwd)"
 mkdir -p "$out"
-bash "$parts/install.sh" "$parts" /tmp/site || exit 1
+cd "$here"
+rc=0
+for stage in $stages; do
+  case "$stage" in
+    install) bash "$parts/install.sh" "$parts" /tmp/site || exit 1 ;;
+  esac
+done
 # shellcheck disable=SC1091
 source /tmp/site/env.sh
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 VLLM_NO_USAGE_STATS=1 \
   DO_NOT_TRACK=1 TVM_FFI_DISABLE_TORCH_C_DLPACK=1 VLLM_USE_FLASHINFER_SAMPLER=0
 export VLLM_OVERLAY_UPSTREAM_TESTS="${VLLM_OVERLAY_UPSTREAM_TESTS:-$here/.upstream-tests}"
-cd "$here"
-nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv | tee "$out/gpu.txt"
-rc=0
-timeout 300 python3 -m pytest tests -m gpu -q -p no:cacheprovider -p no:warnings \
-  --ignore=tests/v1/attention/test_upstream_sparse_mla_backends.py "$@" 2>&1 \
-  | tee "$out/gpu-tests.log" | tail -5 || rc=1
-timeout 300 python3 -m pytest tests/v1/attention/test_upstream_sparse_mla_backends.py -q \
-  -p no:cacheprovider -p no:warnings 2>&1 | tee "$out/upstream-tests.log" | tail -3 || rc=1
-timeout 200 python3 benchmarks/kernels/benchmark_triton_mla_sparse.py --json "$out/bench.json" 2>&1 \
-  | tee "$out/bench.log" | tail -40 || rc=1
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv > "$out/gpu.txt"
+for stage in $stages; do
+  case "$stage" in
+    install) ;;
+    tests)
+      timeout 420 python3 -m pytest tests -m gpu -q -s -p no:cacheprovider -p no:warnings \
+        --ignore=tests/v1/attention/test_upstream_sparse_mla_backends.py 2>&1 \
+        | tee "$out/gpu-tests.log" | grep -E "passed|failed|error|delta|FAILED" || rc=1 ;;
+    upstream)
+      timeout 300 python3 -m pytest tests/v1/attention/test_upstream_sparse_mla_backends.py -q \
+        -p no:cacheprovider -p no:warnings 2>&1 | tee "$out/upstream-tests.log" | tail -3 || rc=1 ;;
+    bench)
+      timeout 200 python3 benchmarks/kernels/benchmark_triton_mla_sparse.py \
+        --json "$out/bench-mla.json" 2>&1 | tee "$out/bench-mla.log" | tail -34 || rc=1
+      timeout 120 python3 benchmarks/kernels/benchmark_indexer_logits.py \
+        --json "$out/bench-indexer.json" 2>&1 | tee "$out/bench-indexer.log" | tail -14 || rc=1 ;;
+    *) echo "unknown stage $stage"; exit 2 ;;
+  esac
+done
 exit $rc

@@ -1,0 +1,94 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Generate with vLLM from a (tiny) GLM-5 checkpoint and dump tokens and logprobs.
+
+    python tests/models/glm5_generate.py --model DIR --out OUT.json
+        [--attention-backend NAME] [--indexer auto|deepgemm|triton] [--eager]
+
+Prompts are fixed random token ids (300 to 1000 tokens, longer than the tiny
+model's index_topk, so the indexer's selection matters). Greedy, 32 new tokens,
+top-5 logprobs for prompt and output tokens. The engine runs in this process
+(VLLM_ENABLE_V1_MULTIPROCESSING=0) so that the calls into the portable indexer
+kernels can be counted.
+"""
+
+import argparse
+import json
+import os
+import random
+
+PROMPT_LENS = (300, 450, 700, 1000)
+
+
+def prompts(vocab: int) -> list[list[int]]:
+    rng = random.Random(0)
+    return [[rng.randrange(3, vocab) for _ in range(n)] for n in PROMPT_LENS]
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--model", required=True)
+    p.add_argument("--out", required=True)
+    p.add_argument("--attention-backend", default=None)
+    p.add_argument("--indexer", default="auto", choices=["auto", "deepgemm", "triton"])
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--eager", action="store_true")
+    p.add_argument("--max-tokens", type=int, default=32)
+    args = p.parse_args()
+    os.environ["VLLM_SPARSE_INDEXER_LOGITS"] = args.indexer
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+
+    from vllm import LLM, SamplingParams
+    from vllm.v1.attention.ops import triton_indexer_logits as il
+
+    calls = {"prefill": 0, "decode": 0}
+    for kind, name in (("prefill", "triton_mqa_logits"), ("decode", "triton_paged_mqa_logits")):
+        fn = getattr(il, name)
+
+        def counted(*a, _fn=fn, _kind=kind, **kw):
+            calls[_kind] += 1
+            return _fn(*a, **kw)
+
+        setattr(il, name, counted)
+
+    with open(os.path.join(args.model, "config.json")) as f:
+        vocab = json.load(f)["vocab_size"]
+    llm = LLM(
+        model=args.model,
+        skip_tokenizer_init=True,
+        dtype=args.dtype,
+        max_model_len=2048,
+        block_size=64,
+        max_num_seqs=8,
+        enforce_eager=args.eager,
+        gpu_memory_utilization=0.35,
+        seed=0,
+        attention_config={"backend": args.attention_backend} if args.attention_backend else None,
+    )
+    params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, logprobs=5,
+                            prompt_logprobs=5, detokenize=False, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": ids} for ids in prompts(vocab)], params)
+
+    def top(lp):
+        return {str(t): v.logprob for t, v in lp.items()} if lp else None
+
+    result = {
+        "args": vars(args),
+        "indexer_backend": il.indexer_logits_backend(),
+        "triton_indexer_calls": calls,
+        "outputs": [
+            {
+                "prompt_len": len(o.prompt_token_ids),
+                "tokens": list(o.outputs[0].token_ids),
+                "logprobs": [top(lp) for lp in o.outputs[0].logprobs],
+                "prompt_logprobs": [top(lp) for lp in o.prompt_logprobs],
+            }
+            for o in outs
+        ],
+    }
+    with open(args.out, "w") as f:
+        json.dump(result, f)
+    print(json.dumps({"out": args.out, "indexer": result["indexer_backend"], "calls": calls}))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,81 @@
+# SPDX-License-Identifier: Apache-2.0
+"""A tiny random GLM-5 (`glm_moe_dsa`) checkpoint with GLM-5's attention head dims.
+
+MLA: kv_lora 512, rope 64, nope 192, v 256; the DSA indexer: 32 heads x 128.
+Few layers (dense first, then MoE), few experts, small hidden size and vocab.
+`index_topk` is small so that prompts of a few hundred tokens exceed it and the
+indexer's selection matters. Random weights from a fixed seed; nothing is
+downloaded.
+"""
+
+import json
+from pathlib import Path
+
+import torch
+
+TINY_GLM5 = {
+    "architectures": ["GlmMoeDsaForCausalLM"],
+    "model_type": "glm_moe_dsa",
+    "vocab_size": 2048,
+    "hidden_size": 1024,
+    "intermediate_size": 2048,
+    "moe_intermediate_size": 256,
+    "num_hidden_layers": 4,
+    "first_k_dense_replace": 1,
+    "mlp_layer_types": ["dense", "sparse", "sparse", "sparse"],
+    "num_attention_heads": 16,
+    "num_key_value_heads": 16,
+    "q_lora_rank": 256,
+    "kv_lora_rank": 512,
+    "qk_nope_head_dim": 192,
+    "qk_rope_head_dim": 64,
+    "qk_head_dim": 256,
+    "v_head_dim": 256,
+    "n_routed_experts": 8,
+    "num_experts_per_tok": 2,
+    "n_shared_experts": 1,
+    "n_group": 1,
+    "topk_group": 1,
+    "routed_scaling_factor": 2.5,
+    "norm_topk_prob": True,
+    # vLLM 0.23 builds the router bias only for these (GLM-5 checkpoints have it)
+    "topk_method": "noaux_tc",
+    "scoring_func": "sigmoid",
+    "index_topk": 128,
+    "index_n_heads": 32,
+    "index_head_dim": 128,
+    "indexer_types": ["full"] * 4,
+    "layer_types": ["deepseek_sparse_attention"] * 4,
+    "max_position_embeddings": 4096,
+    "rms_norm_eps": 1e-5,
+    "rope_parameters": {"rope_theta": 10000.0, "rope_type": "default"},
+    "tie_word_embeddings": False,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "torch_dtype": "bfloat16",
+}
+
+
+def make_tiny_glm5(path: Path, seed: int = 0, **overrides) -> Path:
+    """Write a random tiny GLM-5 checkpoint (config.json + safetensors) to `path`."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    cfg = {**TINY_GLM5, **overrides}
+    (path / "config.json").write_text(json.dumps(cfg, indent=1))
+    config = AutoConfig.from_pretrained(path)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name and name.endswith("weight"):
+                p.fill_(1.0)
+            elif p.dim() > 1:
+                p.normal_(0.0, 0.5 / p.shape[-1] ** 0.5)
+            else:
+                p.zero_()
+    model.to(torch.bfloat16).save_pretrained(path, safe_serialization=True)
+    # save_pretrained rewrites config.json: keep the fields vLLM reads verbatim.
+    (path / "config.json").write_text(json.dumps(cfg, indent=1))
+    return path
