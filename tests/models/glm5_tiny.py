@@ -71,6 +71,10 @@ def make_tiny_glm5(path: Path, seed: int = 0, **overrides) -> Path:
         for name, p in model.named_parameters():
             if "norm" in name and name.endswith("weight"):
                 p.fill_(1.0)
+            elif name == "lm_head.weight":
+                # peaked next-token distributions (logit std ~4), so that greedy
+                # comparisons are not decided by near-ties of a flat distribution
+                p.normal_(0.0, 4.0 / p.shape[-1] ** 0.5)
             elif p.dim() > 1:
                 p.normal_(0.0, 0.5 / p.shape[-1] ** 0.5)
             else:

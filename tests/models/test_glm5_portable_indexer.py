@@ -2,12 +2,13 @@
 """End to end on a GPU: the tiny GLM-5 through vLLM with the portable (Triton)
 indexer against the same model with DeepGEMM's indexer (the upstream path).
 
-Same attention backend in both runs (FLASHMLA_SPARSE, upstream's on SM90), so
-the difference is the indexer alone; a third run adds TRITON_MLA_SPARSE. Prompts
+Reference: FLASHMLA_SPARSE + DeepGEMM (upstream's SM90 path). Noise floor: the
+same DeepGEMM indexer with TRITON_MLA_SPARSE, i.e. what a legitimate change of
+bf16 kernel does to the logprobs. The Triton indexer with either attention
+backend must stay within 3x that floor (with small absolute minimums). Prompts
 of 300-1000 tokens exceed index_topk (128). Eager mode (CUDA graphs are covered
-by the backend's own tests). Compared: prompt-token logprobs and greedy output,
-where the two runs may part only at a near-tie (each run's token among the
-other's top-5).
+by the backend's own tests). Greedy outputs may part only at a near-tie (each
+run's token among the other's top-5).
 """
 
 import json
@@ -33,20 +34,20 @@ def generate(model, out, **kw):
 
 
 def compare(a, b):
-    """Mean/max |delta| of prompt-token logprobs and greedy agreement."""
-    deltas, agree, total = [], 0, 0
+    """Mean/max |delta| of prompt-token logprobs; greedy agreement, where two runs
+    may part only at a near-tie (each run's token among the other's top-5)."""
+    deltas, agree, total, ties_ok = [], 0, 0, True
     for oa, ob in zip(a["outputs"], b["outputs"]):
         for pa, pb in zip(oa["prompt_logprobs"][1:], ob["prompt_logprobs"][1:]):
-            common = set(pa) & set(pb)
-            deltas += [abs(pa[t] - pb[t]) for t in common]
+            deltas += [abs(pa[t] - pb[t]) for t in set(pa) & set(pb)]
         for i, (ta, tb) in enumerate(zip(oa["tokens"], ob["tokens"])):
             total += 1
             if ta != tb:
-                # parting at a near-tie: each token among the other's top-5
-                assert str(tb) in oa["logprobs"][i] and str(ta) in ob["logprobs"][i]
+                ties_ok &= str(tb) in oa["logprobs"][i] and str(ta) in ob["logprobs"][i]
                 break
             agree += 1
-    return sum(deltas) / len(deltas), max(deltas), agree / total
+    return {"mean": sum(deltas) / len(deltas), "max": max(deltas),
+            "greedy_agreement": agree / total, "parted_at_near_tie": ties_ok}
 
 
 @pytest.mark.gpu
@@ -55,17 +56,24 @@ def test_portable_indexer_matches_deepgemm(tmp_path):
     model = make_tiny_glm5(tmp_path / "tiny-glm5")
     ref = generate(model, tmp_path / "ref.json", attention_backend="FLASHMLA_SPARSE",
                    indexer="deepgemm")
+    # Noise floor: the same indexer with the other attention kernel.
+    floor_run = generate(model, tmp_path / "floor.json", attention_backend="TRITON_MLA_SPARSE",
+                         indexer="deepgemm")
     ours = generate(model, tmp_path / "ours.json", attention_backend="FLASHMLA_SPARSE",
                     indexer="triton")
     both = generate(model, tmp_path / "both.json", attention_backend="TRITON_MLA_SPARSE",
                     indexer="triton")
-    assert ref["indexer_backend"] == "deepgemm" and ref["triton_indexer_calls"] == {
-        "prefill": 0, "decode": 0}
+    for run in (ref, floor_run):
+        assert run["indexer_backend"] == "deepgemm"
+        assert run["triton_indexer_calls"] == {"prefill": 0, "decode": 0}
+    floor = compare(ref, floor_run)
+    print(f"floor (attention kernel only): {floor}")
     for run in (ours, both):
         assert run["indexer_backend"] == "triton"
         assert run["triton_indexer_calls"]["prefill"] > 0
         assert run["triton_indexer_calls"]["decode"] > 0
-        mean, worst, agree = compare(ref, run)
-        print(f"{run['args']['attention_backend']}: prompt logprob |delta| mean {mean:.4f} "
-              f"max {worst:.4f}; greedy agreement {agree:.3f}")
-        assert mean < 0.02 and worst < 0.5
+        got = compare(ref, run)
+        print(f"triton indexer + {run['args']['attention_backend']}: {got}")
+        assert got["parted_at_near_tie"]
+        assert got["mean"] <= max(3 * floor["mean"], 0.01), (got, floor)
+        assert got["max"] <= max(3 * floor["max"], 0.1), (got, floor)
