@@ -7,8 +7,9 @@ same DeepGEMM indexer with TRITON_MLA_SPARSE, i.e. what a legitimate change of
 bf16 kernel does to the logprobs. The Triton indexer with either attention
 backend must stay within 3x that floor (with small absolute minimums). Prompts
 of 300-1000 tokens exceed index_topk (128). Eager mode (CUDA graphs are covered
-by the backend's own tests). Greedy outputs may part only at a near-tie (each
-run's token among the other's top-5).
+by the kernels' own tests). This random model amplifies bf16 differences (see
+the measurement below), so the comparison is coarse; a comparison with
+transformers fp32 belongs to the end-to-end accuracy matrix.
 """
 
 import json
@@ -74,6 +75,9 @@ def test_portable_indexer_matches_deepgemm(tmp_path):
         assert run["triton_indexer_calls"]["decode"] > 0
         got = compare(ref, run)
         print(f"triton indexer + {run['args']['attention_backend']}: {got}")
-        assert got["parted_at_near_tie"]
+        # Measured on the H200 (2026-11-29): the floor itself is large on this random
+        # model (prompt logprob |delta| mean 0.144, max 6.0; greedy runs part at
+        # non-ties), and the Triton indexer with FLASHMLA_SPARSE stayed inside it
+        # (mean 0.118, max 4.9). So: within 3x the floor, no near-tie requirement.
         assert got["mean"] <= max(3 * floor["mean"], 0.01), (got, floor)
         assert got["max"] <= max(3 * floor["max"], 0.1), (got, floor)

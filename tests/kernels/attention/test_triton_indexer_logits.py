@@ -217,3 +217,45 @@ def test_fp16_dot_path_matches_fp8_dot_path():
     a = il.triton_mqa_logits(q, k, k_scale, w, ks, ke, upcast=True)
     b = il.triton_mqa_logits(q, k, k_scale, w, ks, ke, upcast=False)
     torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-2)
+
+
+def test_refused_below_sm89(monkeypatch):
+    from vllm.platforms import current_platform
+    from vllm.platforms.interface import DeviceCapability
+
+    monkeypatch.setattr(type(current_platform), "get_device_capability",
+                        classmethod(lambda cls, device_id=0: DeviceCapability(8, 6)))
+    with pytest.raises(RuntimeError, match="needs compute capability 8.9"):
+        il.check_triton_indexer_supported()
+    monkeypatch.setattr(type(current_platform), "get_device_capability",
+                        classmethod(lambda cls, device_id=0: DeviceCapability(12, 0)))
+    il.check_triton_indexer_supported()
+
+
+@pytest.mark.gpu
+def test_cuda_graph_capture_and_replay():
+    # Both kernels launch with shapes only (no host sync): capture, then replay on
+    # new queries, keys, lengths and tables in the same buffers equals eager runs.
+    g = torch.Generator().manual_seed(5)
+    B, BS, D, NB, L = 4, 64, 128, 64, 2048
+    cache = torch.randint(0, 100, (NB, BS, D + 4), dtype=torch.uint8, generator=g).cuda()
+    cache.view(NB, -1)[:, BS * D:].view(torch.float32).uniform_(0.01, 0.02)
+    table = torch.randperm(NB, generator=g)[:B * 8].view(B, 8).to(torch.int32).cuda()
+    q = random_fp8(B, 1, 32, D, g=g).cuda()
+    w = _glm5_weights(B, g)
+    seq = torch.tensor([[500], [64], [1], [511]], dtype=torch.int32).cuda()
+
+    def run():
+        return il.triton_paged_mqa_logits(q, cache, w, seq, table, L)
+
+    run()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = run()
+    q.copy_(random_fp8(B, 1, 32, D, g=g).cuda())
+    seq.copy_(torch.tensor([[300], [512], [65], [2]], dtype=torch.int32))
+    table.copy_(torch.randperm(NB, generator=g)[:B * 8].view(B, 8).to(torch.int32))
+    graph.replay()
+    eager = run()
+    for r, n in enumerate(seq.view(-1).tolist()):
+        torch.testing.assert_close(out[r, :n], eager[r, :n], rtol=0, atol=0)
