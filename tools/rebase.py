@@ -150,7 +150,7 @@ def rebase(to: str, allow_conflicts: bool, dry_run: bool, report_path: Path | No
                     row["result"] = "upstream-unchanged"
                 else:
                     merged, conflicts = merge(base, ours, theirs,
-                                              (f"overlay", f"upstream {up['version']}",
+                                              ("overlay", f"upstream {up['version']}",
                                                f"upstream {to}"))
                     row["result"] = "conflict" if conflicts else "clean"
                     row["conflicts"] = conflicts

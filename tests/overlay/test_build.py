@@ -212,6 +212,23 @@ def test_tampered_cache_refused(tmp_path):
     assert not out.exists() or not any(out.iterdir())
 
 
+def make_wheel(path: Path, version: str, files: dict[str, str],
+               requires: tuple[str, ...] | list[str] = ()) -> None:
+    """A small stand-in for an upstream vLLM wheel: files plus dist-info and RECORD."""
+    info = f"vllm-{version}.dist-info/"
+    meta = f"Metadata-Version: 2.1\nName: vllm\nVersion: {version}\n" + "".join(
+        f"Requires-Dist: {r}\n" for r in requires)
+    files = {**files, info + "METADATA": meta,
+             info + "WHEEL": "Wheel-Version: 1.0\nRoot-Is-Purelib: false\n"}
+    rows = [[n, record_hash(d.encode()), str(len(d.encode()))] for n, d in files.items()]
+    buf = io.StringIO()
+    csv.writer(buf, lineterminator="\n").writerows(rows + [[info + "RECORD", "", ""]])
+    files[info + "RECORD"] = buf.getvalue()
+    with zipfile.ZipFile(path, "w", zipfile.ZIP_DEFLATED) as zf:
+        for n, d in files.items():
+            zf.writestr(n, d)
+
+
 def synthetic_project(tmp_path, overlay: dict[str, str], lock_overlay: str,
                       upstream_files: dict[str, str]):
     """A project with build.py, a small fake upstream wheel in its own cache."""
@@ -219,24 +236,13 @@ def synthetic_project(tmp_path, overlay: dict[str, str], lock_overlay: str,
     (cache / "upstream").mkdir(parents=True)
     proj.mkdir()
     shutil.copy(ROOT / "build.py", proj / "build.py")
-    files = {
+    name = "vllm-0.23.0-cp38-abi3-manylinux_2_28_x86_64.whl"
+    make_wheel(cache / "upstream" / name, "0.23.0", {
         "vllm/__init__.py": "",
         "vllm/_version.py": "__version__ = version = '0.23.0'\n"
                             "__version_tuple__ = version_tuple = (0, 23, 0)\n",
         **upstream_files,
-        "vllm-0.23.0.dist-info/METADATA": "Metadata-Version: 2.1\nName: vllm\n"
-                                          "Version: 0.23.0\nRequires-Dist: torch==2.11.0\n",
-        "vllm-0.23.0.dist-info/WHEEL": "Wheel-Version: 1.0\nRoot-Is-Purelib: false\n",
-    }
-    rows = [[n, record_hash(d.encode()), str(len(d.encode()))] for n, d in files.items()]
-    rows.append(["vllm-0.23.0.dist-info/RECORD", "", ""])
-    buf = io.StringIO()
-    csv.writer(buf, lineterminator="\n").writerows(rows)
-    files["vllm-0.23.0.dist-info/RECORD"] = buf.getvalue()
-    name = "vllm-0.23.0-cp38-abi3-manylinux_2_28_x86_64.whl"
-    with zipfile.ZipFile(cache / "upstream" / name, "w", zipfile.ZIP_DEFLATED) as zf:
-        for n, d in files.items():
-            zf.writestr(n, d)
+    }, requires=["torch==2.11.0"])
     digest = sha256(cache / "upstream" / name)
     (proj / "upstream.lock").write_text(f"""
 [upstream]

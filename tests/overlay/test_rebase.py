@@ -2,9 +2,7 @@
 """`build.py rebase`: real upstream releases (cached like the pinned wheel) and
 synthetic releases served from a local file:// index for the conflict cases."""
 
-import csv
 import hashlib
-import io
 import json
 import os
 import shutil
@@ -16,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from test_build import record_hash, run_build, sha256
+from test_build import make_wheel, run_build, sha256
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -97,19 +95,6 @@ def test_0_24_0_reports_deleted_gguf_loader(tmp_path):
 # --------------------------------------------------------------------------------------
 # Synthetic releases on a local index
 # --------------------------------------------------------------------------------------
-def make_wheel(path: Path, version: str, files: dict[str, str]) -> None:
-    info = f"vllm-{version}.dist-info/"
-    files = {**files, info + "METADATA": f"Metadata-Version: 2.1\nName: vllm\nVersion: {version}\n",
-             info + "WHEEL": "Wheel-Version: 1.0\nRoot-Is-Purelib: false\n"}
-    rows = [[n, record_hash(d.encode()), str(len(d.encode()))] for n, d in files.items()]
-    buf = io.StringIO()
-    csv.writer(buf, lineterminator="\n").writerows(rows + [[info + "RECORD", "", ""]])
-    files[info + "RECORD"] = buf.getvalue()
-    with zipfile.ZipFile(path, "w") as zf:
-        for n, d in files.items():
-            zf.writestr(n, d)
-
-
 BASE = "a = 1\nb = 2\nc = 3\nd = 4\n"
 OURS = "a = 1\n# overlay: b matters\nb = 20\nc = 3\nd = 4\n"
 

@@ -194,26 +194,7 @@ def test_validate_configuration(capability):
     backend = SPARSE.get_class()
     assert backend.get_name() == "TRITON_MLA_SPARSE"
     assert backend.is_mla() and backend.is_sparse()
-    cap = DeviceCapability(*capability)
-    for dtype in (torch.float16, torch.bfloat16):
-        for kv in ("auto", "float16", "bfloat16", "fp8", "fp8_e4m3"):
-            reasons = backend.validate_configuration(
-                head_size=576,
-                dtype=dtype,
-                kv_cache_dtype=kv,
-                block_size=64,
-                use_mla=True,
-                has_sink=False,
-                use_sparse=True,
-                use_mm_prefix=False,
-                use_per_head_quant_scales=False,
-                device_capability=cap,
-                attn_type="decoder",
-            )
-            expect_fp8_refusal = kv.startswith("fp8") and capability < (8, 9)
-            assert bool(reasons) == expect_fp8_refusal, (dtype, kv, reasons)
-    # What it must refuse, everywhere.
-    bad = dict(
+    glm5 = dict(
         head_size=576,
         dtype=torch.bfloat16,
         kv_cache_dtype="auto",
@@ -223,9 +204,17 @@ def test_validate_configuration(capability):
         use_sparse=True,
         use_mm_prefix=False,
         use_per_head_quant_scales=False,
-        device_capability=cap,
+        device_capability=DeviceCapability(*capability),
         attn_type="decoder",
     )
+    for dtype in (torch.float16, torch.bfloat16):
+        for kv in ("auto", "float16", "bfloat16", "fp8", "fp8_e4m3"):
+            reasons = backend.validate_configuration(
+                **{**glm5, "dtype": dtype, "kv_cache_dtype": kv}
+            )
+            expect_fp8_refusal = kv.startswith("fp8") and capability < (8, 9)
+            assert bool(reasons) == expect_fp8_refusal, (dtype, kv, reasons)
+    # What it must refuse, everywhere.
     for change in (
         {"use_sparse": False},
         {"head_size": 512},
@@ -234,4 +223,4 @@ def test_validate_configuration(capability):
         {"block_size": 16},
         {"use_mla": False},
     ):
-        assert backend.validate_configuration(**{**bad, **change}), change
+        assert backend.validate_configuration(**{**glm5, **change}), change
