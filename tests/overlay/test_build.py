@@ -89,7 +89,7 @@ def test_wheel_name_and_version(built):
     with zipfile.ZipFile(wheel) as zf:
         meta = zf.read(f"vllm-{version}.dist-info/METADATA").decode()
         assert f"\nVersion: {version}\n" in meta
-        assert "Requires-Dist: transformers>=5.17.0,<6\n" in meta
+        assert "Requires-Dist: transformers>=5.17.0,<5.18\n" in meta
         assert meta.count("Requires-Dist: transformers") == 1
         ver = zf.read("vllm/_version.py").decode()
         assert f"__version__ = version = '{version}'" in ver
