@@ -229,6 +229,23 @@ def make_wheel(path: Path, version: str, files: dict[str, str],
             zf.writestr(n, d)
 
 
+def synthetic_lock(sdist_sha: str, wheel_sha: str, overlay: str) -> str:
+    """upstream.lock pinning synthetic vllm 0.23.0 (x86_64 wheel only)."""
+    return f"""
+[upstream]
+package = "vllm"
+version = "0.23.0"
+label = "dsa"
+[upstream.sdist]
+filename = "vllm-0.23.0.tar.gz"
+sha256 = "{sdist_sha}"
+[upstream.wheels.manylinux_2_28_x86_64]
+filename = "vllm-0.23.0-cp38-abi3-manylinux_2_28_x86_64.whl"
+sha256 = "{wheel_sha}"
+{overlay}
+"""
+
+
 def synthetic_project(tmp_path, overlay: dict[str, str], lock_overlay: str,
                       upstream_files: dict[str, str]):
     """A project with build.py, a small fake upstream wheel in its own cache."""
@@ -243,20 +260,8 @@ def synthetic_project(tmp_path, overlay: dict[str, str], lock_overlay: str,
                             "__version_tuple__ = version_tuple = (0, 23, 0)\n",
         **upstream_files,
     }, requires=["torch==2.11.0"])
-    digest = sha256(cache / "upstream" / name)
-    (proj / "upstream.lock").write_text(f"""
-[upstream]
-package = "vllm"
-version = "0.23.0"
-label = "dsa"
-[upstream.sdist]
-filename = "vllm-0.23.0.tar.gz"
-sha256 = "{'0' * 64}"
-[upstream.wheels.manylinux_2_28_x86_64]
-filename = "{name}"
-sha256 = "{digest}"
-{lock_overlay}
-""")
+    (proj / "upstream.lock").write_text(
+        synthetic_lock("0" * 64, sha256(cache / "upstream" / name), lock_overlay))
     for rel, text in overlay.items():
         path = proj / "vllm_overlay" / rel
         path.parent.mkdir(parents=True, exist_ok=True)

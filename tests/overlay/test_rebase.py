@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from test_build import make_wheel, run_build, sha256
+from test_build import make_wheel, run_build, sha256, synthetic_lock
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -122,23 +122,13 @@ def synthetic(tmp_path, new_files: dict[str, str]):
     (proj / "vllm_overlay/vllm/mod.py").write_text(OURS)
     (proj / "vllm_overlay/vllm/extra.py").write_text("x = 1\n")
     sha = {f["filename"]: f["hashes"]["sha256"] for f in listing}
-    (proj / "upstream.lock").write_text(f"""
-[upstream]
-package = "vllm"
-version = "0.23.0"
-label = "dsa"
-[upstream.sdist]
-filename = "vllm-0.23.0.tar.gz"
-sha256 = "{sha['vllm-0.23.0.tar.gz']}"
-[upstream.wheels.manylinux_2_28_x86_64]
-filename = "vllm-0.23.0-cp38-abi3-manylinux_2_28_x86_64.whl"
-sha256 = "{sha['vllm-0.23.0-cp38-abi3-manylinux_2_28_x86_64.whl']}"
-[requires]
+    (proj / "upstream.lock").write_text(synthetic_lock(
+        sha["vllm-0.23.0.tar.gz"], sha["vllm-0.23.0-cp38-abi3-manylinux_2_28_x86_64.whl"],
+        f'''[requires]
 [overlay."vllm/mod.py"]
 base_sha256 = "{hashlib.sha256(BASE.encode()).hexdigest()}"
 [overlay."vllm/extra.py"]
-new = true
-""")
+new = true'''))
     env = dict(os.environ, PIP_INDEX_URL=(tmp_path / "index").as_uri(),
                VLLM_OVERLAY_CACHE=str(tmp_path / "cache"))
     return proj, env

@@ -162,6 +162,7 @@ def triton_mqa_logits(
     M, H, D = q.shape
     N = k.shape[0]
     assert k.shape[1] == D and k_scale.numel() == N and weights.shape == (M, H)
+    assert q.stride(2) == 1 and k.stride(1) == 1 and weights.stride(1) == 1
     out = torch.empty(M, N, dtype=torch.float32, device=q.device)
     if M == 0 or N == 0:
         return out
@@ -269,11 +270,13 @@ def triton_paged_mqa_logits(
         upcast = not _fp8_dot_supported()
     seq_lens = seq_lens.reshape(-1)
     assert seq_lens.numel() == rows
+    q = q.reshape(rows, H, D)
+    assert q.stride(2) == 1 and weights.stride(1) == 1 and block_table.stride(1) == 1
     flat = kv_cache.reshape(num_blocks, -1)
     num_sms = current_platform.num_compute_units() if q.is_cuda else 8
     splits = max(1, min(64, triton.cdiv(2 * num_sms, rows)))
     _paged_mqa_logits_kernel[(rows, splits)](
-        q.reshape(rows, H, D),
+        q,
         flat.view(current_platform.fp8_dtype()),
         flat.view(torch.float32),
         weights,
@@ -281,8 +284,8 @@ def triton_paged_mqa_logits(
         block_table,
         out,
         max_model_len,
-        H * D,
-        D,
+        q.stride(0),
+        q.stride(1),
         weights.stride(0),
         block_table.stride(0),
         flat.stride(0),
