@@ -11,18 +11,12 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from glm5_tiny import make_tiny_glm5
-
 import gguf_reference as gr  # tests/models/quantization
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("gguf")
-    model = make_tiny_glm5(tmp / "tiny-glm5")
-    gr.write_tokenizer(model, gr.config(model)["vocab_size"])
-    llama_cpp = gr.llama_cpp_dir(tmp_path_factory.getbasetemp() / "llama-cpp")
-    out = gr.convert(llama_cpp, model, tmp / "tiny-glm5-bf16.gguf", "bf16")
+def reference(glm5_gguf):
+    llama_cpp, model, out = glm5_gguf
     gguf = gr.gguf_module(llama_cpp)
     reader = gguf.GGUFReader(out)
     hf = {k: v.float() for k, v in load_file(model / "model.safetensors").items()}
