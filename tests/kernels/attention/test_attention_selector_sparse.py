@@ -16,25 +16,7 @@ from vllm.platforms.interface import DeviceCapability
 from vllm.v1.attention.backends.registry import AttentionBackendEnum
 from vllm.v1.attention.selector import AttentionSelectorConfig
 
-
-def _stub_driver_bound_extensions():
-    """Let platforms/cuda.py import on a machine without the CUDA driver.
-
-    It imports vllm._C and vllm._C_stable_libtorch only to register kernels;
-    both link libcuda.so.1, absent on CPU-only machines. The selection code
-    under test runs no kernel, so there they are replaced by empty modules.
-    """
-    import importlib
-    import sys
-    import types
-
-    for name in ("vllm._C", "vllm._C_stable_libtorch"):
-        try:
-            importlib.import_module(name)
-        except ImportError as e:
-            if "libcuda" not in str(e):
-                raise
-            sys.modules[name] = types.ModuleType(name)
+from cuda_platform import import_cuda_platform
 
 
 def _unimportable_backends() -> dict[AttentionBackendEnum, str]:
@@ -57,9 +39,7 @@ def _unimportable_backends() -> dict[AttentionBackendEnum, str]:
     return broken
 
 
-_stub_driver_bound_extensions()
-import vllm.platforms.cuda as cuda  # noqa: E402
-
+cuda = import_cuda_platform()
 CudaPlatform = cuda.CudaPlatform
 UNIMPORTABLE = _unimportable_backends()
 CAPABILITIES = [(8, 0), (8, 6), (8, 9), (9, 0), (10, 0), (12, 0), (12, 1)]
