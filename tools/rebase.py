@@ -176,13 +176,9 @@ def rebase(to: str, allow_conflicts: bool, dry_run: bool, report_path: Path | No
               "lock_updated": False, "dry_run": dry_run}
     structural = [r for r in blocking if r["result"] != "conflict"]
     new_bases = {r["path"]: r["new_base_sha256"] for r in results if "new_base_sha256" in r}
-    if dry_run:
-        pass
-    elif structural and not allow_conflicts:
-        # Files upstream deleted, or added at an overlay path, need a decision first:
-        # nothing is written.
-        pass
-    else:
+    # Files upstream deleted, or added at an overlay path, need a decision first:
+    # then nothing is written (unless --allow-conflicts).
+    if not dry_run and (not structural or allow_conflicts):
         originals = {rel: files[rel].read_text() for rel in writes}
         for rel, text in writes.items():
             b.write_atomic(files[rel], text.encode())

@@ -72,11 +72,17 @@ def check_triton_indexer_supported() -> None:
         )
 
 
+@functools.cache
+def _optin_shared_memory(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).shared_memory_per_block_optin
+
+
 def use_persistent_topk(topk_tokens: int) -> bool:
+    # Called per layer and step: the device property is read once per device.
     if topk_tokens not in (512, 1024, 2048):
         return False
-    props = torch.cuda.get_device_properties(torch.cuda.current_device())
-    return props.shared_memory_per_block_optin >= PERSISTENT_TOPK_MIN_SMEM
+    optin = _optin_shared_memory(torch.cuda.current_device())
+    return optin >= PERSISTENT_TOPK_MIN_SMEM
 
 
 def _fp8_dot_supported() -> bool:
