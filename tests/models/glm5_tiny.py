@@ -41,6 +41,10 @@ TINY_GLM5 = {
     # vLLM 0.23 builds the router bias only for these (GLM-5 checkpoints have it)
     "topk_method": "noaux_tc",
     "scoring_func": "sigmoid",
+    # one MTP block, stored as model.layers.4.* as in GLM-5 checkpoints
+    "num_nextn_predict_layers": 1,
+    # the indexer applies RoPE interleaved (GLM-5's config.json, transformers' GlmMoeDsa)
+    "indexer_rope_interleave": True,
     "index_topk": 128,
     "index_n_heads": 32,
     "index_head_dim": 128,
@@ -80,6 +84,36 @@ def make_tiny_glm5(path: Path, seed: int = 0, **overrides) -> Path:
             else:
                 p.zero_()
     model.to(torch.bfloat16).save_pretrained(path, safe_serialization=True)
+    add_mtp_block(path / "model.safetensors", cfg, seed)
     # save_pretrained rewrites config.json: keep the fields vLLM reads verbatim.
     (path / "config.json").write_text(json.dumps(cfg, indent=1))
     return path
+
+
+def add_mtp_block(file: Path, cfg: dict, seed: int) -> None:
+    """Append GLM-5's MTP (nextn) block, `model.layers.<N>.*`: a MoE decoder layer
+    plus eh_proj, enorm, hnorm and shared_head.{norm,head}. transformers' model
+    has no such module, so the tensors are made here with the shapes of the last
+    decoder layer and fresh random values."""
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(file)
+    n, hidden = cfg["num_hidden_layers"], cfg["hidden_size"]
+    gen = torch.Generator().manual_seed(seed + 1)
+    last = f"model.layers.{n - 1}."
+    for name, t in list(tensors.items()):
+        if name.startswith(last):
+            new = torch.randn(t.shape, generator=gen) * (0.5 / t.shape[-1] ** 0.5)
+            if "norm" in name and name.endswith("weight"):
+                new = torch.ones(t.shape)
+            elif t.dim() == 1:
+                new = torch.zeros(t.shape)
+            tensors[f"model.layers.{n}." + name[len(last):]] = new.to(t.dtype)
+    mtp = f"model.layers.{n}."
+    tensors[mtp + "eh_proj.weight"] = (torch.randn(hidden, 2 * hidden, generator=gen)
+                                       * (0.5 / (2 * hidden) ** 0.5)).bfloat16()
+    for norm in ("enorm", "hnorm", "shared_head.norm"):
+        tensors[mtp + norm + ".weight"] = torch.ones(hidden, dtype=torch.bfloat16)
+    tensors[mtp + "shared_head.head.weight"] = (torch.randn(cfg["vocab_size"], hidden, generator=gen)
+                                                * (4.0 / hidden ** 0.5)).bfloat16()
+    save_file(tensors, file, metadata={"format": "pt"})

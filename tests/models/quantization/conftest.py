@@ -13,3 +13,21 @@ def glm5_gguf(tmp_path_factory):
     gr.write_tokenizer(model, gr.config(model)["vocab_size"])
     llama_cpp = gr.llama_cpp_dir(tmp_path_factory.getbasetemp() / "llama-cpp")
     return llama_cpp, model, gr.convert(llama_cpp, model, tmp / "tiny-glm5-bf16.gguf", "bf16")
+
+
+@pytest.fixture(scope="session")
+def glm5_ggufs(glm5_gguf, tmp_path_factory):
+    """The tiny GLM-5 as llama.cpp writes it: {"bf16", "f16", "q8_0"} from the
+    converter, "Q4_K_M" from llama-quantize (on the bf16 file), "split" (bf16 in
+    parts of at most 40 tensors: the first part's path)."""
+    llama_cpp, model, bf16 = glm5_gguf
+    tmp = tmp_path_factory.mktemp("ggufs")
+    files = {"bf16": bf16}
+    for outtype in ("f16", "q8_0"):
+        files[outtype] = gr.convert(llama_cpp, model, tmp / f"tiny-glm5-{outtype}.gguf", outtype)
+    files["Q4_K_M"] = gr.quantize(bf16, tmp / "tiny-glm5-Q4_K_M.gguf", "Q4_K_M")
+    split = tmp / "split"
+    split.mkdir()
+    gr.convert(llama_cpp, model, split / "tiny-glm5-bf16.gguf", "bf16", "--split-max-tensors", "40")
+    files["split"] = next(split.glob("*-00001-of-*.gguf"))
+    return files

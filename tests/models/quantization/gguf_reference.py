@@ -10,6 +10,8 @@ nothing else in the converter is changed.
 """
 
 import json
+import os
+import shutil
 import subprocess
 import sys
 import tarfile
@@ -18,6 +20,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[3]
 LLAMA_CPP_PYTHON = ("llama-cpp-python", "llama_cpp_python-0.3.36.tar.gz",
                     "832db0699007f1be95a7e41ef12e88926b02ba836461e36a36372db2760c1a2e")
+# The split regex of GLM-4.5/GLM-5's tokenizer.json, as HF spells it.
+GLM_SPLIT_REGEX = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+                   r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 GLM_SPECIAL_TOKENS = ["<|endoftext|>", "[MASK]", "[gMASK]", "[sMASK]", "<sop>", "<eop>",
                       "<|system|>", "<|user|>", "<|assistant|>", "<|observation|>"]
 
@@ -41,13 +46,87 @@ def llama_cpp_dir(cache: Path) -> Path:
     return dest / "vendor" / "llama.cpp"
 
 
+def llama_quantize() -> Path:
+    """llama.cpp's `llama-quantize`, built once from the pinned sdist's vendored
+    source (CPU only, static) into build.py's cache; a few minutes on 2 cores."""
+    sys.path.insert(0, str(ROOT))
+    import build
+
+    sdist = build.fetch(*LLAMA_CPP_PYTHON)
+    home = build.cache_dir() / f"llama-quantize-{sdist.name.removesuffix('.tar.gz')}"
+    binary = home / "build" / "bin" / "llama-quantize"
+    if binary.exists():
+        return binary
+    if shutil.which("cmake") is None:
+        raise RuntimeError("building llama.cpp's quantizer needs cmake (and a C++ compiler)")
+    work = home.with_name(f"{home.name}.partial-{os.getpid()}")
+    shutil.rmtree(work, ignore_errors=True)
+    prefix = f"{sdist.name.removesuffix('.tar.gz')}/vendor/llama.cpp/"
+    with tarfile.open(sdist) as tar:
+        tar.extractall(work, members=[m for m in tar.getmembers() if m.name.startswith(prefix)],
+                       filter="data")
+    src = work / prefix
+    flags = ["-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=OFF", "-DBUILD_SHARED_LIBS=OFF",
+             "-DLLAMA_CURL=OFF", "-DLLAMA_OPENSSL=OFF", "-DLLAMA_BUILD_TESTS=OFF",
+             "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_BUILD_SERVER=OFF"]
+    for cmd in (["cmake", "-S", str(src), "-B", str(work / "build"), *flags],
+                ["cmake", "--build", str(work / "build"), "--target", "llama-quantize",
+                 "-j", str(os.cpu_count() or 2)]):
+        res = subprocess.run(cmd, capture_output=True, text=True)
+        if res.returncode != 0:
+            raise RuntimeError(f"{' '.join(cmd[:3])} failed:\n{res.stdout[-3000:]}\n{res.stderr[-3000:]}")
+    shutil.rmtree(src)  # keep only the build
+    try:
+        work.rename(home)
+    except OSError:  # another session finished first
+        shutil.rmtree(work)
+    return binary
+
+
+def quantize(src: Path, out: Path, qtype: str) -> Path:
+    res = subprocess.run([str(llama_quantize()), str(src), str(out), qtype],
+                         capture_output=True, text=True)
+    if res.returncode != 0:
+        raise RuntimeError(f"llama-quantize failed:\n{res.stdout[-2000:]}\n{res.stderr[-2000:]}")
+    return out
+
+
+def rewrite(gguf, src: Path, out: Path, drop: tuple[str, ...] = (), metadata: dict | None = None,
+            arch: str | None = None) -> Path:
+    """A copy of a GGUF without the tensors in `drop` and with metadata values
+    replaced (same value types): broken files for the loader's error tests."""
+    reader = gguf.GGUFReader(src)
+    writer = gguf.GGUFWriter(out, arch or reader.fields["general.architecture"].contents())
+    metadata = metadata or {}
+    for f in reader.fields.values():
+        if f.name == "general.architecture" or f.name.startswith("GGUF."):
+            continue
+        sub = f.types[-1] if f.types[0] == gguf.GGUFValueType.ARRAY else None
+        writer.add_key_value(f.name, metadata.get(f.name, f.contents()), f.types[0], sub_type=sub)
+    kept = [t for t in reader.tensors if t.name not in drop]
+    for t in kept:
+        writer.add_tensor_info(t.name, t.data.shape, t.data.dtype, t.data.nbytes, t.tensor_type)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_ti_data_to_file()
+    for t in kept:
+        writer.write_tensor_data(t.data, tensor_endianess=reader.endianess)
+    writer.close()
+    return out
+
+
 def write_tokenizer(model_dir: Path, vocab_size: int) -> None:
-    """A byte-level BPE trained on a fixed text, with GLM's special tokens."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    """A byte-level BPE trained on a fixed text, shaped like GLM-5's tokenizer.json:
+    GLM's split regex, then byte-level without its own regex, BPE with
+    ignore_merges, GLM's special tokens."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok = Tokenizer(models.BPE(ignore_merges=True))
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(GLM_SPLIT_REGEX), behavior="isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+    ])
     tok.decoder = decoders.ByteLevel()
     text = [f"GLM-5 sparse attention test sentence number {i}: the quick brown fox "
             f"jumps over {i * 7} lazy dogs; 你好, мир! " for i in range(200)]

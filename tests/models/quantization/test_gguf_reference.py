@@ -41,7 +41,9 @@ def test_metadata_carries_the_config(reference):
     a = "glm-dsa"
     assert field(reader, "general.architecture") == a
     expect = {
-        f"{a}.block_count": cfg["num_hidden_layers"],
+        # llama.cpp counts the MTP (nextn) blocks as blocks
+        f"{a}.block_count": cfg["num_hidden_layers"] + cfg["num_nextn_predict_layers"],
+        f"{a}.nextn_predict_layers": cfg["num_nextn_predict_layers"],
         f"{a}.embedding_length": cfg["hidden_size"],
         f"{a}.attention.head_count": cfg["num_attention_heads"],
         f"{a}.attention.q_lora_rank": cfg["q_lora_rank"],

@@ -34,6 +34,8 @@ from vllm.transformers_utils.utils import (
 from vllm.utils.torch_utils import common_broadcastable_dtype
 
 from .config_parser_base import ConfigParserBase
+from .glm_dsa_gguf import config_from_gguf as glm_dsa_config_from_gguf  # overlay
+from .glm_dsa_gguf import is_glm_dsa_gguf  # overlay: GLM-5 GGUF without HF files
 from .gguf_utils import (
     check_gguf_file,
     is_gguf,
@@ -696,6 +698,16 @@ def get_config(
 
     _is_gguf = is_gguf(model)
     _is_remote_gguf = is_remote_gguf(model)
+    # overlay: transformers cannot read a glm-dsa GGUF's config; build it from
+    # the GGUF metadata (--hf-config-path, when given, never reaches here as GGUF)
+    if _is_gguf and is_glm_dsa_gguf(model):
+        config = glm_dsa_config_from_gguf(model)
+        if hf_overrides_kw:
+            config.update(hf_overrides_kw)
+        if hf_overrides_fn:
+            config = hf_overrides_fn(config)
+        patch_rope_parameters(config)
+        return config
     if _is_gguf:
         if check_gguf_file(model):
             # Local GGUF file

@@ -1,0 +1,275 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""Weights of GLM-5 (`glm_moe_dsa`) from llama.cpp's `glm-dsa` GGUF files.
+
+llama.cpp's converter (`GlmMoeDsaModel`, a `DeepseekV2Model`) writes MLA's
+`kv_b_proj` split per head into `attn_k_b` (`[n_head, kv_lora, qk_nope]`, the
+key half transposed) and `attn_v_b` (`[n_head, v_head, kv_lora]`), the routed
+experts as 3D stacks, and the DSA indexer as `indexer.*`. This module maps every
+tensor of such a file to the name `DeepseekV2ForCausalLM.load_weights` expects
+and yields the tensors in the form vLLM's GGUF layers take:
+
+- `kv_b_proj` is rebuilt exactly as `[attn_k_b[h]^T ; attn_v_b[h]]` per head
+  (dequantized when stored quantized) and loaded as an unquantized linear;
+- tensors bound for modules without a GGUF quant method (the indexer's fused
+  `wk_weights_proj`, the router) are dequantized when stored quantized;
+- quantized experts go to the GGUF MoE method as stacks; unquantized ones are
+  yielded per expert for the regular fused-MoE method (and its TP/EP sharding);
+- the MTP (nextn) blocks after `num_hidden_layers` are left out;
+- a tensor that maps nowhere, a missing tensor, a wrong shape or a type vLLM's
+  GGUF kernels cannot run is an error naming the tensor, raised before the
+  model is built.
+"""
+
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+
+import gguf
+import numpy as np
+import regex as re
+import torch
+
+from vllm.logger import init_logger
+from vllm.transformers_utils.glm_dsa_gguf import GGUFError, open_reader
+
+logger = init_logger(__name__)
+
+UNQUANTIZED = ("F32", "F16", "BF16")
+# What vLLM's GGUF kernels run (layers/quantization/gguf.py).
+KERNEL_TYPES = {
+    "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q8_1",
+    "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K",
+    "IQ1_M", "IQ1_S", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S", "IQ4_XS", "IQ4_NL",
+}
+
+KV_B = "self_attn.kv_b_proj.weight"
+# Targets whose vLLM module has no GGUF quant method: dequantized on load.
+DEQUANTIZED = ("self_attn.indexer.wk.weight", "self_attn.indexer.weights_proj.weight",
+               "mlp.gate.weight")
+
+_GLOBAL = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_ATTENTION = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "attn_q_a.weight": "self_attn.q_a_proj.weight",
+    "attn_q_a_norm.weight": "self_attn.q_a_layernorm.weight",
+    "attn_q_b.weight": "self_attn.q_b_proj.weight",
+    "attn_kv_a_mqa.weight": "self_attn.kv_a_proj_with_mqa.weight",
+    "attn_kv_a_norm.weight": "self_attn.kv_a_layernorm.weight",
+    "attn_k_b.weight": KV_B,
+    "attn_v_b.weight": KV_B,
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "indexer.attn_k.weight": "self_attn.indexer.wk.weight",
+    "indexer.attn_q_b.weight": "self_attn.indexer.wq_b.weight",
+    "indexer.k_norm.weight": "self_attn.indexer.k_norm.weight",
+    "indexer.k_norm.bias": "self_attn.indexer.k_norm.bias",
+    "indexer.proj.weight": "self_attn.indexer.weights_proj.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+}
+_DENSE = {
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+}
+_MOE = {
+    "ffn_gate_inp.weight": "mlp.gate.weight",
+    "exp_probs_b.bias": "mlp.gate.e_score_correction_bias",
+    "ffn_gate_exps.weight": "mlp.experts.0.gate_proj.weight",
+    "ffn_up_exps.weight": "mlp.experts.0.up_proj.weight",
+    "ffn_down_exps.weight": "mlp.experts.0.down_proj.weight",
+    "ffn_gate_shexp.weight": "mlp.shared_experts.gate_proj.weight",
+    "ffn_up_shexp.weight": "mlp.shared_experts.up_proj.weight",
+    "ffn_down_shexp.weight": "mlp.shared_experts.down_proj.weight",
+}
+_BLOCK_RE = re.compile(r"^blk\.(\d+)\.(.+)$")
+_EXPERTS_RE = re.compile(r"\.mlp\.experts\.0\.(gate|up|down)_proj\.weight$")
+
+
+def _is_moe_layer(config, i: int) -> bool:
+    return (config.n_routed_experts is not None and i >= config.first_k_dense_replace
+            and i % getattr(config, "moe_layer_freq", 1) == 0)
+
+
+def _expected(config) -> dict[str, tuple[int, ...]]:
+    """Every GGUF tensor a glm-dsa file must hold for `config`, with its shape
+    (torch order, [out, in])."""
+    H, V = config.hidden_size, config.vocab_size
+    nh, ql, kl = config.num_attention_heads, config.q_lora_rank, config.kv_lora_rank
+    r, n, v = config.qk_rope_head_dim, config.qk_nope_head_dim, config.v_head_dim
+    ih, idim = config.index_n_heads, config.index_head_dim
+    E, mI = config.n_routed_experts, config.moe_intermediate_size
+    sI = mI * (config.n_shared_experts or 0)
+    I = config.intermediate_size
+    shapes = {"token_embd.weight": (V, H), "output_norm.weight": (H,)}
+    if not config.tie_word_embeddings:
+        shapes["output.weight"] = (V, H)
+    attention = {
+        "attn_norm.weight": (H,), "attn_q_a.weight": (ql, H), "attn_q_a_norm.weight": (ql,),
+        "attn_q_b.weight": (nh * (n + r), ql), "attn_kv_a_mqa.weight": (kl + r, H),
+        "attn_kv_a_norm.weight": (kl,), "attn_k_b.weight": (nh, kl, n),
+        "attn_v_b.weight": (nh, v, kl), "attn_output.weight": (H, nh * v),
+        "indexer.attn_k.weight": (idim, H), "indexer.attn_q_b.weight": (ih * idim, ql),
+        "indexer.k_norm.weight": (idim,), "indexer.k_norm.bias": (idim,),
+        "indexer.proj.weight": (ih, H), "ffn_norm.weight": (H,),
+    }
+    dense = {"ffn_gate.weight": (I, H), "ffn_up.weight": (I, H), "ffn_down.weight": (H, I)}
+    moe = {
+        "ffn_gate_inp.weight": (E, H), "exp_probs_b.bias": (E,),
+        "ffn_gate_exps.weight": (E, mI, H), "ffn_up_exps.weight": (E, mI, H),
+        "ffn_down_exps.weight": (E, H, mI),
+    }
+    if sI:
+        moe.update({"ffn_gate_shexp.weight": (sI, H), "ffn_up_shexp.weight": (sI, H),
+                    "ffn_down_shexp.weight": (H, sI)})
+    for i in range(config.num_hidden_layers):
+        mlp = moe if _is_moe_layer(config, i) else dense
+        for k, s in {**attention, **mlp}.items():
+            shapes[f"blk.{i}.{k}"] = s
+    return shapes
+
+
+def _shape(t) -> tuple[int, ...]:
+    return tuple(int(d) for d in reversed(t.shape))
+
+
+class GlmDsaGGUF:
+    """The tensors of one glm-dsa GGUF model (a single file or a split set),
+    checked against `config` and mapped to vLLM's names."""
+
+    def __init__(self, files: list[str | Path], config):
+        self.config = config
+        self.tensors = {}
+        for f in files:
+            reader = open_reader(f)
+            if reader.byte_order != "I":
+                raise GGUFError(f"{f}: big-endian GGUF files are not supported")
+            for t in reader.tensors:
+                if t.name in self.tensors:
+                    raise GGUFError(f"{f}: tensor {t.name!r} appears in more than one part")
+                self.tensors[t.name] = t
+        self.gguf_to_hf = self._map()
+
+    def _map(self) -> dict[str, str]:
+        config = self.config
+        L = config.num_hidden_layers
+        n_mtp = getattr(config, "num_nextn_predict_layers", 0) or 0
+        expected = _expected(config)
+        mapping, unmapped, mtp = {}, [], 0
+        for name, t in self.tensors.items():
+            if name in _GLOBAL:
+                mapping[name] = _GLOBAL[name]
+            elif (m := _BLOCK_RE.match(name)) is not None:
+                i, rest = int(m[1]), m[2]
+                if L <= i < L + n_mtp:
+                    mtp += 1  # MTP block: not part of the main model
+                    continue
+                table = {**_ATTENTION, **(_MOE if _is_moe_layer(config, i) else _DENSE)}
+                if i >= L or rest not in table:
+                    unmapped.append(name)
+                    continue
+                mapping[name] = f"model.layers.{i}.{table[rest]}"
+            else:
+                unmapped.append(name)
+        if unmapped:
+            raise GGUFError(
+                f"{len(unmapped)} GGUF tensors map to no parameter of GlmMoeDsaForCausalLM "
+                f"({L} layers, {n_mtp} MTP): {', '.join(sorted(unmapped)[:8])}"
+                + (" ..." if len(unmapped) > 8 else ""))
+        missing = sorted(set(expected) - set(mapping))
+        if missing:
+            raise GGUFError(f"GGUF is missing {len(missing)} tensors the model needs: "
+                            f"{', '.join(missing[:8])}" + (" ..." if len(missing) > 8 else ""))
+        for name in mapping:
+            t = self.tensors[name]
+            if _shape(t) != expected[name]:
+                raise GGUFError(f"GGUF tensor {name!r} has shape {list(_shape(t))}, the config "
+                                f"implies {list(expected[name])}")
+            kind = t.tensor_type.name
+            if kind not in UNQUANTIZED and kind not in KERNEL_TYPES:
+                raise GGUFError(f"GGUF tensor {name!r} has type {kind}, which vLLM's GGUF "
+                                f"kernels do not support")
+        for i in range(L):
+            stacks = {self._quantized(f"blk.{i}.ffn_{p}_exps.weight")
+                      for p in ("gate", "up", "down") if f"blk.{i}.ffn_{p}_exps.weight" in mapping}
+            if len(stacks) > 1:
+                raise GGUFError(f"GGUF layer {i}: some expert stacks (ffn_*_exps) are quantized "
+                                "and some are not; vLLM runs a layer's experts one way")
+        if mtp:
+            logger.info("GGUF: %d tensors of the MTP (nextn) block are not loaded; "
+                        "speculative decoding from GGUF is not supported", mtp)
+        return mapping
+
+    def _type(self, name: str) -> str:
+        return self.tensors[name].tensor_type.name
+
+    def _quantized(self, name: str) -> bool:
+        return self._type(name) not in UNQUANTIZED
+
+    def weight_type_map(self) -> dict[str, str]:
+        """{vLLM weight name: GGUF type} as GGUFModelLoader uses it to pick the
+        modules that run unquantized; the rebuilt kv_b_proj and dequantized
+        tensors count as F32."""
+        types = {}
+        for g, hf in self.gguf_to_hf.items():
+            dequantized = hf.endswith(KV_B) or hf.endswith(DEQUANTIZED)
+            types[hf] = "F32" if dequantized else self._type(g)
+        return types
+
+    def _raw(self, name: str) -> torch.Tensor:
+        """The stored data: elements for F32/F16/BF16, blocks for quantized types."""
+        t = self.tensors[name]
+        data = np.asarray(t.data)
+        if t.tensor_type.name == "BF16":
+            return torch.from_numpy(data.view(np.uint16).reshape(_shape(t)).copy()).view(
+                torch.bfloat16)
+        if not self._quantized(name):
+            return torch.from_numpy(data.reshape(_shape(t)).copy())
+        return torch.from_numpy(data.copy())
+
+    def dequantized(self, name: str) -> torch.Tensor:
+        t = self.tensors[name]
+        if not self._quantized(name):
+            return self._raw(name).float()
+        out = gguf.quants.dequantize(np.asarray(t.data), t.tensor_type)
+        return torch.from_numpy(np.ascontiguousarray(out, dtype=np.float32)).reshape(_shape(t))
+
+    def kv_b(self, layer: int) -> torch.Tensor:
+        """kv_b_proj.weight `[n_head * (qk_nope + v_head), kv_lora]`, rebuilt."""
+        k_b = self.dequantized(f"blk.{layer}.attn_k_b.weight")  # [H, kv_lora, nope]
+        v_b = self.dequantized(f"blk.{layer}.attn_v_b.weight")  # [H, v_head, kv_lora]
+        return torch.cat([k_b.transpose(1, 2), v_b], dim=1).reshape(-1, k_b.shape[1])
+
+    def weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """(name, tensor) for DeepseekV2ForCausalLM.load_weights: the types of
+        all quantized weights first (packed layers need them before any data),
+        then the data."""
+        for g, hf in self.gguf_to_hf.items():
+            if self._quantized(g) and not hf.endswith((KV_B, *DEQUANTIZED)):
+                yield (hf.removesuffix("weight") + "qweight_type",
+                       torch.tensor(self.tensors[g].tensor_type))
+        for g, hf in self.gguf_to_hf.items():
+            if hf.endswith(KV_B):
+                if g.endswith("attn_k_b.weight"):
+                    yield hf, self.kv_b(int(_BLOCK_RE.match(g)[1]))
+            elif hf.endswith(DEQUANTIZED):
+                yield hf, (self.dequantized(g) if self._quantized(g) else self._raw(g))
+            elif self._quantized(g):
+                yield hf.removesuffix("weight") + "qweight", self._raw(g)
+            elif _EXPERTS_RE.search(hf):
+                # per expert, for the unquantized fused-MoE method
+                stack = self._raw(g)
+                for e in range(stack.shape[0]):
+                    yield hf.replace(".experts.0.", f".experts.{e}."), stack[e]
+            else:
+                yield hf, self._raw(g)
+
+
+def check_all_loaded(model: torch.nn.Module, loaded: Iterable[str]) -> None:
+    """Every parameter of the model was filled from the GGUF."""
+    missing = sorted(set(dict(model.named_parameters())) - set(loaded))
+    if missing:
+        raise GGUFError(f"{len(missing)} model parameters were not filled by any GGUF tensor: "
+                        f"{', '.join(missing[:8])}" + (" ..." if len(missing) > 8 else ""))
