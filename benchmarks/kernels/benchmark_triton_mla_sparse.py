@@ -5,10 +5,13 @@
 
 For every (tokens T, heads H, KV dtype) it times one call (GPU time, from
 CUDA-graph replays; also eager, with Python launch overhead) of the backend's
-attention step on global top-k slots (`sparse_mla_decode_fwd`: the Triton MLA
-decode kernel with the slots as a page-size-1 block table) and, for bf16 KV on
-SM90/SM100, FlashMLA's `flash_mla_sparse_fwd` on the same inputs (heads padded
-to 64/128 as FLASHMLA_SPARSE does). Bytes counted: T x topk x 576 x bytes per
+attention step on global top-k slots with both of its kernels: "gather"
+(`triton_sparse_mla.sparse_mla_attention`, the default) and "decode"
+(`sparse_mla_decode_fwd`: the Triton MLA decode kernel with the slots as a
+page-size-1 block table), and, for bf16 KV on SM90/SM100, FlashMLA's
+`flash_mla_sparse_fwd` on the same inputs (heads padded to 64/128 as
+FLASHMLA_SPARSE does). `--sweep` also times alternative launch parameters of the
+gather kernel and reports the best per shape (to tune `launch_config`). Bytes counted: T x topk x 576 x bytes per
 element, i.e. each selected latent row read once. The device's copy bandwidth
 (read + write) is measured in the same run. Index sets rotate so that repeated
 calls do not find their rows in L2.
@@ -26,6 +29,7 @@ from vllm.v1.attention.backends.mla.triton_mla_sparse import (
     num_kv_splits_for,
     sparse_mla_decode_fwd,
 )
+from vllm.v1.attention.ops.triton_sparse_mla import launch_config, sparse_mla_attention
 
 KV_LORA, HEAD = 512, 576
 
@@ -67,7 +71,17 @@ def graph_us(calls) -> float:
     return ms * 1e3 / len(calls)
 
 
-def bench_case(num_tokens, num_heads, kv, topk, pool, l2_bytes, sms, flashmla):
+def sweep_configs(base):
+    splits = sorted({base["splits"], 2 * base["splits"]} if base["splits"] > 1 else {1})
+    for block_n in (16, 32, 64):
+        for warps in (4, 8):
+            for stages in (2, 3):
+                for sp in splits:
+                    yield dict(base, BLOCK_N=block_n, num_warps=warps, num_stages=stages,
+                               splits=sp)
+
+
+def bench_case(num_tokens, num_heads, kv, topk, pool, l2_bytes, sms, flashmla, sweep):
     dev = "cuda"
     kv_dtype = torch.float8_e4m3fn if kv == "fp8" else torch.bfloat16
     cache = (torch.randn(pool // 64, 64, HEAD, device=dev) * 0.5).to(kv_dtype)
@@ -80,24 +94,42 @@ def bench_case(num_tokens, num_heads, kv, topk, pool, l2_bytes, sms, flashmla):
     scale = 1.0 / math.sqrt(256)
     k_scale = torch.ones(1, device=dev)
 
-    def ours(s):
+    def decode(s):
         return lambda: sparse_mla_decode_fwd(q, cache, s, valid, KV_LORA, scale, k_scale, sms)
 
-    t_ours = graph_us([ours(s) for s in sets])
+    def gather(s, cfg=None):
+        return lambda: sparse_mla_attention(q, cache, s, valid, KV_LORA, scale, k_scale, sms,
+                                            config=cfg)
+
+    t_gather = graph_us([gather(s) for s in sets])
+    t_decode = graph_us([decode(s) for s in sets])
     it = {"i": 0}
 
     def eager():
-        ours(sets[it["i"] % len(sets)])()
+        gather(sets[it["i"] % len(sets)])()
         it["i"] += 1
 
     t_eager = do_bench(eager, warmup=10, rep=100, return_mode="median") * 1e3
+    cfg = launch_config(num_tokens, num_heads, topk, cache.dtype, sms)
     row = {
         "tokens": num_tokens, "heads": num_heads, "kv": kv, "topk": topk,
-        "num_kv_splits": num_kv_splits_for(num_tokens, num_heads, topk, sms),
-        "triton_us": t_ours, "triton_eager_us": t_eager,
-        "triton_TBps": bytes_read / (t_ours * 1e-6) / 1e12, "bytes": bytes_read,
-        "index_sets": len(sets),
+        "gather_config": cfg, "gather_us": t_gather, "gather_eager_us": t_eager,
+        "gather_TBps": bytes_read / (t_gather * 1e-6) / 1e12,
+        "decode_num_kv_splits": num_kv_splits_for(num_tokens, num_heads, topk, sms),
+        "decode_us": t_decode, "decode_TBps": bytes_read / (t_decode * 1e-6) / 1e12,
+        "bytes": bytes_read, "index_sets": len(sets),
     }
+    if sweep:
+        best = (t_gather, cfg)
+        for alt in sweep_configs(cfg):
+            try:
+                t = graph_us([gather(s, alt) for s in sets[:8]])
+            except Exception as e:  # e.g. out of shared memory for a combination
+                print(f"  skip {alt}: {type(e).__name__}")
+                continue
+            if t < best[0]:
+                best = (t, alt)
+        row.update(sweep_best_us=best[0], sweep_best_config=best[1])
     if flashmla is not None and kv == "bf16":
         padded = 64 if num_heads <= 64 else 128
         if current_platform.is_device_capability_family(100):
@@ -112,7 +144,7 @@ def bench_case(num_tokens, num_heads, kv, topk, pool, l2_bytes, sms, flashmla):
 
         t_fm = graph_us([theirs(s) for s in sets])
         row.update(flashmla_us=t_fm, flashmla_TBps=bytes_read / (t_fm * 1e-6) / 1e12,
-                   ratio_vs_flashmla=t_ours / t_fm)
+                   gather_vs_flashmla=t_gather / t_fm, decode_vs_flashmla=t_decode / t_fm)
     return row
 
 
@@ -124,6 +156,8 @@ def main():
     parser.add_argument("--kv", nargs="*", default=["bf16", "fp8"])
     parser.add_argument("--topk", type=int, default=2048)
     parser.add_argument("--pool", type=int, default=262144, help="KV pool tokens")
+    parser.add_argument("--sweep", action="store_true",
+                        help="also time alternative gather launch parameters")
     args = parser.parse_args()
 
     props = torch.cuda.get_device_properties(0)
@@ -141,25 +175,35 @@ def main():
     for kv in args.kv:
         for h in args.heads:
             for t in args.tokens:
-                rows.append(bench_case(t, h, kv, args.topk, args.pool, l2, sms, flashmla))
+                rows.append(bench_case(t, h, kv, args.topk, args.pool, l2, sms, flashmla,
+                                       args.sweep))
                 torch.cuda.empty_cache()
+    bf16 = {(r["tokens"], r["heads"]): r for r in rows if r["kv"] == "bf16"}
     for r in rows:
-        r["fraction_of_copy_bw"] = r["triton_TBps"] * 1e12 / bw
+        r["gather_fraction_of_copy_bw"] = r["gather_TBps"] * 1e12 / bw
+        if r["kv"] == "fp8" and (r["tokens"], r["heads"]) in bf16:
+            r["fp8_time_vs_bf16"] = r["gather_us"] / bf16[(r["tokens"], r["heads"])]["gather_us"]
 
     print(f"device: {props.name} ({sms} SMs), copy bandwidth {bw / 1e12:.2f} TB/s "
           f"(read+write), FlashMLA sparse: {'yes' if flashmla else reason}")
     print(f"topk {args.topk}, KV pool {args.pool} tokens, bytes = T x topk x 576 x elem")
     print("GPU time per call from CUDA-graph replay; eager_us adds Python launch overhead")
-    print("|    T |   H | kv   | splits | triton_us | eager_us | TB/s | % copy bw "
-          "| flashmla_us | flashmla TB/s | triton/flashmla |")
-    print("|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("|    T |   H | kv   | gather_us | TB/s | % copy bw | eager_us | decode_us "
+          "| flashmla_us | gather/flashmla | fp8/bf16 |" + (" sweep best |" if args.sweep else ""))
+    print("|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|" + ("---:|" if args.sweep else ""))
     for r in rows:
-        fm = (f"{r['flashmla_us']:11.1f} | {r['flashmla_TBps']:13.2f} | "
-              f"{r['ratio_vs_flashmla']:15.2f}") if "flashmla_us" in r else \
-             f"{'-':>11} | {'-':>13} | {'-':>15}"
-        print(f"| {r['tokens']:4d} | {r['heads']:3d} | {r['kv']:4} | {r['num_kv_splits']:6d} "
-              f"| {r['triton_us']:9.1f} | {r['triton_eager_us']:8.1f} | {r['triton_TBps']:4.2f} "
-              f"| {100 * r['fraction_of_copy_bw']:8.1f}% | {fm} |")
+        fm = (f"{r['flashmla_us']:11.1f} | {r['gather_vs_flashmla']:15.2f}"
+              if "flashmla_us" in r else f"{'-':>11} | {'-':>15}")
+        f8 = f"{r['fp8_time_vs_bf16']:8.2f}" if "fp8_time_vs_bf16" in r else f"{'-':>8}"
+        sw = f" {r['sweep_best_us']:9.1f} |" if "sweep_best_us" in r else ""
+        print(f"| {r['tokens']:4d} | {r['heads']:3d} | {r['kv']:4} | {r['gather_us']:9.1f} "
+              f"| {r['gather_TBps']:4.2f} | {100 * r['gather_fraction_of_copy_bw']:8.1f}% "
+              f"| {r['gather_eager_us']:8.1f} | {r['decode_us']:9.1f} | {fm} | {f8} |{sw}")
+    if args.sweep:
+        for r in rows:
+            if r.get("sweep_best_config") != r["gather_config"]:
+                print(f"T={r['tokens']} H={r['heads']} {r['kv']}: best {r['sweep_best_config']} "
+                      f"{r['sweep_best_us']:.1f} us (table {r['gather_us']:.1f} us)")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"device": props.name, "sms": sms, "copy_bw_Bps": bw,

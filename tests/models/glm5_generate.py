@@ -1,7 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 """Generate with vLLM from a (tiny) GLM-5 checkpoint and dump tokens and logprobs.
 
-    python tests/models/glm5_generate.py --model DIR --out OUT.json
+    python tests/models/glm5_generate.py --model DIR|FILE.gguf --out OUT.json
         [--attention-backend NAME] [--indexer auto|deepgemm|triton] [--eager]
 
 Prompts are fixed random token ids (300 to 1000 tokens, longer than the tiny
@@ -50,8 +50,13 @@ def main():
 
         setattr(il, name, counted)
 
-    with open(os.path.join(args.model, "config.json")) as f:
-        vocab = json.load(f)["vocab_size"]
+    if args.model.endswith(".gguf"):
+        from vllm.transformers_utils.glm_dsa_gguf import config_from_gguf
+
+        vocab = config_from_gguf(args.model).vocab_size
+    else:
+        with open(os.path.join(args.model, "config.json")) as f:
+            vocab = json.load(f)["vocab_size"]
     llm = LLM(
         model=args.model,
         skip_tokenizer_init=True,

@@ -12,43 +12,10 @@ the measurement below), so the comparison is coarse; a comparison with
 transformers fp32 belongs to the end-to-end accuracy matrix.
 """
 
-import json
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 
+from glm5_runs import compare, generate
 from glm5_tiny import make_tiny_glm5
-
-HERE = Path(__file__).resolve().parent
-
-
-def generate(model, out, **kw):
-    cmd = [sys.executable, str(HERE / "glm5_generate.py"), "--model", str(model),
-           "--out", str(out), "--eager"]
-    for k, v in kw.items():
-        cmd += [f"--{k.replace('_', '-')}", v]
-    res = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-5000:]
-    return json.loads(Path(out).read_text())
-
-
-def compare(a, b):
-    """Mean/max |delta| of prompt-token logprobs; greedy agreement, where two runs
-    may part only at a near-tie (each run's token among the other's top-5)."""
-    deltas, agree, total, ties_ok = [], 0, 0, True
-    for oa, ob in zip(a["outputs"], b["outputs"]):
-        for pa, pb in zip(oa["prompt_logprobs"][1:], ob["prompt_logprobs"][1:]):
-            deltas += [abs(pa[t] - pb[t]) for t in set(pa) & set(pb)]
-        for i, (ta, tb) in enumerate(zip(oa["tokens"], ob["tokens"])):
-            total += 1
-            if ta != tb:
-                ties_ok &= str(tb) in oa["logprobs"][i] and str(ta) in ob["logprobs"][i]
-                break
-            agree += 1
-    return {"mean": sum(deltas) / len(deltas), "max": max(deltas),
-            "greedy_agreement": agree / total, "parted_at_near_tie": ties_ok}
 
 
 @pytest.mark.gpu

@@ -3,7 +3,10 @@
 #   bash tools/gpu-host/gpu-checks.sh PARTS_DIR OUT_DIR [STAGE ...]
 # Stages (default: all, in this order): install (bundle into /tmp/site), tests (GPU-marked tests),
 # upstream (upstream's sparse MLA backend test with TRITON_MLA_SPARSE added from our side),
-# bench (kernel benchmarks). Logs and JSON go to OUT_DIR. Split the stages over calls when one
+# bench (kernel benchmarks), gguf (the tiny GLM-5 from llama.cpp GGUFs in the engine; needs
+# .llama-cpp/ carried: the converter tree and a llama-quantize binary, see
+# tests/models/quantization/gguf_reference.py), mla (the sparse MLA kernel tests only), sweep
+# (launch-parameter sweep of the gather kernel). Logs and JSON go to OUT_DIR. Split the stages over calls when one
 # call's time limit is short: /tmp/site stays while the machine does.
 # The bundle comes from:
 #   python build.py bundle --wheel dist/vllm-*.whl --exclude-from tools/gpu-host/h200-pip-freeze.txt \
@@ -29,14 +32,21 @@ source /tmp/site/env.sh
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 VLLM_NO_USAGE_STATS=1 \
   DO_NOT_TRACK=1 TVM_FFI_DISABLE_TORCH_C_DLPACK=1 VLLM_USE_FLASHINFER_SAMPLER=0
 export VLLM_OVERLAY_UPSTREAM_TESTS="${VLLM_OVERLAY_UPSTREAM_TESTS:-$here/.upstream-tests}"
+export VLLM_OVERLAY_LLAMA_CPP="${VLLM_OVERLAY_LLAMA_CPP:-$here/.llama-cpp}"
+export VLLM_OVERLAY_LLAMA_QUANTIZE="${VLLM_OVERLAY_LLAMA_QUANTIZE:-$here/.llama-cpp/bin/llama-quantize}"
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv > "$out/gpu.txt"
 for stage in $stages; do
   case "$stage" in
     install) ;;
     tests)
       timeout 420 python3 -m pytest tests -m gpu -q -s -p no:cacheprovider -p no:warnings \
-        --ignore=tests/v1/attention/test_upstream_sparse_mla_backends.py 2>&1 \
+        --ignore=tests/v1/attention/test_upstream_sparse_mla_backends.py \
+        --ignore=tests/models/quantization/test_glm5_gguf_engine.py 2>&1 \
         | tee "$out/gpu-tests.log" | grep -E "passed|failed|error|delta|FAILED" || rc=1 ;;
+    gguf)
+      timeout 480 python3 -m pytest tests/models/quantization/test_glm5_gguf_engine.py -q -s \
+        -p no:cacheprovider -p no:warnings 2>&1 | tee "$out/gguf-engine.log" \
+        | grep -E "passed|failed|error|REPORT|FAILED|Error" || rc=1 ;;
     upstream)
       timeout 300 python3 -m pytest tests/v1/attention/test_upstream_sparse_mla_backends.py -q \
         -p no:cacheprovider -p no:warnings 2>&1 | tee "$out/upstream-tests.log" | tail -3 || rc=1 ;;
@@ -45,6 +55,16 @@ for stage in $stages; do
         --json "$out/bench-mla.json" 2>&1 | tee "$out/bench-mla.log" | tail -34 || rc=1
       timeout 120 python3 benchmarks/kernels/benchmark_indexer_logits.py \
         --json "$out/bench-indexer.json" 2>&1 | tee "$out/bench-indexer.log" | tail -14 || rc=1 ;;
+    sweep)
+      timeout 400 python3 benchmarks/kernels/benchmark_triton_mla_sparse.py --sweep \
+        --tokens 1 64 4096 --heads 8 64 128 --kv bf16 --json "$out/sweep-mla.json" 2>&1 \
+        | tee "$out/sweep-mla.log" | tail -30 || rc=1 ;;
+    mla)
+      timeout 300 python3 -m pytest tests/v1/attention/test_triton_mla_sparse.py -m gpu -q \
+        -p no:cacheprovider -p no:warnings 2>&1 | tee "$out/mla-tests.log" | tail -5 || rc=1 ;;
+    bisect)
+      timeout 420 python3 tests/models/quantization/gguf_bisect.py /tmp/bisect 2>&1 \
+        | tee "$out/bisect.log" | grep -E "^[a-z_]+ \{|Error" || rc=1 ;;
     *) echo "unknown stage $stage"; exit 2 ;;
   esac
 done

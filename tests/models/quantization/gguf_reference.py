@@ -28,7 +28,10 @@ GLM_SPECIAL_TOKENS = ["<|endoftext|>", "[MASK]", "[gMASK]", "[sMASK]", "<sop>", 
 
 
 def llama_cpp_dir(cache: Path) -> Path:
-    """The vendored llama.cpp tree (converter + gguf-py), extracted once into `cache`."""
+    """The vendored llama.cpp tree (converter + gguf-py), extracted once into `cache`
+    (or the tree VLLM_OVERLAY_LLAMA_CPP names, e.g. on the offline GPU host)."""
+    if os.environ.get("VLLM_OVERLAY_LLAMA_CPP"):
+        return Path(os.environ["VLLM_OVERLAY_LLAMA_CPP"])
     sys.path.insert(0, str(ROOT))
     import build
 
@@ -48,7 +51,10 @@ def llama_cpp_dir(cache: Path) -> Path:
 
 def llama_quantize() -> Path:
     """llama.cpp's `llama-quantize`, built once from the pinned sdist's vendored
-    source (CPU only, static) into build.py's cache; a few minutes on 2 cores."""
+    source (CPU only, static) into build.py's cache; a few minutes on 2 cores.
+    VLLM_OVERLAY_LLAMA_QUANTIZE names a prebuilt one (the offline GPU host)."""
+    if os.environ.get("VLLM_OVERLAY_LLAMA_QUANTIZE"):
+        return Path(os.environ["VLLM_OVERLAY_LLAMA_QUANTIZE"])
     sys.path.insert(0, str(ROOT))
     import build
 
@@ -172,3 +178,51 @@ def gguf_module(llama_cpp: Path):
 
 def config(model_dir: Path) -> dict:
     return json.loads((model_dir / "config.json").read_text())
+
+
+def dequantized_checkpoint(gguf, gguf_file: Path, hf_dir: Path, out: Path) -> Path:
+    """An HF checkpoint (config, tokenizer, safetensors with the original names)
+    holding the GGUF's weights dequantized by gguf-py, for transformers to run as
+    the fp32 reference. Names come from gguf-py's own tensor-name map, and
+    kv_b_proj from the layout test_gguf_reference checks against HF; the code
+    under test (vLLM's loader) is not involved."""
+    import numpy as np
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    reader = gguf.GGUFReader(gguf_file)
+    tensors = {t.name: t for t in reader.tensors}
+    cfg = config(hf_dir)
+    n_layers = cfg["num_hidden_layers"]
+    tmap = gguf.get_tensor_name_map(gguf.MODEL_ARCH.GLM_DSA,
+                                    n_layers + cfg.get("num_nextn_predict_layers", 0))
+
+    def deq(name):
+        t = tensors[name]
+        data = gguf.quants.dequantize(np.asarray(t.data), t.tensor_type)
+        return torch.from_numpy(np.array(data, dtype=np.float32)).reshape(
+            [int(d) for d in reversed(t.shape)])
+
+    out.mkdir(parents=True, exist_ok=True)
+    state = {}
+    for name in load_file(hf_dir / "model.safetensors"):
+        if name.startswith(f"model.layers.{n_layers}."):
+            continue  # MTP block: not part of the reference forward pass
+        base, suffix = name.rsplit(".", 1)
+        if suffix == "e_score_correction_bias":
+            base, suffix = f"{base}.e_score_correction", "bias"
+        if base.endswith("kv_b_proj"):
+            layer = name.split(".")[2]
+            k_b, v_b = deq(f"blk.{layer}.attn_k_b.weight"), deq(f"blk.{layer}.attn_v_b.weight")
+            state[name] = torch.cat([k_b.transpose(1, 2), v_b], 1).reshape(-1, k_b.shape[1])
+        elif ".mlp.experts." in base:
+            head, expert, proj = base.rsplit(".", 2)
+            state[name] = deq(f"{tmap.get_name(head + '.' + proj)}.{suffix}")[int(expert)]
+        else:
+            state[name] = deq(f"{tmap.get_name(base)}.{suffix}")
+    save_file({k: v.contiguous() for k, v in state.items()}, out / "model.safetensors",
+              metadata={"format": "pt"})
+    for f in hf_dir.iterdir():
+        if f.suffix == ".json" and f.name != "model.safetensors.index.json":
+            shutil.copy(f, out / f.name)
+    return out

@@ -13,7 +13,9 @@ import pytest
 import torch
 
 from vllm.v1.attention.backends.mla import triton_mla_sparse as tms
+from vllm.v1.attention.ops import triton_sparse_mla as tsm
 from vllm.v1.attention.backends.mla.triton_mla_sparse import (
+    KERNELS,
     TritonMLASparseImpl,
     TritonMLASparseMetadata,
     num_kv_splits_for,
@@ -103,9 +105,10 @@ def make_case(
     )
 
 
-def run_backend(case, num_heads, kv_scale=1.0, num_sms=132):
+def run_backend(case, num_heads, kv_scale=1.0, num_sms=132, kernel="gather"):
     """The impl's forward_mqa, fed as MLAAttention feeds it."""
     impl = TritonMLASparseImpl.__new__(TritonMLASparseImpl)
+    impl._kernel = kernel
     impl.kv_lora_rank = KV_LORA
     impl.scale = 1.0 / math.sqrt(192 + ROPE)
     impl.topk_indices_buffer = case.indices
@@ -133,8 +136,8 @@ def run_backend(case, num_heads, kv_scale=1.0, num_sms=132):
     return o, impl.scale
 
 
-def check(case, num_heads, tol, kv_scale=1.0, num_sms=132):
-    o, scale = run_backend(case, num_heads, kv_scale=kv_scale, num_sms=num_sms)
+def check(case, num_heads, tol, kv_scale=1.0, num_sms=132, kernel="gather"):
+    o, scale = run_backend(case, num_heads, kv_scale=kv_scale, num_sms=num_sms, kernel=kernel)
     ref = reference_sparse_mla(
         case.q, case.cache, case.block_table, case.req_id, case.indices, scale, kv_scale
     )
@@ -154,32 +157,95 @@ BF16_GPU_ONLY = pytest.param(torch.bfloat16, 2e-2, marks=pytest.mark.gpu, id="bf
 @pytest.mark.parametrize(
     "dtype,tol", [BF16_GPU_ONLY, pytest.param(torch.float16, 4e-3, id="fp16")]
 )
-def test_sparse_mla_small(dtype, tol):
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_sparse_mla_small(dtype, tol, kernel):
     # Two requests (a 3-token prefill chunk and a decode), -1 suffixes,
     # a duplicated slot per row, and one row left without any valid slot.
     case = make_case(
         [3, 1], [40, 70], 16, 128, 16, dtype, dtype, seed=0, empty_rows=[1]
     )
-    o = check(case, 16, tol)
+    o = check(case, 16, tol, kernel=kernel)
     assert (o[1] == 0).all()
 
 
 @pytest.mark.parametrize(
     "dtype,tol", [BF16_GPU_ONLY, pytest.param(torch.float16, 1e-2, id="fp16")]
 )
-def test_sparse_mla_fp8_cache(dtype, tol):
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_sparse_mla_fp8_cache(dtype, tol, kernel):
     # fp8 cache with a per-tensor scale; the reference dequantizes the same bytes.
     case = make_case([2], [50], 16, 128, 16, dtype, FP8, seed=1)
-    check(case, 16, tol, kv_scale=0.75)
+    check(case, 16, tol, kv_scale=0.75, kernel=kernel)
 
 
 def test_sparse_mla_chunked_workspace(monkeypatch):
     # A workspace bound below one token's need forces one kernel launch per token.
     case = make_case([3], [30], 16, 128, 16, torch.float16, torch.float16, seed=2)
-    whole, _ = run_backend(case, 16)
+    whole, _ = run_backend(case, 16, kernel="decode")
     monkeypatch.setattr(tms, "_MAX_WORKSPACE_BYTES", 1)
-    chunked, _ = run_backend(case, 16)
+    chunked, _ = run_backend(case, 16, kernel="decode")
     torch.testing.assert_close(chunked, whole, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("num_heads", [5, 20, 40])
+def test_gather_kernel_split_k_and_head_padding(num_heads):
+    # Heads that do not fill a head block (masked rows of the MMA) and split-K
+    # with the log-sum-exp merge, forced through `config`, against float64; the
+    # splits include ones past a row's valid entries (empty splits).
+    case = make_case([2, 1], [90, 200], num_heads, 128, 16, torch.float16, torch.float16,
+                     seed=8)
+    o1 = check(case, num_heads, 4e-3)  # the launch table's choice
+    slots, counts = tsm_inputs(case)
+    scale = 1.0 / math.sqrt(192 + ROPE)
+    one = torch.ones(1, device=DEVICE)
+    ref = reference_sparse_mla(case.q, case.cache, case.block_table, case.req_id,
+                               case.indices, scale)
+    for splits in (1, 4):
+        cfg = dict(tsm.launch_config(3, num_heads, 128, torch.float16, 132),
+                   splits=splits, BLOCK_N=16)
+        o = tsm.sparse_mla_attention(case.q, case.cache, slots, counts, KV_LORA, scale,
+                                     one, 132, config=cfg)
+        torch.testing.assert_close(o.double().cpu(), ref, rtol=4e-3, atol=4e-3)
+    assert o1.shape == o.shape
+
+
+def tsm_inputs(case):
+    from vllm.v1.attention.backends.mla.sparse_utils import (
+        triton_convert_req_index_to_global_index,
+    )
+
+    return triton_convert_req_index_to_global_index(
+        case.req_id, case.block_table, case.indices, BLOCK_SIZE=case.block_size,
+        NUM_TOPK_TOKENS=case.topk, return_valid_counts=True)
+
+
+def test_gather_launch_config():
+    # Shapes only; heads in blocks of 16/32/64; splits fill ~2 waves at small
+    # batch, keep >= 2 key blocks per split and bound the partial buffer.
+    c = tsm.launch_config(1, 64, 2048, torch.bfloat16, 132)
+    assert (c["BLOCK_H"], c["splits"]) == (64, 32)
+    assert tsm.launch_config(1, 8, 2048, torch.bfloat16, 132)["BLOCK_H"] == 16
+    assert tsm.launch_config(4096, 64, 2048, torch.bfloat16, 132)["splits"] == 1
+    assert tsm.launch_config(1, 8, 128, torch.bfloat16, 132)["splits"] == 1
+    for t in (1, 2, 8, 64, 131):
+        for h in (8, 16, 64, 128):
+            c = tsm.launch_config(t, h, 2048, torch.bfloat16, 132)
+            s = c["splits"]
+            assert s & (s - 1) == 0 and 2048 // s >= 2 * c["BLOCK_N"]
+            assert s == 1 or t * h * s * 512 * 4 <= tsm._MAX_PARTIAL_BYTES
+
+
+def test_kernel_choice(monkeypatch):
+    tms.sparse_mla_kernel.cache_clear()
+    monkeypatch.setenv("VLLM_TRITON_MLA_SPARSE_KERNEL", "nope")
+    with pytest.raises(ValueError, match="VLLM_TRITON_MLA_SPARSE_KERNEL='nope'"):
+        tms.sparse_mla_kernel()
+    monkeypatch.setenv("VLLM_TRITON_MLA_SPARSE_KERNEL", "decode")
+    tms.sparse_mla_kernel.cache_clear()
+    assert tms.sparse_mla_kernel() == "decode"
+    monkeypatch.delenv("VLLM_TRITON_MLA_SPARSE_KERNEL")
+    tms.sparse_mla_kernel.cache_clear()
+    assert tms.sparse_mla_kernel() == "gather"
 
 
 def test_num_kv_splits():
@@ -213,7 +279,8 @@ def test_sparse_mla_decode_fwd_empty_batch():
 @pytest.mark.parametrize("num_heads", [8, 16, 64, 128])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("kv", ["model", "fp8"])
-def test_glm5_shapes(num_heads, dtype, kv):
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_glm5_shapes(num_heads, dtype, kv, kernel):
     # GLM-5: topk 2048, block 64; one long-context decode (64K), a short request
     # whose context is below topk, and a 4-token speculative/prefill chunk.
     kv_dtype = FP8 if kv == "fp8" else dtype
@@ -221,11 +288,12 @@ def test_glm5_shapes(num_heads, dtype, kv):
         [1, 1, 4], [65536, 1500, 9000], num_heads, 2048, 64, dtype, kv_dtype, seed=3
     )
     tol = 3e-2 if kv == "fp8" or dtype == torch.bfloat16 else 5e-3
-    check(case, num_heads, tol, kv_scale=0.5 if kv == "fp8" else 1.0)
+    check(case, num_heads, tol, kv_scale=0.5 if kv == "fp8" else 1.0, kernel=kernel)
 
 
 @pytest.mark.gpu
-def test_memory_safety_edges():
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_memory_safety_edges(kernel):
     # Slots in the very last cache block, all -1 rows, topk larger than context.
     bs, topk = 64, 2048
     case = make_case([2, 1], [100, 64], 16, topk, bs, torch.bfloat16, torch.bfloat16, 4)
@@ -234,31 +302,32 @@ def test_memory_safety_edges():
     case.indices[2] = -1
     case.indices[2, :64] = torch.arange(64, dtype=torch.int32)  # all of it
     case.indices[1] = -1  # a row without any valid entry
-    o = check(case, 16, 2e-2)
+    o = check(case, 16, 2e-2, kernel=kernel)
     assert (o[1] == 0).all()
     # A cache that ends exactly at the last block: an out-of-bounds read would
     # fault or bring NaN from a poisoned neighbour, which is placed right after.
     big = torch.full((nb + 1, bs, HEAD), float("nan"), dtype=torch.bfloat16, device="cuda")
     big[:nb] = case.cache
     case.cache = big[:nb]
-    check(case, 16, 2e-2)
+    check(case, 16, 2e-2, kernel=kernel)
 
 
 @pytest.mark.gpu
-def test_cuda_graph_capture_and_replay():
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_cuda_graph_capture_and_replay(kernel):
     # UNIFORM_BATCH capture: the same launch replayed on new data gives eager results.
     num_heads = 16
     case = make_case([1] * 4, [3000, 500, 70, 2048], num_heads, 2048, 64,
                      torch.bfloat16, torch.bfloat16, seed=5)
-    eager, _ = run_backend(case, num_heads)
+    eager, _ = run_backend(case, num_heads, kernel=kernel)
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
-        run_backend(case, num_heads)  # warm up (Triton compilation) off-graph
+        run_backend(case, num_heads, kernel=kernel)  # warm up (Triton compilation) off-graph
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        graphed, _ = run_backend(case, num_heads)
+        graphed, _ = run_backend(case, num_heads, kernel=kernel)
     graph.replay()
     torch.testing.assert_close(graphed, eager, rtol=0, atol=0)
     # New queries, cache and indices in the same buffers.
@@ -268,13 +337,14 @@ def test_cuda_graph_capture_and_replay():
     case.cache.copy_(fresh.cache)
     case.indices.copy_(fresh.indices)
     graph.replay()
-    expect, _ = run_backend(case, num_heads)
+    expect, _ = run_backend(case, num_heads, kernel=kernel)
     torch.testing.assert_close(graphed, expect, rtol=0, atol=0)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("num_heads", [16, 64, 128])
-def test_matches_flashmla_sparse(num_heads):
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_matches_flashmla_sparse(num_heads, kernel):
     flashmla = pytest.importorskip("vllm.v1.attention.ops.flashmla")
     ok, reason = flashmla.is_flashmla_sparse_supported()
     if not ok:
@@ -285,7 +355,7 @@ def test_matches_flashmla_sparse(num_heads):
 
     case = make_case([1, 1, 8], [20000, 900, 5000], num_heads, 2048, 64,
                      torch.bfloat16, torch.bfloat16, seed=7)
-    ours, scale = run_backend(case, num_heads)
+    ours, scale = run_backend(case, num_heads, kernel=kernel)
     slots = triton_convert_req_index_to_global_index(
         case.req_id, case.block_table, case.indices, BLOCK_SIZE=64, NUM_TOPK_TOKENS=2048
     )

@@ -6,15 +6,22 @@ Portable counterpart of FLASHMLA_SPARSE / FLASHINFER_MLA_SPARSE for every CUDA G
 that runs Triton (SM80, SM86, SM89, SM90, SM100, SM120, SM121).
 
 Every query token, whether it belongs to a prefill, a decode or a speculative
-decode, is one row of the Triton MLA decode kernel (`decode_attention_fwd`):
-the indexer's top-k request-local positions of the token are converted to
-global KV-cache slots and serve as the token's private block table with a page
-size of 1. The indexer pads each row with -1 after its valid entries, so the
-number of valid entries is the row's sequence length for the kernel.
+decode, attends to the indexer's top-k request-local positions, converted to
+global KV-cache slots (the indexer pads each row with -1 after its valid
+entries). Two kernels implement this, chosen by VLLM_TRITON_MLA_SPARSE_KERNEL:
+
+- "gather" (default, `ops/triton_sparse_mla.py`): gathers each selected row once
+  for a block of heads, split-K over the top-k at small batch;
+- "decode": the Triton MLA decode kernel (`decode_attention_fwd`) with the slots
+  as the token's private block table with a page size of 1 (the first
+  implementation, kept as a fallback).
 """
 
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar
+
+import functools
+import os
 
 import numpy as np
 import torch
@@ -42,6 +49,7 @@ from vllm.v1.attention.backends.mla.sparse_utils import (
     triton_convert_req_index_to_global_index,
 )
 from vllm.v1.attention.ops.triton_decode_attention import decode_attention_fwd
+from vllm.v1.attention.ops.triton_sparse_mla import sparse_mla_attention
 from vllm.v1.kv_cache_interface import AttentionSpec
 
 if TYPE_CHECKING:
@@ -298,6 +306,20 @@ def sparse_mla_decode_fwd(
     return o.masked_fill_(~has_valid[:, None, None], 0)
 
 
+KERNELS = ("gather", "decode")
+
+
+@functools.cache
+def sparse_mla_kernel() -> str:
+    """The kernel TRITON_MLA_SPARSE runs: VLLM_TRITON_MLA_SPARSE_KERNEL."""
+    kernel = os.environ.get("VLLM_TRITON_MLA_SPARSE_KERNEL", "gather").lower()
+    if kernel not in KERNELS:
+        raise ValueError(
+            f"VLLM_TRITON_MLA_SPARSE_KERNEL={kernel!r}: expected one of {KERNELS}"
+        )
+    return kernel
+
+
 class TritonMLASparseImpl(SparseMLAAttentionImpl[TritonMLASparseMetadata]):
     def __init__(
         self,
@@ -345,6 +367,7 @@ class TritonMLASparseImpl(SparseMLAAttentionImpl[TritonMLASparseMetadata]):
         # Queries stay in the model dtype; an fp8 cache is dequantized on load.
         self.supports_quant_query_input = False
         self._num_sms = current_platform.num_compute_units()
+        self._kernel = sparse_mla_kernel()
 
     def forward_mqa(
         self,
@@ -365,7 +388,8 @@ class TritonMLASparseImpl(SparseMLAAttentionImpl[TritonMLASparseMetadata]):
             NUM_TOPK_TOKENS=topk_indices.shape[1],
             return_valid_counts=True,
         )
-        o = sparse_mla_decode_fwd(
+        fwd = sparse_mla_attention if self._kernel == "gather" else sparse_mla_decode_fwd
+        o = fwd(
             q,
             kv_c_and_k_pe_cache,
             slots,

@@ -1,0 +1,49 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Run glm5_generate.py (vLLM) and glm5_hf_reference.py (transformers fp32) in
+subprocesses and compare their JSON outputs."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+
+
+def _run(script, out, args, env=None):
+    cmd = [sys.executable, str(HERE / script), "--out", str(out), *args]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-5000:]
+    return json.loads(Path(out).read_text())
+
+
+def generate(model, out, eager=True, env=None, **kw):
+    """vLLM on `model` (checkpoint dir or .gguf); kw become --flags."""
+    args = ["--model", str(model)] + (["--eager"] if eager else [])
+    for k, v in kw.items():
+        args += [f"--{k.replace('_', '-')}", v]
+    return _run("glm5_generate.py", out, args, env=env)
+
+
+def hf_reference(model_dir, out):
+    """transformers fp32 on the checkpoint dir."""
+    return _run("glm5_hf_reference.py", out, ["--model", str(model_dir)])
+
+
+def compare(a, b):
+    """Mean/max |delta| of prompt-token logprobs (over the tokens both top-5 lists
+    hold, the prompt token included); greedy agreement up to the first parting,
+    and whether every parting was at a near-tie (each run's token in the other's
+    top-5)."""
+    deltas, agree, total, ties_ok = [], 0, 0, True
+    for oa, ob in zip(a["outputs"], b["outputs"]):
+        for pa, pb in zip(oa["prompt_logprobs"][1:], ob["prompt_logprobs"][1:]):
+            deltas += [abs(pa[t] - pb[t]) for t in set(pa) & set(pb)]
+        for i, (ta, tb) in enumerate(zip(oa["tokens"], ob["tokens"])):
+            total += 1
+            if ta != tb:
+                ties_ok &= str(tb) in oa["logprobs"][i] and str(ta) in ob["logprobs"][i]
+                break
+            agree += 1
+    return {"mean": sum(deltas) / len(deltas), "max": max(deltas),
+            "greedy_agreement": agree / total, "parted_at_near_tie": ties_ok}

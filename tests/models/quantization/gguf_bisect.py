@@ -1,0 +1,83 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Which tensor group breaks a quantized GLM-5 GGUF in vLLM? (a debugging script)
+
+    python tests/models/quantization/gguf_bisect.py OUT_DIR
+
+Makes the tiny GLM-5, its bf16 and q8_0 GGUFs, and hybrids that take one group
+of tensors from the q8_0 file and the rest from the bf16 file; runs each in vLLM
+(TRITON_MLA_SPARSE, portable indexer, fp16) and prints the prompt-logprob
+distance to the safetensors run. A group whose hybrid is far off is where the
+quantized path goes wrong.
+"""
+
+import json
+import re
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path[:0] = [str(HERE), str(HERE.parent)]
+
+import gguf_reference as gr  # noqa: E402
+from glm5_runs import compare, generate  # noqa: E402
+from glm5_tiny import make_tiny_glm5  # noqa: E402
+
+GROUPS = {
+    "experts": r"ffn_(gate|up|down)_exps",
+    "shared": r"ffn_(gate|up|down)_shexp",
+    "dense_mlp": r"blk\.0\.ffn_(gate|up|down)\.",
+    "attn_qkv": r"attn_(q_a|q_b|kv_a_mqa)\.",
+    "attn_out": r"attn_output",
+    "indexer_q": r"indexer\.attn_q_b",
+    "embed": r"token_embd",
+    "lm_head": r"^output\.weight",
+}
+
+
+def hybrid(gguf, bf16: Path, q8: Path, out: Path, pattern: str) -> Path:
+    rq = {t.name: t for t in gguf.GGUFReader(q8).tensors}
+    rb = gguf.GGUFReader(bf16)
+    writer = gguf.GGUFWriter(out, rb.fields["general.architecture"].contents())
+    for f in rb.fields.values():
+        if f.name == "general.architecture" or f.name.startswith("GGUF."):
+            continue
+        sub = f.types[-1] if f.types[0] == gguf.GGUFValueType.ARRAY else None
+        writer.add_key_value(f.name, f.contents(), f.types[0], sub_type=sub)
+    chosen = [rq[t.name] if re.search(pattern, t.name) else t for t in rb.tensors]
+    for t in chosen:
+        writer.add_tensor_info(t.name, t.data.shape, t.data.dtype, t.data.nbytes, t.tensor_type)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_ti_data_to_file()
+    for t in chosen:
+        writer.write_tensor_data(t.data)
+    writer.close()
+    return out
+
+
+def main():
+    out = Path(sys.argv[1])
+    out.mkdir(parents=True, exist_ok=True)
+    model = make_tiny_glm5(out / "tiny")
+    gr.write_tokenizer(model, gr.config(model)["vocab_size"])
+    llama_cpp = gr.llama_cpp_dir(out / "llama-cpp")
+    gguf = gr.gguf_module(llama_cpp)
+    bf16 = gr.convert(llama_cpp, model, out / "bf16.gguf", "bf16")
+    q8 = gr.convert(llama_cpp, model, out / "q8_0.gguf", "q8_0")
+    settings = {"attention_backend": "TRITON_MLA_SPARSE", "indexer": "triton",
+                "dtype": "float16"}
+    st = generate(model, out / "st.json", **settings)
+    report = {}
+    for name, pattern in GROUPS.items():
+        f = hybrid(gguf, bf16, q8, out / f"hybrid-{name}.gguf", pattern)
+        try:
+            report[name] = compare(st, generate(f, out / f"{name}.json", **settings))
+        except AssertionError as e:
+            report[name] = {"error": str(e)[-800:]}
+        print(name, json.dumps(report[name]), flush=True)
+        f.unlink()
+    (out / "bisect.json").write_text(json.dumps(report, indent=1))
+
+
+if __name__ == "__main__":
+    main()

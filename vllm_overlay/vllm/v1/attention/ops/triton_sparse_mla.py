@@ -1,0 +1,224 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""Sparse MLA attention (DeepSeek-V3.2 / GLM-5 DSA) as one gather kernel.
+
+Each query token attends to its own top-k KV-cache slots (global slot ids, -1
+padding after the valid ones). Unlike a paged decode kernel with a page size of
+1, this kernel
+
+- reads every selected KV row once for a block of up to 64 local heads: the heads
+  are the M dimension of the tensor-core dots (QK^T over 512 + 64, PV over 512);
+- gathers the rows by slot directly (no block-table indirection);
+- splits a token's top-k over several programs when there are few tokens, and
+  merges the partial results by their log-sum-exp in a second small kernel;
+- reads an fp8 cache as is and dequantizes on load (the per-tensor scale is
+  applied to the scores and to the output, so the dots stay in 16 bits).
+
+Launch parameters come from the shapes only (a table, no host sync), so the
+kernels are stable under CUDA graph capture.
+"""
+
+import torch
+
+from vllm.triton_utils import tl, triton
+
+# Upper bound for the split-K partial results (fp32 [T, H, splits, D_V]).
+_MAX_PARTIAL_BYTES = 32 * 1024 * 1024
+
+
+@triton.jit
+def _sparse_mla_kernel(
+    Q,
+    KV,
+    Slots,
+    Counts,
+    KScale,
+    O,
+    Lse,
+    sm_scale,
+    stride_qt,
+    stride_qh,
+    stride_kv,
+    stride_st,
+    stride_ot,
+    stride_oh,
+    stride_os,
+    stride_lt,
+    stride_lh,
+    num_heads,
+    split_len,
+    BLOCK_H: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    D_V: tl.constexpr,
+    D_R: tl.constexpr,
+    KV_FP8: tl.constexpr,
+    PARTIAL: tl.constexpr,
+):
+    # heads fastest: the programs of one token run together and share its rows in L2
+    hb = tl.program_id(0)
+    t = tl.program_id(1).to(tl.int64)
+    s = tl.program_id(2)
+
+    offs_h = hb * BLOCK_H + tl.arange(0, BLOCK_H)
+    mask_h = offs_h < num_heads
+    offs_v = tl.arange(0, D_V)
+    offs_r = tl.arange(0, D_R)
+    q_row = Q + t * stride_qt + offs_h[:, None] * stride_qh
+    q_nope = tl.load(q_row + offs_v[None, :], mask=mask_h[:, None], other=0.0)
+    q_rope = tl.load(q_row + D_V + offs_r[None, :], mask=mask_h[:, None], other=0.0)
+
+    count = tl.load(Counts + t)
+    start = s * split_len
+    end = tl.minimum(start + split_len, count)
+    qk_scale = sm_scale * 1.4426950408889634  # log2(e): softmax in base 2
+    if KV_FP8:
+        k_scale = tl.load(KScale)
+        qk_scale = qk_scale * k_scale
+
+    m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_H, D_V], dtype=tl.float32)
+    for n0 in range(start, end, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        mask_n = offs_n < end
+        slot = tl.load(Slots + t * stride_st + offs_n, mask=mask_n, other=0).to(tl.int64)
+        kv_row = KV + slot[:, None] * stride_kv
+        k_nope = tl.load(kv_row + offs_v[None, :], mask=mask_n[:, None], other=0.0)
+        k_rope = tl.load(kv_row + D_V + offs_r[None, :], mask=mask_n[:, None], other=0.0)
+        if KV_FP8:
+            k_nope = k_nope.to(q_nope.dtype)
+            k_rope = k_rope.to(q_nope.dtype)
+        qk = tl.dot(q_nope, tl.trans(k_nope))
+        qk = tl.dot(q_rope, tl.trans(k_rope), qk)
+        qk = tl.where(mask_n[None, :], qk * qk_scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        p = tl.exp2(qk - m_new[:, None])
+        alpha = tl.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(k_nope.dtype), k_nope)
+        m_i = m_new
+
+    l_safe = tl.where(l_i > 0.0, l_i, 1.0)
+    out = acc / l_safe[:, None]
+    if KV_FP8:
+        out = out * k_scale  # V is the same fp8 latent as K
+    o_ptr = O + t * stride_ot + s * stride_os + offs_h[:, None] * stride_oh + offs_v[None, :]
+    tl.store(o_ptr, out.to(O.dtype.element_ty), mask=mask_h[:, None])
+    if PARTIAL:
+        # base-2 log-sum-exp of the split; -inf for a split without valid slots
+        lse = tl.where(l_i > 0.0, m_i + tl.log2(l_safe), float("-inf"))
+        tl.store(Lse + t * stride_lt + offs_h * stride_lh + s, lse, mask=mask_h)
+
+
+@triton.jit
+def _sparse_mla_merge_kernel(
+    Part,
+    Lse,
+    O,
+    stride_pt,
+    stride_ph,
+    stride_ps,
+    stride_lt,
+    stride_lh,
+    stride_ot,
+    stride_oh,
+    NUM_SPLITS: tl.constexpr,
+    D_V: tl.constexpr,
+):
+    h = tl.program_id(0)
+    t = tl.program_id(1).to(tl.int64)
+    offs_s = tl.arange(0, NUM_SPLITS)
+    offs_v = tl.arange(0, D_V)
+    lse = tl.load(Lse + t * stride_lt + h * stride_lh + offs_s)
+    m = tl.max(lse, 0)
+    m = tl.where(m == float("-inf"), 0.0, m)  # no valid slot at all: zeros below
+    w = tl.exp2(lse - m)
+    part = tl.load(Part + t * stride_pt + h * stride_ph + offs_s[:, None] * stride_ps
+                   + offs_v[None, :])
+    total = tl.sum(w, 0)
+    out = tl.sum(w[:, None] * part, 0) / tl.where(total > 0.0, total, 1.0)
+    tl.store(O + t * stride_ot + h * stride_oh + offs_v, out.to(O.dtype.element_ty))
+
+
+def launch_config(
+    num_tokens: int, num_heads: int, topk: int, kv_dtype: torch.dtype, num_sms: int
+) -> dict:
+    """Block sizes, warps, stages and splits for a shape (no data, no host sync)."""
+    block_h = 16 if num_heads <= 16 else (32 if num_heads <= 32 else 64)
+    block_n = 32 if block_h == 64 else 64
+    num_warps = 8 if block_h == 64 else 4
+    programs = num_tokens * triton.cdiv(num_heads, block_h)
+    splits = 1
+    if programs < num_sms:
+        splits = triton.next_power_of_2(triton.cdiv(2 * num_sms, programs))
+        # at least two key blocks per split
+        splits = min(splits, max(1, triton.next_power_of_2(topk) // (2 * block_n)))
+        per_split = num_tokens * num_heads * 512 * 4
+        while splits > 1 and splits * per_split > _MAX_PARTIAL_BYTES:
+            splits //= 2
+    return {"BLOCK_H": block_h, "BLOCK_N": block_n, "num_warps": num_warps,
+            "num_stages": 2, "splits": splits}
+
+
+def sparse_mla_attention(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    slots: torch.Tensor,
+    valid_counts: torch.Tensor,
+    kv_lora_rank: int,
+    scale: float,
+    k_scale: torch.Tensor,
+    num_sms: int,
+    config: dict | None = None,
+) -> torch.Tensor:
+    """Sparse MLA over global KV slots.
+
+    q: [T, H, kv_lora_rank + rope] (fp16/bf16); kv_cache: [NB, BS, kv_lora_rank +
+    rope] (fp16/bf16, or fp8 with the per-tensor scale `k_scale`, a 1-element
+    tensor); slots: int32 [T, K], the valid slots of a token first; valid_counts:
+    int32 [T]. Returns o: [T, H, kv_lora_rank] in q's dtype; a token without valid
+    slots gets zeros. `config` overrides `launch_config` (benchmarks, tests).
+    """
+    num_tokens, num_heads, head_dim = q.shape
+    d_r = head_dim - kv_lora_rank
+    topk = slots.shape[1]
+    o = torch.empty(num_tokens, num_heads, kv_lora_rank, dtype=q.dtype, device=q.device)
+    if num_tokens == 0:
+        return o
+    kv = kv_cache.view(-1, kv_cache.shape[-1])
+    assert kv.stride(-1) == 1 and q.stride(-1) == 1 and slots.stride(-1) == 1
+    kv_fp8 = kv.dtype in (torch.float8_e4m3fn, torch.float8_e5m2, torch.uint8)
+    if kv.dtype == torch.uint8:  # vLLM stores an fp8 cache as uint8
+        kv = kv.view(torch.float8_e4m3fn)
+    cfg = config or launch_config(num_tokens, num_heads, topk, kv.dtype, num_sms)
+    splits = cfg["splits"]
+    split_len = triton.cdiv(triton.cdiv(topk, splits), cfg["BLOCK_N"]) * cfg["BLOCK_N"]
+    grid = (triton.cdiv(num_heads, cfg["BLOCK_H"]), num_tokens, splits)
+    if splits == 1:
+        out, lse = o, o  # lse unused
+        so = (o.stride(0), o.stride(1), 0)
+        sl = (0, 0)
+    else:
+        out = torch.empty(num_tokens, num_heads, splits, kv_lora_rank,
+                          dtype=torch.float32, device=q.device)
+        lse = torch.empty(num_tokens, num_heads, splits, dtype=torch.float32,
+                          device=q.device)
+        so = (out.stride(0), out.stride(1), out.stride(2))
+        sl = (lse.stride(0), lse.stride(1))
+    _sparse_mla_kernel[grid](
+        q, kv, slots, valid_counts, k_scale, out, lse, scale,
+        q.stride(0), q.stride(1), kv.stride(0), slots.stride(0),
+        *so, *sl,
+        num_heads, split_len,
+        BLOCK_H=cfg["BLOCK_H"], BLOCK_N=cfg["BLOCK_N"], D_V=kv_lora_rank, D_R=d_r,
+        KV_FP8=kv_fp8, PARTIAL=splits > 1,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+    )
+    if splits > 1:
+        _sparse_mla_merge_kernel[(num_heads, num_tokens)](
+            out, lse, o,
+            out.stride(0), out.stride(1), out.stride(2),
+            lse.stride(0), lse.stride(1), o.stride(0), o.stride(1),
+            NUM_SPLITS=splits, D_V=kv_lora_rank, num_warps=4,
+        )
+    return o
