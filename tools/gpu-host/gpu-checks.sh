@@ -63,7 +63,7 @@ for stage in $stages; do
       timeout 300 python3 -m pytest tests/v1/attention/test_triton_mla_sparse.py -m gpu -q \
         -p no:cacheprovider -p no:warnings 2>&1 | tee "$out/mla-tests.log" | tail -5 || rc=1 ;;
     bisect)
-      timeout 420 python3 tests/models/quantization/gguf_bisect.py /tmp/bisect 2>&1 \
+      timeout "${BISECT_TIMEOUT:-420}" python3 tests/models/quantization/gguf_bisect.py /tmp/bisect 2>&1 \
         | tee "$out/bisect.log" | grep -E "^[a-z_]+ \{|Error" || rc=1 ;;
     *) echo "unknown stage $stage"; exit 2 ;;
   esac

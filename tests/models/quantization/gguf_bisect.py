@@ -11,6 +11,7 @@ quantized path goes wrong.
 """
 
 import json
+import os
 import re
 import sys
 from pathlib import Path
@@ -31,6 +32,7 @@ GROUPS = {
     "indexer_q": r"indexer\.attn_q_b",
     "embed": r"token_embd",
     "lm_head": r"^output\.weight",
+    "all": r".",
 }
 
 
@@ -68,7 +70,10 @@ def main():
                 "dtype": "float16"}
     st = generate(model, out / "st.json", **settings)
     report = {}
+    only = os.environ.get("GGUF_BISECT_GROUPS")
     for name, pattern in GROUPS.items():
+        if only and name not in only.split(","):
+            continue
         f = hybrid(gguf, bf16, q8, out / f"hybrid-{name}.gguf", pattern)
         try:
             report[name] = compare(st, generate(f, out / f"{name}.json", **settings))
