@@ -24,6 +24,20 @@ def prompts(vocab: int) -> list[list[int]]:
     return [[rng.randrange(3, vocab) for _ in range(n)] for n in PROMPT_LENS]
 
 
+def attention_backend_name(llm) -> str | None:
+    """The attention backend the engine's layers use (in-process engine only)."""
+    from vllm.config import get_layers_from_vllm_config
+    from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
+
+    config = llm.llm_engine.vllm_config
+    try:
+        layers = get_layers_from_vllm_config(config, AttentionLayerBase)
+    except Exception:  # noqa: BLE001 - reporting only
+        return None
+    names = {layer.get_attn_backend().get_name() for layer in layers.values()}
+    return names.pop() if len(names) == 1 else ",".join(sorted(names))
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", required=True)
@@ -76,8 +90,11 @@ def main():
     def top(lp):
         return {str(t): v.logprob for t, v in lp.items()} if lp else None
 
+    model_config = llm.llm_engine.vllm_config.model_config
     result = {
         "args": vars(args),
+        "dtype": str(model_config.dtype),
+        "attention_backend": attention_backend_name(llm),
         "indexer_backend": il.indexer_logits_backend(),
         "triton_indexer_calls": calls,
         "outputs": [

@@ -37,10 +37,46 @@ def overlay_snapshot(proj: Path) -> dict[str, bytes]:
 # --------------------------------------------------------------------------------------
 # Real releases
 # --------------------------------------------------------------------------------------
-def test_round_trip_0_22_1(tmp_path):
-    """0.23.0 -> 0.22.1 merges cleanly and moves the pin; back to 0.23.0 restores
-    the overlay and the lock byte for byte."""
+GGUF_LOADER = "vllm/model_executor/model_loader/gguf_loader.py"
+
+
+def drop_overlay_file(proj: Path, rel: str) -> None:
+    """Remove one replaced file from a project copy (file and lock entry)."""
+    (proj / "vllm_overlay" / rel).unlink()
+    lock = (proj / "upstream.lock").read_text()
+    start = lock.index(f'[overlay."{rel}"]')
+    end = lock.find("\n[", start + 1)
+    (proj / "upstream.lock").write_text(lock[:start] + (lock[end + 1:] if end > 0 else ""))
+
+
+def test_0_22_1_conflicts_in_gguf_loader_and_abort_restores(tmp_path):
+    """0.23.0 -> 0.22.1 with the real overlay: 0.23.0 reworked the GGUF shard
+    discovery our gguf_loader.py hunk extends, so that file conflicts and every
+    other file merges; the rebase stops with markers and --abort restores the
+    overlay and the lock byte for byte."""
     proj = copy_project(tmp_path / "proj")
+    lock0, files0 = (proj / "upstream.lock").read_text(), overlay_snapshot(proj)
+    res = run_build("rebase", "--to", "0.22.1", "--report", str(tmp_path / "r.json"), cwd=proj)
+    assert res.returncode == 7, res.stdout + res.stderr
+    report = json.loads((tmp_path / "r.json").read_text())
+    results = {f["path"]: f["result"] for f in report["files"]}
+    assert results.pop(GGUF_LOADER) == "conflict"
+    assert set(results.values()) <= {"clean", "upstream-unchanged", "new"}, results
+    assert not report["lock_updated"]
+    assert "<<<<<<<" in (proj / "vllm_overlay" / GGUF_LOADER).read_text()
+    assert (proj / "upstream.lock").read_text() == lock0
+    back = run_build("rebase", "--abort", cwd=proj)
+    assert back.returncode == 0, back.stdout + back.stderr
+    assert (proj / "upstream.lock").read_text() == lock0
+    assert overlay_snapshot(proj) == files0
+
+
+def test_round_trip_0_22_1(tmp_path):
+    """Without the conflicting file, 0.23.0 -> 0.22.1 merges cleanly and moves the
+    pin; back to 0.23.0 restores the overlay and the lock byte for byte."""
+    proj = copy_project(tmp_path / "proj")
+    drop_overlay_file(proj, GGUF_LOADER)
+    assert run_build("check", cwd=proj).returncode == 0
     lock0, files0 = (proj / "upstream.lock").read_text(), overlay_snapshot(proj)
     res = run_build("rebase", "--to", "0.22.1", "--report", str(tmp_path / "r.json"), cwd=proj)
     assert res.returncode == 0, res.stdout + res.stderr
@@ -64,25 +100,17 @@ def test_round_trip_0_22_1(tmp_path):
 
 
 def test_0_24_0_reports_deleted_gguf_loader(tmp_path):
-    """vLLM 0.24.0 deleted the GGUF loader: an overlay of it is reported, and
-    nothing is written (no half-rebased tree)."""
+    """vLLM 0.24.0 deleted the GGUF loader and GGUF quantization our overlay
+    replaces: both are reported, and nothing is written (no half-rebased tree)."""
     proj = copy_project(tmp_path / "proj")
-    rel = "vllm/model_executor/model_loader/gguf_loader.py"
-    wheel = Path(run_build("sdist", "-q").stdout.strip()).parent / tomllib.loads(
-        (ROOT / "upstream.lock").read_text())["upstream"]["wheels"]["manylinux_2_28_x86_64"]["filename"]
-    with zipfile.ZipFile(wheel) as zf:
-        base = zf.read(rel)
-    (proj / "vllm_overlay" / rel).parent.mkdir(parents=True)
-    (proj / "vllm_overlay" / rel).write_bytes(base + b"# overlay: GLM-5 mapping goes here\n")
-    with open(proj / "upstream.lock", "a") as f:
-        f.write(f'\n[overlay."{rel}"]\nbase_sha256 = "{hashlib.sha256(base).hexdigest()}"\n')
-    assert run_build("check", cwd=proj).returncode == 0
     lock0, files0 = (proj / "upstream.lock").read_text(), overlay_snapshot(proj)
     res = run_build("rebase", "--to", "0.24.0", "--report", str(tmp_path / "r.json"), cwd=proj)
     assert res.returncode == 7, res.stdout + res.stderr
-    assert f"deleted-upstream     {rel}" in res.stdout
+    assert f"deleted-upstream     {GGUF_LOADER}" in res.stdout
     report = json.loads((tmp_path / "r.json").read_text())
-    assert {f["path"]: f["result"] for f in report["files"]}[rel] == "deleted-upstream"
+    results = {f["path"]: f["result"] for f in report["files"]}
+    assert results[GGUF_LOADER] == "deleted-upstream"
+    assert results["vllm/model_executor/layers/quantization/gguf.py"] == "deleted-upstream"
     assert not report["lock_updated"] and "written" not in report
     assert (proj / "upstream.lock").read_text() == lock0
     assert overlay_snapshot(proj) == files0

@@ -6,7 +6,9 @@
 # bench (kernel benchmarks), gguf (the tiny GLM-5 from llama.cpp GGUFs in the engine; needs
 # .llama-cpp/ carried: the converter tree and a llama-quantize binary, see
 # tests/models/quantization/gguf_reference.py), mla (the sparse MLA kernel tests only), sweep
-# (launch-parameter sweep of the gather kernel). Logs and JSON go to OUT_DIR. Split the stages over calls when one
+# (launch-parameter sweep of the gather kernel), bisect (tests/models/quantization/gguf_bisect.py),
+# sm120 (the engine from a GGUF with the capability reported as 12.0), throughput
+# (benchmarks/glm5_throughput.py). Logs and JSON go to OUT_DIR. Split the stages over calls when one
 # call's time limit is short: /tmp/site stays while the machine does.
 # The bundle comes from:
 #   python build.py bundle --wheel dist/vllm-*.whl --exclude-from tools/gpu-host/h200-pip-freeze.txt \
@@ -41,7 +43,8 @@ for stage in $stages; do
     tests)
       timeout 420 python3 -m pytest tests -m gpu -q -s -p no:cacheprovider -p no:warnings \
         --ignore=tests/v1/attention/test_upstream_sparse_mla_backends.py \
-        --ignore=tests/models/quantization/test_glm5_gguf_engine.py 2>&1 \
+        --ignore=tests/models/quantization/test_glm5_gguf_engine.py \
+        --ignore=tests/models/quantization/test_glm5_gguf_as_sm120.py 2>&1 \
         | tee "$out/gpu-tests.log" | grep -E "passed|failed|error|delta|FAILED" || rc=1 ;;
     gguf)
       timeout 480 python3 -m pytest tests/models/quantization/test_glm5_gguf_engine.py -q -s \
@@ -65,6 +68,15 @@ for stage in $stages; do
     bisect)
       timeout "${BISECT_TIMEOUT:-420}" python3 tests/models/quantization/gguf_bisect.py /tmp/bisect 2>&1 \
         | tee "$out/bisect.log" | grep -E "^[a-z_]+ \{|Error" || rc=1 ;;
+    sm120)
+      # the engine "as on SM120": the capability hook, then the no-flags GGUF test
+      pip install -q --no-deps --no-build-isolation --target /tmp/site \
+        tests/plugins/vllm_report_capability >/dev/null 2>&1 || rc=1
+      timeout 300 python3 -m pytest tests/models/quantization/test_glm5_gguf_as_sm120.py -q -s \
+        -p no:cacheprovider -p no:warnings 2>&1 | tee "$out/sm120.log" | tail -5 || rc=1 ;;
+    throughput)
+      timeout 500 python3 benchmarks/glm5_throughput.py --json "$out/glm5-throughput.json" 2>&1 \
+        | tee "$out/glm5-throughput.log" | tail -8 || rc=1 ;;
     *) echo "unknown stage $stage"; exit 2 ;;
   esac
 done

@@ -1,0 +1,130 @@
+# SPDX-License-Identifier: Apache-2.0
+"""GLM-5-shaped serving throughput: TRITON_MLA_SPARSE + portable indexer against
+FLASHMLA_SPARSE + DeepGEMM, in the same run.
+
+    python benchmarks/glm5_throughput.py --json out.json [--contexts 8192 32768]
+        [--batch 8] [--gen 64] [--layers 4] [--experts 16]
+
+The model has GLM-5's real per-layer dimensions (transformers' GlmMoeDsaConfig
+defaults: hidden 6144, 64 heads, q_lora 2048, kv_lora 512, nope 192 + rope 64,
+v 256, a 32 x 128 indexer with top-k 2048, MoE intermediate 2048, 8 experts per
+token) with fewer layers and routed experts so that it fits one GPU, and random
+weights (`load_format="dummy"`). Each path runs in its own process:
+- TTFT: one request with a CONTEXT-token prompt, max_tokens 1 (prefill + first token);
+- decode: BATCH requests of CONTEXT tokens; decode tokens/s = BATCH x GEN over the
+  time of the (1 + GEN)-token run minus the 1-token run (prefix caching off).
+CUDA graphs on (vLLM's default). The report gives the ratio Triton / upstream.
+"""
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+PATHS = {
+    "upstream": {"backend": "FLASHMLA_SPARSE", "indexer": "deepgemm"},
+    "portable": {"backend": "TRITON_MLA_SPARSE", "indexer": "triton"},
+}
+
+
+def glm5_config(layers: int, experts: int, vocab: int) -> dict:
+    """GLM-5's per-layer shape (GlmMoeDsaConfig defaults), fewer layers/experts."""
+    from transformers import GlmMoeDsaConfig
+
+    cfg = GlmMoeDsaConfig(num_hidden_layers=layers, n_routed_experts=experts,
+                          first_k_dense_replace=1, vocab_size=vocab)
+    d = cfg.to_dict()
+    d.update({
+        "architectures": ["GlmMoeDsaForCausalLM"],
+        "mlp_layer_types": ["dense"] + ["sparse"] * (layers - 1),
+        "indexer_types": ["full"] * layers,
+        "topk_method": "noaux_tc",
+        "scoring_func": "sigmoid",
+        "indexer_rope_interleave": True,
+        "num_nextn_predict_layers": 0,
+        "dtype": "bfloat16",
+    })
+    return d
+
+
+def worker(args) -> None:
+    os.environ["VLLM_SPARSE_INDEXER_LOGITS"] = PATHS[args.path]["indexer"]
+    from vllm import LLM, SamplingParams
+
+    llm = LLM(model=args.model_dir, load_format="dummy", skip_tokenizer_init=True,
+              max_model_len=max(args.contexts) + args.gen + 16, block_size=64,
+              enable_prefix_caching=False, max_num_seqs=args.batch, seed=0,
+              gpu_memory_utilization=0.85,
+              attention_config={"backend": PATHS[args.path]["backend"]})
+    rows = []
+    for ctx in args.contexts:
+        def run(batch, max_tokens, seed):
+            ids = [[(seed * 7919 + b * 104729 + i * 13) % 150000 + 10 for i in range(ctx)]
+                   for b in range(batch)]
+            params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True,
+                                    detokenize=False)
+            t0 = time.perf_counter()
+            llm.generate([{"prompt_token_ids": x} for x in ids], params, use_tqdm=False)
+            return time.perf_counter() - t0
+
+        run(1, 2, 0)  # warm up this context length
+        ttft = min(run(1, 1, s) for s in (1, 2, 3))
+        prefill = run(args.batch, 1, 4)
+        full = run(args.batch, 1 + args.gen, 4)
+        rows.append({"context": ctx, "ttft_s": ttft, "batch": args.batch, "gen": args.gen,
+                     "decode_tok_s": args.batch * args.gen / max(full - prefill, 1e-9)})
+    Path(args.out).write_text(json.dumps(rows))
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--json", default=None)
+    p.add_argument("--contexts", type=int, nargs="*", default=[8192, 32768])
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--gen", type=int, default=64)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--experts", type=int, default=16)
+    p.add_argument("--vocab", type=int, default=154880)
+    p.add_argument("--paths", nargs="*", default=list(PATHS))
+    p.add_argument("--path", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--model-dir", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--out", default=None, help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.path:
+        return worker(args)
+    with tempfile.TemporaryDirectory() as tmp:
+        (Path(tmp) / "config.json").write_text(
+            json.dumps(glm5_config(args.layers, args.experts, args.vocab)))
+        results = {}
+        for path in args.paths:
+            out = Path(tmp) / f"{path}.json"
+            cmd = [sys.executable, __file__, "--path", path, "--model-dir", tmp, "--out",
+                   str(out), "--batch", str(args.batch), "--gen", str(args.gen),
+                   "--contexts", *map(str, args.contexts)]
+            res = subprocess.run(cmd, capture_output=True, text=True)
+            if res.returncode != 0:
+                sys.exit(f"{path} failed:\n{res.stdout[-2000:]}\n{res.stderr[-4000:]}")
+            results[path] = json.loads(out.read_text())
+    print(f"GLM-5 per-layer shape, {args.layers} layers, {args.experts} routed experts, "
+          f"batch {args.batch}, {args.gen} generated tokens")
+    print("| context | path | TTFT ms | decode tok/s | portable/upstream decode |")
+    print("|---:|---|---:|---:|---:|")
+    for i, ctx in enumerate(args.contexts):
+        base = results.get("upstream", [None] * len(args.contexts))[i]
+        for path in args.paths:
+            r = results[path][i]
+            ratio = (f"{r['decode_tok_s'] / base['decode_tok_s']:.2f}"
+                     if base and path != "upstream" else "-")
+            print(f"| {ctx} | {path} | {1e3 * r['ttft_s']:.1f} | {r['decode_tok_s']:.1f} | "
+                  f"{ratio} |")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"args": vars(args), "results": results},
+                                              indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,27 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The throughput benchmark's model has GLM-5's per-layer shape, as the end-to-end
+issue states it (hidden 6144, 64 heads, 32 indexer heads, top-k 2048, 256-dim v
+heads) plus GLM-5's MLA ranks, and loads as a GlmMoeDsaConfig."""
+
+import importlib.util
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+spec = importlib.util.spec_from_file_location("glm5_throughput",
+                                              ROOT / "benchmarks" / "glm5_throughput.py")
+bench = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(bench)
+
+
+def test_glm5_per_layer_shape():
+    from transformers import GlmMoeDsaConfig
+
+    d = bench.glm5_config(layers=4, experts=16, vocab=154880)
+    expect = {"hidden_size": 6144, "num_attention_heads": 64, "index_n_heads": 32,
+              "index_topk": 2048, "v_head_dim": 256, "kv_lora_rank": 512,
+              "qk_rope_head_dim": 64, "qk_nope_head_dim": 192, "q_lora_rank": 2048,
+              "index_head_dim": 128, "num_hidden_layers": 4, "n_routed_experts": 16}
+    assert {k: d[k] for k in expect} == expect
+    cfg = GlmMoeDsaConfig(**{k: v for k, v in d.items() if k != "architectures"})
+    assert cfg.mlp_layer_types == ["dense", "sparse", "sparse", "sparse"]
+    assert d["topk_method"] == "noaux_tc" and d["indexer_rope_interleave"] is True

@@ -1,0 +1,31 @@
+# SPDX-License-Identifier: Apache-2.0
+"""GPU: the tiny GLM-5 from a GGUF file with no flags at all, on an H200 that
+reports compute capability 12.0 (tests/plugins/vllm_report_capability, installed
+and enabled by VLLM_TEST_REPORT_CAPABILITY=12.0): automatic selection must pick
+TRITON_MLA_SPARSE and the portable indexer, and dtype auto must give fp16, as on
+an RTX PRO 6000 / RTX 5090. Outputs are compared with the same file forced onto
+those paths without the hook."""
+
+import importlib.util
+import os
+
+import pytest
+
+from glm5_runs import compare, generate
+
+
+@pytest.mark.gpu
+def test_gguf_as_on_sm120(glm5_ggufs, tmp_path):
+    if importlib.util.find_spec("vllm_report_capability") is None:
+        pytest.skip("pip install --no-deps tests/plugins/vllm_report_capability first")
+    env = dict(os.environ, VLLM_TEST_REPORT_CAPABILITY="12.0")
+    env.pop("VLLM_SPARSE_INDEXER_LOGITS", None)
+    auto = generate(glm5_ggufs["bf16"], tmp_path / "auto.json", env=env, dtype="auto")
+    assert auto["indexer_backend"] == "triton"
+    assert auto["triton_indexer_calls"]["prefill"] > 0
+    assert auto["attention_backend"] == "TRITON_MLA_SPARSE"
+    assert auto["dtype"] == "torch.float16"
+    forced = generate(glm5_ggufs["bf16"], tmp_path / "forced.json", dtype="float16",
+                      attention_backend="TRITON_MLA_SPARSE", indexer="triton")
+    same = compare(forced, auto)
+    assert same["mean"] <= 1e-3 and same["greedy_agreement"] == 1.0, same

@@ -1,0 +1,50 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The "as on SM120" test hook: with VLLM_TEST_REPORT_CAPABILITY=12.0 vLLM's CUDA
+platform reports 12.0 and the selection made from it is SM120's (CPU, no driver)."""
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent / "vllm_report_capability"))
+sys.path.insert(0, str(Path(__file__).parents[1]))
+
+
+@pytest.fixture
+def cuda_platform(monkeypatch):
+    from cuda_platform import import_cuda_platform
+
+    cuda = import_cuda_platform()
+    platform = cuda.NonNvmlCudaPlatform()
+    monkeypatch.setattr("vllm.platforms._current_platform", platform)
+    cls = type(platform)
+    monkeypatch.setattr(cls, "get_device_capability", cls.get_device_capability)
+    monkeypatch.setattr(cls, "_reported_capability", None, raising=False)
+    return platform
+
+
+def test_reports_the_capability(cuda_platform, monkeypatch):
+    import vllm_report_capability as hook
+
+    monkeypatch.setenv(hook.ENV, "12.0")
+    hook.register()
+    assert cuda_platform.get_device_capability().to_int() == 120
+    assert cuda_platform.has_device_capability(100)
+    assert not cuda_platform.is_device_capability(90)
+    # the GGUF dtype rule and the indexer choice read it
+    from vllm.v1.attention.ops import triton_indexer_logits as il
+
+    il.indexer_logits_backend.cache_clear()
+    monkeypatch.delenv("VLLM_SPARSE_INDEXER_LOGITS", raising=False)
+    assert il.indexer_logits_backend() == "triton"
+    il.indexer_logits_backend.cache_clear()
+
+
+def test_without_the_variable_nothing_changes(cuda_platform, monkeypatch):
+    import vllm_report_capability as hook
+
+    monkeypatch.delenv(hook.ENV, raising=False)
+    before = type(cuda_platform).get_device_capability
+    hook.register()
+    assert type(cuda_platform).get_device_capability == before
