@@ -11,8 +11,6 @@ from transformers import AutoTokenizer, PreTrainedTokenizer, PreTrainedTokenizer
 from vllm.transformers_utils.config import get_sentence_transformer_tokenizer_config
 from vllm.transformers_utils.glm_dsa_gguf import (  # overlay: GLM-5 GGUF tokenizer
     is_glm_dsa_gguf,
-)
-from vllm.transformers_utils.glm_dsa_gguf import (  # overlay: GLM-5 GGUF tokenizer
     tokenizer_from_gguf as glm_dsa_tokenizer_from_gguf,
 )
 
