@@ -47,6 +47,7 @@ def main():
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--eager", action="store_true")
     p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.35)
     args = p.parse_args()
     os.environ["VLLM_SPARSE_INDEXER_LOGITS"] = args.indexer
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
@@ -79,7 +80,7 @@ def main():
         block_size=64,
         max_num_seqs=8,
         enforce_eager=args.eager,
-        gpu_memory_utilization=0.35,
+        gpu_memory_utilization=args.gpu_memory_utilization,
         seed=0,
         attention_config={"backend": args.attention_backend} if args.attention_backend else None,
     )

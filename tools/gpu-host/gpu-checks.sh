@@ -8,7 +8,8 @@
 # tests/models/quantization/gguf_reference.py), mla (the sparse MLA kernel tests only), sweep
 # (launch-parameter sweep of the gather kernel), bisect (tests/models/quantization/gguf_bisect.py),
 # sm120 (the engine from a GGUF with the capability reported as 12.0), throughput
-# (benchmarks/glm5_throughput.py). Logs and JSON go to OUT_DIR. Split the stages over calls when one
+# (benchmarks/glm5_throughput.py), matrix (benchmarks/glm5_accuracy_matrix.py). Logs and JSON go
+# to OUT_DIR. Split the stages over calls when one
 # call's time limit is short: /tmp/site stays while the machine does.
 # The bundle comes from:
 #   python build.py bundle --wheel dist/vllm-*.whl --exclude-from tools/gpu-host/h200-pip-freeze.txt \
@@ -77,6 +78,10 @@ for stage in $stages; do
     throughput)
       timeout 500 python3 benchmarks/glm5_throughput.py --json "$out/glm5-throughput.json" 2>&1 \
         | tee "$out/glm5-throughput.log" | tail -8 || rc=1 ;;
+    matrix)
+      timeout 580 python3 benchmarks/glm5_accuracy_matrix.py --out /tmp/matrix --parallel 8 2>&1 \
+        | tee "$out/matrix.log" | grep -E "^\|" || rc=1
+      cp /tmp/matrix/matrix.json "$out/" 2>/dev/null || true ;;
     *) echo "unknown stage $stage"; exit 2 ;;
   esac
 done

@@ -1,0 +1,145 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Accuracy matrix of the tiny GLM-5 in vLLM against transformers fp32.
+
+    python benchmarks/glm5_accuracy_matrix.py --out DIR [--parallel 6]
+
+Rows: source {safetensors, GGUF bf16, GGUF q8_0, GGUF Q4_K_M} x path
+{FLASHMLA_SPARSE + DeepGEMM (upstream), TRITON_MLA_SPARSE + DeepGEMM,
+TRITON_MLA_SPARSE + portable indexer} x {eager, CUDA graphs} x dtype {bf16, fp16}.
+Each row runs tests/models/glm5_generate.py (prompts of 300-1000 tokens, longer
+than the model's index_topk of 128; 32 greedy tokens) and is compared with
+transformers' GlmMoeDsaForCausalLM in fp32 on the same weights (for a GGUF: the
+file's weights dequantized by gguf-py). Rows run as parallel processes sharing the
+GPU (the model is tiny).
+
+Tolerance, and why: this random model amplifies rounding (one bf16 kernel swap
+already moves prompt logprobs by ~0.15 nats), so an absolute bound would be
+arbitrary. A row passes when its mean |delta logprob| against fp32 is at most
+2x that of the upstream path (FLASHMLA_SPARSE + DeepGEMM) for the same source,
+mode and dtype, plus 0.05 nats; where the upstream row did not run (for
+instance a dtype its kernels do not take), the bound comes from the upstream bf16
+row. Greedy agreement with fp32 is reported, not bounded. A row that fails to run
+is reported with its error: no row is left out. Exit status 1 when a row of ours
+fails or did not run.
+"""
+
+import argparse
+import concurrent.futures
+import itertools
+import json
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT / "tests" / "models"), str(ROOT / "tests" / "models" / "quantization")]
+
+SOURCES = ("safetensors", "gguf-bf16", "gguf-q8_0", "gguf-Q4_K_M")
+PATHS = {
+    "upstream": {"attention_backend": "FLASHMLA_SPARSE", "indexer": "deepgemm"},
+    "triton-attn": {"attention_backend": "TRITON_MLA_SPARSE", "indexer": "deepgemm"},
+    "portable": {"attention_backend": "TRITON_MLA_SPARSE", "indexer": "triton"},
+}
+MODES = ("eager", "graphs")
+DTYPES = ("bfloat16", "float16")
+
+
+def rows():
+    return [dict(source=s, path=p, mode=m, dtype=d)
+            for s, p, m, d in itertools.product(SOURCES, PATHS, MODES, DTYPES)]
+
+
+def bound(row: dict, results: dict) -> float | None:
+    """The row's bound on mean |delta| against fp32 (None: no upstream reference ran)."""
+    def upstream(dtype):
+        r = results.get((row["source"], "upstream", row["mode"], dtype))
+        return r["vs_fp32"]["mean"] if r and "vs_fp32" in r else None
+
+    ref = upstream(row["dtype"])
+    if ref is None:
+        ref = upstream("bfloat16")
+    return None if ref is None else 2 * ref + 0.05
+
+
+def status(res: dict, bound_: float | None) -> dict:
+    """A row's status: upstream rows are the reference; ours pass or FAIL on the bound."""
+    res = dict(res, bound=bound_)
+    if res["path"] == "upstream":
+        res["status"] = "reference" if "vs_fp32" in res else "reference did not run"
+    elif "vs_fp32" not in res:
+        res["status"] = "did not run"
+    elif bound_ is None:
+        res["status"] = "FAIL (no reference)"
+    else:
+        res["status"] = "pass" if res["vs_fp32"]["mean"] <= bound_ else "FAIL"
+    return res
+
+
+def prepare(out: Path) -> dict:
+    """The tiny model, its GGUFs and the fp32 references; {source: (model, ref json)}."""
+    import gguf_reference as gr
+    from glm5_runs import hf_reference
+    from glm5_tiny import make_tiny_glm5
+
+    model = make_tiny_glm5(out / "tiny-glm5")
+    gr.write_tokenizer(model, gr.config(model)["vocab_size"])
+    llama_cpp = gr.llama_cpp_dir(out / "llama-cpp")
+    gguf = gr.gguf_module(llama_cpp)
+    files = {"safetensors": model}
+    bf16 = gr.convert(llama_cpp, model, out / "tiny-bf16.gguf", "bf16")
+    files["gguf-bf16"] = bf16
+    files["gguf-q8_0"] = gr.convert(llama_cpp, model, out / "tiny-q8_0.gguf", "q8_0")
+    files["gguf-Q4_K_M"] = gr.quantize(bf16, out / "tiny-Q4_K_M.gguf", "Q4_K_M")
+    refs = {}
+    for source, f in files.items():
+        ckpt = model if source == "safetensors" else gr.dequantized_checkpoint(
+            gguf, f, model, out / f"deq-{source}")
+        refs[source] = hf_reference(ckpt, out / f"fp32-{source}.json")
+    return {s: (files[s], refs[s]) for s in files}
+
+
+def run_row(row: dict, model: Path, ref: dict, out: Path, mem: float) -> dict:
+    from glm5_runs import compare, generate
+
+    name = "-".join(row.values())
+    try:
+        res = generate(model, out / f"{name}.json", eager=row["mode"] == "eager",
+                       dtype=row["dtype"], gpu_memory_utilization=str(mem), **PATHS[row["path"]])
+    except AssertionError as e:  # the run failed: keep its error as the row's result
+        return {**row, "error": str(e)[-600:]}
+    return {**row, "vs_fp32": compare(ref, res), "indexer_backend": res["indexer_backend"],
+            "attention_backend": res.get("attention_backend")}
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--out", required=True)
+    p.add_argument("--parallel", type=int, default=6)
+    args = p.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    sources = prepare(out)
+    mem = round(0.85 / args.parallel, 3)
+    results = {}
+    with concurrent.futures.ThreadPoolExecutor(args.parallel) as pool:
+        futures = {pool.submit(run_row, r, *sources[r["source"]], out, mem): r for r in rows()}
+        for fut in concurrent.futures.as_completed(futures):
+            r = fut.result()
+            results[(r["source"], r["path"], r["mode"], r["dtype"])] = r
+    table = [status(results[tuple(r.values())], bound(r, results)) for r in rows()]
+    print("| source | path | mode | dtype | mean |d| | max |d| | greedy agree | bound | status |")
+    print("|---|---|---|---|---:|---:|---:|---:|---|")
+    for r in table:
+        v = r.get("vs_fp32")
+        cells = (f"{v['mean']:.3f} | {v['max']:.2f} | {v['greedy_agreement']:.2f}" if v
+                 else "- | - | -")
+        b = "-" if r.get("bound") is None else f"{r['bound']:.3f}"
+        why = f": {r['error'].strip().splitlines()[-1][:80]}" if "error" in r else ""
+        print(f"| {r['source']} | {r['path']} | {r['mode']} | {r['dtype']} | {cells} | {b} "
+              f"| {r['status']}{why} |")
+    (out / "matrix.json").write_text(json.dumps(table, indent=1))
+    sys.exit(0 if all(r["status"] in ("pass", "reference", "reference did not run")
+                      for r in table) else 1)
+
+
+if __name__ == "__main__":
+    main()
