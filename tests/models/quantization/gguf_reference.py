@@ -23,6 +23,10 @@ LLAMA_CPP_PYTHON = ("llama-cpp-python", "llama_cpp_python-0.3.36.tar.gz",
 # The split regex of GLM-4.5/GLM-5's tokenizer.json, as HF spells it.
 GLM_SPLIT_REGEX = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
                    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+# A short chat template in GLM's shape ([gMASK]<sop>, role tokens), for the
+# tokenizer.chat_template the converter copies into the GGUF.
+GLM_CHAT_TEMPLATE = ("[gMASK]<sop>{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}"
+                     "{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}")
 GLM_SPECIAL_TOKENS = ["<|endoftext|>", "[MASK]", "[gMASK]", "[sMASK]", "<sop>", "<eop>",
                       "<|system|>", "<|user|>", "<|assistant|>", "<|observation|>"]
 
@@ -143,6 +147,7 @@ def write_tokenizer(model_dir: Path, vocab_size: int) -> None:
     tok.add_special_tokens(GLM_SPECIAL_TOKENS)
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>",
                                    pad_token="<|endoftext|>")
+    fast.chat_template = GLM_CHAT_TEMPLATE
     fast.save_pretrained(model_dir)
 
 

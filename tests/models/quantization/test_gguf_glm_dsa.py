@@ -127,6 +127,10 @@ def test_tokenizer_from_gguf_encodes_like_hf(glm5_gguf, glm5_ggufs):
         assert (tok.decode(ids, skip_special_tokens=True)
                 == ref.decode(ids, skip_special_tokens=True))
     assert tok.eos_token == ref.eos_token
+    chat = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
+    assert tok.chat_template == gr.GLM_CHAT_TEMPLATE
+    assert (tok.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+            == ref.apply_chat_template(chat, tokenize=False, add_generation_prompt=True))
     for special in gr.GLM_SPECIAL_TOKENS:  # single, unsplittable tokens
         assert tok.encode(special) == ref.encode(special) == [ref.convert_tokens_to_ids(special)]
 

@@ -235,6 +235,14 @@ def test_gather_launch_config():
             assert s == 1 or t * h * s * 512 * 4 <= tsm._MAX_PARTIAL_BYTES
 
 
+def test_gather_batch_invariant(monkeypatch):
+    # VLLM_BATCH_INVARIANT: no split-K, so a token's result does not depend on
+    # how many other tokens share the launch.
+    monkeypatch.setenv("VLLM_BATCH_INVARIANT", "1")
+    for t in (1, 8, 64):
+        assert tsm.launch_config(t, 64, 2048, torch.bfloat16, 132)["splits"] == 1
+
+
 def test_kernel_choice(monkeypatch):
     tms.sparse_mla_kernel.cache_clear()
     monkeypatch.setenv("VLLM_TRITON_MLA_SPARSE_KERNEL", "nope")

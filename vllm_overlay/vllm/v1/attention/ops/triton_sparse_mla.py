@@ -20,6 +20,7 @@ kernels are stable under CUDA graph capture.
 
 import torch
 
+import vllm.envs as envs
 from vllm.triton_utils import tl, triton
 
 # Upper bound for the split-K partial results (fp32 [T, H, splits, D_V]).
@@ -149,7 +150,8 @@ def launch_config(
     num_warps = 8 if block_h == 64 else 4
     programs = num_tokens * triton.cdiv(num_heads, block_h)
     splits = 1
-    if programs < num_sms:
+    # batch-invariant mode: a token's result must not depend on the batch size
+    if programs < num_sms and not envs.VLLM_BATCH_INVARIANT:
         splits = triton.next_power_of_2(triton.cdiv(2 * num_sms, programs))
         # at least two key blocks per split
         splits = min(splits, max(1, triton.next_power_of_2(topk) // (2 * block_n)))

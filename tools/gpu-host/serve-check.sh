@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# `vllm serve` of the tiny GLM-5 GGUF under load, on the GPU host (after gpu-checks.sh's install):
+#   bash tools/gpu-host/serve-check.sh OUT_DIR
+# Makes the tiny model and its bf16 GGUF, runs the offline greedy reference, starts
+# `vllm serve FILE.gguf` with nothing else, waits for /health, runs benchmarks/serve_load.py
+# (64 clients, 3 rounds, completions + chat), stops the server. Batch-invariant mode on both sides,
+# so that a request's greedy text does not depend on what it was batched with.
+set -uo pipefail
+out="${1:?out dir}"; here="$(cd "$(dirname "$0")/../.." && pwd)"; work=/tmp/serve-check
+mkdir -p "$out" "$work"; cd "$here"
+export VLLM_BATCH_INVARIANT=1
+python3 - "$work" <<'PY' || exit 1
+import sys
+from pathlib import Path
+sys.path[:0] = ["tests/models", "tests/models/quantization"]
+import gguf_reference as gr
+from glm5_tiny import make_tiny_glm5
+work = Path(sys.argv[1])
+model = make_tiny_glm5(work / "tiny")
+gr.write_tokenizer(model, gr.config(model)["vocab_size"])
+llama_cpp = gr.llama_cpp_dir(work / "llama-cpp")
+gr.convert(llama_cpp, model, work / "tiny-bf16.gguf", "bf16")
+PY
+gguf="$work/tiny-bf16.gguf"
+python3 benchmarks/serve_load.py offline --model "$gguf" --out "$work/ref.json" \
+  > "$out/serve-offline.log" 2>&1 || { tail -20 "$out/serve-offline.log"; exit 1; }
+vllm serve "$gguf" --port 8000 --max-model-len 2048 > "$out/serve.log" 2>&1 &
+pid=$!
+for _ in $(seq 150); do curl -sf http://127.0.0.1:8000/health >/dev/null && break; sleep 2; done
+python3 benchmarks/serve_load.py load --model "$gguf" --reference "$work/ref.json" \
+  --concurrency 64 --rounds 3 --json "$out/serve-load.json" | tail -20
+rc=${PIPESTATUS[0]}
+kill "$pid"; wait "$pid" 2>/dev/null
+exit "$rc"
