@@ -12,7 +12,6 @@ quantized path goes wrong.
 
 import json
 import os
-import re
 import sys
 from pathlib import Path
 
@@ -27,7 +26,7 @@ GROUPS = {
     "experts": r"ffn_(gate|up|down)_exps",
     "shared": r"ffn_(gate|up|down)_shexp",
     "dense_mlp": r"blk\.0\.ffn_(gate|up|down)\.",
-    "attn_qkv": r"attn_(q_a|q_b|kv_a_mqa)\.",
+    "attn_qkv": r"(?<!indexer\.)attn_(q_a|q_b|kv_a_mqa)\.",
     "attn_out": r"attn_output",
     "indexer_q": r"indexer\.attn_q_b",
     "embed": r"token_embd",
@@ -37,24 +36,7 @@ GROUPS = {
 
 
 def hybrid(gguf, bf16: Path, q8: Path, out: Path, pattern: str) -> Path:
-    rq = {t.name: t for t in gguf.GGUFReader(q8).tensors}
-    rb = gguf.GGUFReader(bf16)
-    writer = gguf.GGUFWriter(out, rb.fields["general.architecture"].contents())
-    for f in rb.fields.values():
-        if f.name == "general.architecture" or f.name.startswith("GGUF."):
-            continue
-        sub = f.types[-1] if f.types[0] == gguf.GGUFValueType.ARRAY else None
-        writer.add_key_value(f.name, f.contents(), f.types[0], sub_type=sub)
-    chosen = [rq[t.name] if re.search(pattern, t.name) else t for t in rb.tensors]
-    for t in chosen:
-        writer.add_tensor_info(t.name, t.data.shape, t.data.dtype, t.data.nbytes, t.tensor_type)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_ti_data_to_file()
-    for t in chosen:
-        writer.write_tensor_data(t.data)
-    writer.close()
-    return out
+    return gr.rewrite(gguf, bf16, out, swap_from=(q8, pattern))
 
 
 def main():

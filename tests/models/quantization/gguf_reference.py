@@ -102,18 +102,25 @@ def quantize(src: Path, out: Path, qtype: str) -> Path:
 
 
 def rewrite(gguf, src: Path, out: Path, drop: tuple[str, ...] = (), metadata: dict | None = None,
-            arch: str | None = None) -> Path:
-    """A copy of a GGUF without the tensors in `drop` and with metadata values
-    replaced (same value types): broken files for the loader's error tests."""
+            arch: str | None = None, drop_keys: tuple[str, ...] = (),
+            swap_from: tuple[Path, str] | None = None) -> Path:
+    """A copy of a GGUF without the tensors in `drop` and the metadata keys in
+    `drop_keys`, with metadata values replaced (same value types), and with the
+    tensors whose names match `swap_from`'s regex taken from its file: altered
+    files for the loader's error tests and hybrids for bisection."""
+    import re
     reader = gguf.GGUFReader(src)
     writer = gguf.GGUFWriter(out, arch or reader.fields["general.architecture"].contents())
     metadata = metadata or {}
     for f in reader.fields.values():
-        if f.name == "general.architecture" or f.name.startswith("GGUF."):
+        if f.name == "general.architecture" or f.name.startswith("GGUF.") or f.name in drop_keys:
             continue
         sub = f.types[-1] if f.types[0] == gguf.GGUFValueType.ARRAY else None
         writer.add_key_value(f.name, metadata.get(f.name, f.contents()), f.types[0], sub_type=sub)
     kept = [t for t in reader.tensors if t.name not in drop]
+    if swap_from is not None:
+        other = {t.name: t for t in gguf.GGUFReader(swap_from[0]).tensors}
+        kept = [other[t.name] if re.search(swap_from[1], t.name) else t for t in kept]
     for t in kept:
         writer.add_tensor_info(t.name, t.data.shape, t.data.dtype, t.data.nbytes, t.tensor_type)
     writer.write_header_to_file()

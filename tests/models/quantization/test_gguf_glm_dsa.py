@@ -280,6 +280,15 @@ def test_split_missing_or_mismatched_part(glm5_ggufs, tmp_path):
         gg.resolve_gguf_dir(str(d))
 
 
+def test_vocab_size_from_the_token_list(glm5_gguf, glm5_ggufs, tmp_path):
+    # a file without <arch>.vocab_size: the token list gives it
+    gguf = gr.gguf_module(glm5_gguf[0])
+    f = gr.rewrite(gguf, glm5_ggufs["q8_0"], tmp_path / "novocab.gguf",
+                   drop_keys=("glm-dsa.vocab_size",))
+    assert "glm-dsa.vocab_size" not in gguf.GGUFReader(f).fields
+    assert gg.config_from_gguf(f).vocab_size == gg.config_from_gguf(glm5_ggufs["q8_0"]).vocab_size
+
+
 def test_truncated_file(glm5_ggufs, tmp_path):
     src = glm5_ggufs["q8_0"]
     cut = tmp_path / "cut.gguf"

@@ -217,7 +217,8 @@ def config_from_gguf(path: str | os.PathLike):
                       ("pad_token_id", "padding")):
         tok[key] = field(r, f"tokenizer.ggml.{name}_token_id", required=False)
     config = GlmMoeDsaConfig(
-        vocab_size=a("vocab_size", None) or len(field(r, "tokenizer.ggml.tokens")),
+        vocab_size=field(r, f"{arch}.vocab_size", required=False)
+        or len(field(r, "tokenizer.ggml.tokens")),
         hidden_size=a("embedding_length"),
         intermediate_size=a("feed_forward_length"),
         moe_intermediate_size=a("expert_feed_forward_length"),
