@@ -9,7 +9,6 @@ import shutil
 import subprocess
 import sys
 import tomllib
-import zipfile
 from pathlib import Path
 
 import pytest
