@@ -73,12 +73,15 @@ def graph_us(calls) -> float:
 
 def sweep_configs(base):
     splits = sorted({base["splits"], 2 * base["splits"]} if base["splits"] > 1 else {1})
-    for block_n in (16, 32, 64):
-        for warps in (4, 8):
-            for stages in (2, 3):
-                for sp in splits:
-                    yield dict(base, BLOCK_N=block_n, num_warps=warps, num_stages=stages,
-                               splits=sp)
+    # smaller head blocks trade re-reading rows (from L2) for fewer registers per program
+    block_hs = sorted({base["BLOCK_H"], max(16, base["BLOCK_H"] // 2)})
+    for block_h in block_hs:
+        for block_n in (16, 32, 64):
+            for warps in (4, 8):
+                for stages in (2,):
+                    for sp in splits:
+                        yield dict(base, BLOCK_H=block_h, BLOCK_N=block_n, num_warps=warps,
+                                   num_stages=stages, splits=sp)
 
 
 def bench_case(num_tokens, num_heads, kv, topk, pool, l2_bytes, sms, flashmla, sweep):

@@ -61,7 +61,7 @@ for stage in $stages; do
         --json "$out/bench-indexer.json" 2>&1 | tee "$out/bench-indexer.log" | tail -14 || rc=1 ;;
     sweep)
       timeout 400 python3 benchmarks/kernels/benchmark_triton_mla_sparse.py --sweep \
-        --tokens 1 64 4096 --heads 8 64 128 --kv bf16 --json "$out/sweep-mla.json" 2>&1 \
+        --tokens 1 64 4096 --heads 64 128 --kv bf16 --json "$out/sweep-mla.json" 2>&1 \
         | tee "$out/sweep-mla.log" | tail -30 || rc=1 ;;
     mla)
       timeout 300 python3 -m pytest tests/v1/attention/test_triton_mla_sparse.py -m gpu -q \
