@@ -113,7 +113,7 @@ def bench_case(num_tokens, num_heads, kv, topk, pool, l2_bytes, sms, flashmla, s
         it["i"] += 1
 
     t_eager = do_bench(eager, warmup=10, rep=100, return_mode="median") * 1e3
-    cfg = launch_config(num_tokens, num_heads, topk, cache.dtype, sms)
+    cfg = launch_config(num_tokens, num_heads, topk, KV_LORA, sms)
     row = {
         "tokens": num_tokens, "heads": num_heads, "kv": kv, "topk": topk,
         "gather_config": cfg, "gather_us": t_gather, "gather_eager_us": t_eager,

@@ -201,7 +201,7 @@ def test_gather_kernel_split_k_and_head_padding(num_heads):
     ref = reference_sparse_mla(case.q, case.cache, case.block_table, case.req_id,
                                case.indices, scale)
     for splits in (1, 4):
-        cfg = dict(tsm.launch_config(3, num_heads, 128, torch.float16, 132),
+        cfg = dict(tsm.launch_config(3, num_heads, 128, KV_LORA, 132),
                    splits=splits, BLOCK_N=16)
         o = tsm.sparse_mla_attention(case.q, case.cache, slots, counts, KV_LORA, scale,
                                      one, 132, config=cfg)
@@ -222,14 +222,14 @@ def tsm_inputs(case):
 def test_gather_launch_config():
     # Shapes only; heads in blocks of 16/32/64; splits fill ~2 waves at small
     # batch, keep >= 2 key blocks per split and bound the partial buffer.
-    c = tsm.launch_config(1, 64, 2048, torch.bfloat16, 132)
+    c = tsm.launch_config(1, 64, 2048, KV_LORA, 132)
     assert (c["BLOCK_H"], c["splits"]) == (64, 32)
-    assert tsm.launch_config(1, 8, 2048, torch.bfloat16, 132)["BLOCK_H"] == 16
-    assert tsm.launch_config(4096, 64, 2048, torch.bfloat16, 132)["splits"] == 1
-    assert tsm.launch_config(1, 8, 128, torch.bfloat16, 132)["splits"] == 1
+    assert tsm.launch_config(1, 8, 2048, KV_LORA, 132)["BLOCK_H"] == 16
+    assert tsm.launch_config(4096, 64, 2048, KV_LORA, 132)["splits"] == 1
+    assert tsm.launch_config(1, 8, 128, KV_LORA, 132)["splits"] == 1
     for t in (1, 2, 8, 64, 131):
         for h in (8, 16, 64, 128):
-            c = tsm.launch_config(t, h, 2048, torch.bfloat16, 132)
+            c = tsm.launch_config(t, h, 2048, KV_LORA, 132)
             s = c["splits"]
             assert s & (s - 1) == 0 and 2048 // s >= 2 * c["BLOCK_N"]
             assert s == 1 or t * h * s * 512 * 4 <= tsm._MAX_PARTIAL_BYTES
@@ -240,7 +240,7 @@ def test_gather_batch_invariant(monkeypatch):
     # how many other tokens share the launch.
     monkeypatch.setenv("VLLM_BATCH_INVARIANT", "1")
     for t in (1, 8, 64):
-        assert tsm.launch_config(t, 64, 2048, torch.bfloat16, 132)["splits"] == 1
+        assert tsm.launch_config(t, 64, 2048, KV_LORA, 132)["splits"] == 1
 
 
 def test_kernel_choice(monkeypatch):

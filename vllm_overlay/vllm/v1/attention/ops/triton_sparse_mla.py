@@ -142,7 +142,7 @@ def _sparse_mla_merge_kernel(
 
 
 def launch_config(
-    num_tokens: int, num_heads: int, topk: int, kv_dtype: torch.dtype, num_sms: int
+    num_tokens: int, num_heads: int, topk: int, kv_lora_rank: int, num_sms: int
 ) -> dict:
     """Block sizes, warps, stages and splits for a shape (no data, no host sync)."""
     block_h = 16 if num_heads <= 16 else (32 if num_heads <= 32 else 64)
@@ -155,7 +155,7 @@ def launch_config(
         splits = triton.next_power_of_2(triton.cdiv(2 * num_sms, programs))
         # at least two key blocks per split
         splits = min(splits, max(1, triton.next_power_of_2(topk) // (2 * block_n)))
-        per_split = num_tokens * num_heads * 512 * 4
+        per_split = num_tokens * num_heads * kv_lora_rank * 4  # fp32 partial rows
         while splits > 1 and splits * per_split > _MAX_PARTIAL_BYTES:
             splits //= 2
     return {"BLOCK_H": block_h, "BLOCK_N": block_n, "num_warps": num_warps,
@@ -192,7 +192,7 @@ def sparse_mla_attention(
     kv_fp8 = kv.dtype in (torch.float8_e4m3fn, torch.float8_e5m2, torch.uint8)
     if kv.dtype == torch.uint8:  # vLLM stores an fp8 cache as uint8
         kv = kv.view(torch.float8_e4m3fn)
-    cfg = config or launch_config(num_tokens, num_heads, topk, kv.dtype, num_sms)
+    cfg = config or launch_config(num_tokens, num_heads, topk, kv_lora_rank, num_sms)
     splits = cfg["splits"]
     split_len = triton.cdiv(triton.cdiv(topk, splits), cfg["BLOCK_N"]) * cfg["BLOCK_N"]
     grid = (triton.cdiv(num_heads, cfg["BLOCK_H"]), num_tokens, splits)
