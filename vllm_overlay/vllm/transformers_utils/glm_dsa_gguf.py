@@ -120,6 +120,16 @@ def resolve_gguf_dir(model: str) -> str:
     return str(firsts[0])
 
 
+def _part_paths(path: Path) -> list[Path]:
+    """The file names of the model `path` belongs to, by its name alone."""
+    m = _SPLIT_RE.match(path.name)
+    if m is None:
+        return [path]
+    count = int(m["count"])
+    return [path.with_name(f"{m['prefix']}-{i:05d}-of-{count:05d}.gguf")
+            for i in range(1, count + 1)]
+
+
 def split_files(path: str | os.PathLike) -> list[Path]:
     """All files of the GGUF model that `path` belongs to, first part first.
 
@@ -129,12 +139,10 @@ def split_files(path: str | os.PathLike) -> list[Path]:
     `split.tensors.count` tensors the first part announces.
     """
     path = Path(path)
-    m = _SPLIT_RE.match(path.name)
-    if m is None:
+    if _SPLIT_RE.match(path.name) is None:
         return [path]
-    count = int(m["count"])
-    parts = [path.with_name(f"{m['prefix']}-{i:05d}-of-{count:05d}.gguf")
-             for i in range(1, count + 1)]
+    parts = _part_paths(path)
+    count = len(parts)
     missing = [p.name for p in parts if not p.is_file()]
     if missing:
         raise GGUFError(
@@ -164,7 +172,9 @@ def split_files(path: str | os.PathLike) -> list[Path]:
 
 
 def first_file(path: str | os.PathLike) -> Path:
-    return split_files(path)[0]
+    """The part holding the metadata; the loader checks the whole set
+    (`split_files`), so config and tokenizer open this part only."""
+    return _part_paths(Path(path))[0]
 
 
 def config_from_gguf(path: str | os.PathLike):
