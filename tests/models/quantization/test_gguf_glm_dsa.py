@@ -67,6 +67,12 @@ def yielded(files, config) -> dict[str, torch.Tensor]:
     return {k: v.float() for k, v in out.items()}
 
 
+def stack_name(name: str) -> str:
+    """The loader's name for the stacked experts tensor an expert's weight is in:
+    ...mlp.experts.<e>.<proj>.weight -> ...mlp.experts.0.<proj>.weight."""
+    return name.split(".experts.")[0] + ".experts.0." + name.rsplit(".", 2)[1] + ".weight"
+
+
 def hf_view(hf, name, config, stacked):
     """The HF weight for a yielded name (experts.0 of a stacked tensor = all experts)."""
     if stacked:
@@ -156,7 +162,7 @@ def test_table_agrees_with_gguf_py(glm5_gguf, glm5_ggufs, hf):
         target = name
         if ".mlp.experts." in name:
             base = base.rsplit(".experts.", 1)[0] + ".experts." + base.rsplit(".", 1)[1]
-            target = name.split(".experts.")[0] + ".experts.0." + name.rsplit(".", 2)[1] + ".weight"
+            target = stack_name(name)
         if name.endswith("kv_b_proj.weight"):
             layer = name.split(".")[2]
             assert inverse[name] == {f"blk.{layer}.attn_k_b.weight", f"blk.{layer}.attn_v_b.weight"}
@@ -177,8 +183,7 @@ def test_weights_equal_hf_weights(glm5_ggufs, hf, kind):
     out = yielded([f], config)
     reader = GlmDsaGGUF([f], config)
     main = {k for k in hf if not k.startswith(f"model.layers.{config.num_hidden_layers}.")}
-    covered = {k for k in main if k in out or (".experts." in k and k.split(".experts.")[0]
-                                               + ".experts.0." + k.rsplit(".", 2)[1] + ".weight" in out)}
+    covered = {k for k in main if k in out or (".experts." in k and stack_name(k) in out)}
     assert covered == main
     stored = {}
     for g, h in reader.gguf_to_hf.items():
@@ -186,8 +191,7 @@ def test_weights_equal_hf_weights(glm5_ggufs, hf, kind):
     for name, w in out.items():
         ref = hf_view(hf, name, config, stacked=w.dim() == 3)
         assert w.shape == ref.shape, name
-        key = name if name in stored else name.split(".experts.")[0] + ".experts.0." + \
-            name.rsplit(".", 2)[1] + ".weight"
+        key = name if name in stored else stack_name(name)
         types = stored[key]
         if types <= {"F32", "BF16"}:  # the bf16 checkpoint's values, exactly
             torch.testing.assert_close(w, ref, rtol=0, atol=0, msg=name)
