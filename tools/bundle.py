@@ -163,7 +163,8 @@ INSTALL_SH = r"""#!/usr/bin/env bash
 # Offline install of a bundle made by `python build.py bundle`.
 #   bash install.sh PARTS_DIR [SITE]
 # Without SITE: pip installs into the running Python environment.
-# With SITE: installs into that folder and writes SITE/env.sh (source it: sets PYTHONPATH).
+# With SITE: installs into that folder and writes SITE/env.sh (source it: sets PYTHONPATH, and
+# PATH for the console scripts such as `vllm`).
 set -euo pipefail
 parts="${1:?usage: install.sh PARTS_DIR [SITE]}"; site="${2:-}"
 (cd "$parts" && sha256sum -c --quiet SHA256SUMS)
@@ -173,7 +174,8 @@ cat "$parts"/part-* | tar -C "$work" -xf -
 if [ -n "$site" ]; then
   mkdir -p "$site"
   python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target "$site" "$work"/bundle/wheels/*.whl
-  printf 'export PYTHONPATH="%s${PYTHONPATH:+:$PYTHONPATH}"\n' "$site" > "$site/env.sh"
+  printf 'export PYTHONPATH="%s${PYTHONPATH:+:$PYTHONPATH}"\nexport PATH="%s/bin:$PATH"\n' \
+    "$site" "$site" > "$site/env.sh"
   PYTHONPATH="$site" python3 -c 'import vllm; print("vllm", vllm.__version__, "installed")'
 else
   python3 -m pip install -q --no-index --no-deps "$work"/bundle/wheels/*.whl

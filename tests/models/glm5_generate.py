@@ -2,7 +2,7 @@
 """Generate with vLLM from a (tiny) GLM-5 checkpoint and dump tokens and logprobs.
 
     python tests/models/glm5_generate.py --model DIR|FILE.gguf --out OUT.json
-        [--attention-backend NAME] [--indexer auto|deepgemm|triton] [--eager]
+        [--attention-backend NAME] [--indexer auto|deepgemm|triton] [--eager] [--inspect]
 
 Prompts are fixed random token ids (300 to 1000 tokens, longer than the tiny
 model's index_topk, so the indexer's selection matters). Greedy, 32 new tokens,
@@ -38,6 +38,32 @@ def attention_backend_name(llm) -> str | None:
     return names.pop() if len(names) == 1 else ",".join(sorted(names))
 
 
+def inspect_model(llm) -> dict:
+    """The loaded model as the engine holds it (in-process engine only): each
+    parameter's dtype, shape and a digest of its values, each module's quant
+    method, and the model config vLLM built."""
+
+    def collect(model):
+        import hashlib
+
+        params = {
+            name: [str(p.dtype), list(p.shape),
+                   hashlib.sha1(p.detach().cpu().contiguous().view(-1).view(
+                       torch.uint8).numpy().tobytes()).hexdigest()]
+            for name, p in model.named_parameters()
+        }
+        methods = {name: type(m.quant_method).__name__ for name, m in model.named_modules()
+                   if getattr(m, "quant_method", None) is not None}
+        return params, methods
+
+    import torch
+
+    (params, methods), = llm.apply_model(collect)
+    config = llm.llm_engine.vllm_config.model_config.hf_text_config.to_dict()
+    return {"params": params, "quant_methods": methods,
+            "hf_config": json.loads(json.dumps(config, default=str))}
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", required=True)
@@ -48,6 +74,8 @@ def main():
     p.add_argument("--eager", action="store_true")
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--gpu-memory-utilization", type=float, default=0.35)
+    p.add_argument("--inspect", action="store_true",
+                   help="also dump parameter digests, quant methods and the config")
     args = p.parse_args()
     os.environ["VLLM_SPARSE_INDEXER_LOGITS"] = args.indexer
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
@@ -108,6 +136,8 @@ def main():
             for o in outs
         ],
     }
+    if args.inspect:
+        result["model"] = inspect_model(llm)
     with open(args.out, "w") as f:
         json.dump(result, f)
     print(json.dumps({"out": args.out, "indexer": result["indexer_backend"], "calls": calls}))

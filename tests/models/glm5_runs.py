@@ -20,8 +20,8 @@ def _run(script, out, args, env=None):
 def generate(model, out, eager=True, env=None, **kw):
     """vLLM on `model` (checkpoint dir or .gguf); kw become --flags."""
     args = ["--model", str(model)] + (["--eager"] if eager else [])
-    for k, v in kw.items():
-        args += [f"--{k.replace('_', '-')}", v]
+    for k, v in kw.items():  # a value of "" is a bare flag
+        args += [f"--{k.replace('_', '-')}"] + ([v] if v != "" else [])
     return _run("glm5_generate.py", out, args, env=env)
 
 

@@ -399,7 +399,11 @@ def test_bundle_only_and_drop(built, tmp_path):
     assert res.returncode == 0, res.stderr
     version = built[0].name.split("-")[1]
     assert f"vllm {version} installed" in res.stdout
-    assert (site / "env.sh").read_text().startswith(f'export PYTHONPATH="{site}')
+    env_sh = (site / "env.sh").read_text()
+    assert env_sh.startswith(f'export PYTHONPATH="{site}')
+    res = subprocess.run(["bash", "-c", f"source {site}/env.sh && command -v vllm"],
+                         capture_output=True, text=True)
+    assert res.returncode == 0 and res.stdout.strip() == str(site / "bin" / "vllm"), res
 
 
 def test_bundle_bad_input(tmp_path):

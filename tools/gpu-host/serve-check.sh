@@ -26,7 +26,9 @@ python3 benchmarks/serve_load.py offline --model "$gguf" --out "$work/ref.json" 
   > "$out/serve-offline.log" 2>&1 || { tail -20 "$out/serve-offline.log"; exit 1; }
 vllm serve "$gguf" --port 8000 --max-model-len 2048 > "$out/serve.log" 2>&1 &
 pid=$!
-for _ in $(seq 150); do curl -sf http://127.0.0.1:8000/health >/dev/null && break; sleep 2; done
+healthy() { python3 -c 'import urllib.request as u; u.urlopen("http://127.0.0.1:8000/health", timeout=2)' 2>/dev/null; }
+for _ in $(seq 150); do healthy && break; kill -0 "$pid" 2>/dev/null || break; sleep 2; done
+healthy || { echo "vllm serve did not become healthy"; tail -40 "$out/serve.log"; kill "$pid" 2>/dev/null; exit 1; }
 python3 benchmarks/serve_load.py load --model "$gguf" --reference "$work/ref.json" \
   --concurrency 64 --rounds 3 --json "$out/serve-load.json" | tail -20
 rc=${PIPESTATUS[0]}

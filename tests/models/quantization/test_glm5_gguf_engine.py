@@ -20,17 +20,42 @@ from glm5_runs import compare, generate, hf_reference
 SETTINGS = {"attention_backend": "TRITON_MLA_SPARSE", "indexer": "triton", "dtype": "float16"}
 
 
+def model_differences(a: dict, b: dict) -> dict:
+    """What differs between two runs' --inspect dumps (glm5_generate.py)."""
+    pa, pb = a["model"]["params"], b["model"]["params"]
+    ma, mb = a["model"]["quant_methods"], b["model"]["quant_methods"]
+    ca, cb = a["model"]["hf_config"], b["model"]["hf_config"]
+    return {
+        "params_differ": sorted(n for n in pa.keys() & pb.keys() if pa[n] != pb[n]),
+        "params_only_in_one": sorted(pa.keys() ^ pb.keys()),
+        "quant_methods_differ": {n: [ma.get(n), mb.get(n)] for n in ma.keys() | mb.keys()
+                                 if ma.get(n) != mb.get(n)},
+        "config_differs": {k: [ca.get(k), cb.get(k)] for k in ca.keys() | cb.keys()
+                           if ca.get(k) != cb.get(k) and k not in CONFIG_PROVENANCE},
+    }
+
+
+# config keys that record where a config came from, not what the model is
+CONFIG_PROVENANCE = {"_name_or_path", "transformers_version", "architectures_source",
+                     "torch_dtype", "dtype"}
+
+
 @pytest.mark.gpu
 def test_glm5_gguf_in_vllm(glm5_gguf, glm5_ggufs, tmp_path):
     llama_cpp, model, _ = glm5_gguf
     gguf = gr.gguf_module(llama_cpp)
-    st = generate(model, tmp_path / "safetensors.json", **SETTINGS)
+    st = generate(model, tmp_path / "safetensors.json", inspect="", **SETTINGS)
+    # the same run again: how far apart two identical runs are
+    rerun = generate(model, tmp_path / "safetensors-rerun.json", **SETTINGS)
     ref_st = hf_reference(model, tmp_path / "hf-safetensors.json")
     # what fp16 vLLM kernels do to this model, against transformers fp32
     floor = compare(ref_st, st)
-    report = {"safetensors_vs_hf_fp32": floor}
+    report = {"safetensors_vs_hf_fp32": floor, "safetensors_rerun": compare(st, rerun)}
     for kind in ("bf16", "q8_0", "Q4_K_M"):
-        run = generate(glm5_ggufs[kind], tmp_path / f"gguf-{kind}.json", **SETTINGS)
+        run = generate(glm5_ggufs[kind], tmp_path / f"gguf-{kind}.json",
+                       **({"inspect": ""} if kind == "bf16" else {}), **SETTINGS)
+        if kind == "bf16":
+            report["gguf_bf16_loaded_vs_safetensors"] = model_differences(st, run)
         assert run["indexer_backend"] == "triton"
         assert run["triton_indexer_calls"]["prefill"] > 0
         deq = gr.dequantized_checkpoint(gguf, glm5_ggufs[kind], model, tmp_path / f"deq-{kind}")
@@ -38,6 +63,11 @@ def test_glm5_gguf_in_vllm(glm5_gguf, glm5_ggufs, tmp_path):
         report[f"gguf_{kind}_vs_safetensors"] = compare(st, run)
         report[f"gguf_{kind}_vs_hf_fp32_dequantized"] = compare(ref, run)
     print("GGUF_ENGINE_REPORT " + json.dumps(report))
+    # The bf16 GGUF holds the checkpoint's numbers: vLLM must load the same
+    # parameters, run them with the same methods and build the same config.
+    assert report["gguf_bf16_loaded_vs_safetensors"] == {
+        "params_differ": [], "params_only_in_one": [], "quant_methods_differ": {},
+        "config_differs": {}}
     # bf16 GGUF = the safetensors weights. Measured on the H200 (2026-11-29): mean
     # 0.076 nats, not 0 (the GGUF quant config changes which kernels run; the cause
     # is not pinned down), against 4.5 for the q/kv shard swap this test found.
