@@ -48,7 +48,7 @@ for stage in $stages; do
         --ignore=tests/models/quantization/test_glm5_gguf_as_sm120.py 2>&1 \
         | tee "$out/gpu-tests.log" | grep -E "passed|failed|error|delta|FAILED" || rc=1 ;;
     gguf)
-      timeout 560 python3 -m pytest tests/models/quantization/test_glm5_gguf_engine.py -q -s \
+      timeout 550 python3 -m pytest tests/models/quantization/test_glm5_gguf_engine.py -q -s \
         -p no:cacheprovider -p no:warnings 2>&1 | tee "$out/gguf-engine.log" \
         | grep -E "passed|failed|error|REPORT|FAILED|Error" || rc=1 ;;
     upstream)
