@@ -59,7 +59,8 @@ def offline(args) -> None:
     from vllm import LLM, SamplingParams
 
     llm = LLM(model=args.model, tokenizer=args.tokenizer, max_model_len=args.max_model_len,
-              seed=0, enforce_eager=args.eager)
+              seed=0, enforce_eager=args.eager,
+              gpu_memory_utilization=args.gpu_memory_utilization)
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, seed=0)
     ps, ks = prompts(args.num_prompts), kinds(args.num_prompts)
     comp = [i for i, k in enumerate(ks) if k == "completion"]
@@ -141,6 +142,7 @@ def main():
     o.add_argument("--out", required=True)
     o.add_argument("--max-model-len", type=int, default=2048)
     o.add_argument("--eager", action="store_true")
+    o.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     ld = sub.choices["load"]
     ld.add_argument("--base-url", default="http://127.0.0.1:8000")
     ld.add_argument("--reference", default=None)

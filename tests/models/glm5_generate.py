@@ -35,6 +35,8 @@ def attention_backend_name(llm) -> str | None:
     except Exception:  # noqa: BLE001 - reporting only
         return None
     names = {layer.get_attn_backend().get_name() for layer in layers.values()}
+    # the sparse indexer's key cache is a layer of its own; report the attention
+    names -= {"DEEPSEEK_V32_INDEXER"}
     return names.pop() if len(names) == 1 else ",".join(sorted(names))
 
 

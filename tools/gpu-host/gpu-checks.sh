@@ -8,7 +8,8 @@
 # tests/models/quantization/gguf_reference.py), mla (the sparse MLA kernel tests only), sweep
 # (launch-parameter sweep of the gather kernel), bisect (tests/models/quantization/gguf_bisect.py),
 # sm120 (the engine from a GGUF with the capability reported as 12.0), throughput
-# (benchmarks/glm5_throughput.py), matrix (benchmarks/glm5_accuracy_matrix.py). Logs and JSON go
+# (benchmarks/glm5_throughput.py), matrix (benchmarks/glm5_accuracy_matrix.py), serve
+# (tools/gpu-host/serve-check.sh: `vllm serve` of the GGUF under load). Logs and JSON go
 # to OUT_DIR. Split the stages over calls when one
 # call's time limit is short: /tmp/site stays while the machine does.
 # The bundle comes from:
@@ -75,13 +76,18 @@ for stage in $stages; do
         tests/plugins/vllm_report_capability >/dev/null 2>&1 || rc=1
       timeout 300 python3 -m pytest tests/models/quantization/test_glm5_gguf_as_sm120.py -q -s \
         -p no:cacheprovider -p no:warnings 2>&1 | tee "$out/sm120.log" | tail -5 || rc=1 ;;
+    serve)
+      timeout 420 bash tools/gpu-host/serve-check.sh "$out" 2>&1 | tee "$out/serve-check.log" \
+        | tail -20 || rc=1 ;;
     throughput)
       timeout 500 python3 benchmarks/glm5_throughput.py --json "$out/glm5-throughput.json" 2>&1 \
         | tee "$out/glm5-throughput.log" | tail -8 || rc=1 ;;
     matrix)
-      timeout 580 python3 benchmarks/glm5_accuracy_matrix.py --out /tmp/matrix --parallel 8 2>&1 \
+      # MATRIX_MODES="eager" or "graphs" runs half of the rows (one call each)
+      timeout "${MATRIX_TIMEOUT:-580}" python3 benchmarks/glm5_accuracy_matrix.py --out /tmp/matrix \
+        --parallel 8 --modes ${MATRIX_MODES:-eager graphs} 2>&1 \
         | tee "$out/matrix.log" | grep -E "^\|" || rc=1
-      cp /tmp/matrix/matrix.json "$out/" 2>/dev/null || true ;;
+      cp /tmp/matrix/matrix.json "$out/matrix-${MATRIX_MODES:-all}.json" 2>/dev/null || true ;;
     *) echo "unknown stage $stage"; exit 2 ;;
   esac
 done

@@ -156,6 +156,13 @@ def write_tokenizer(model_dir: Path, vocab_size: int) -> None:
                                    pad_token="<|endoftext|>")
     fast.chat_template = GLM_CHAT_TEMPLATE
     fast.save_pretrained(model_dir)
+    # the checkpoint's own token ids for eos/pad, as in a real checkpoint
+    for name in ("config.json", "generation_config.json"):
+        path = Path(model_dir) / name
+        if path.exists():
+            data = json.loads(path.read_text())
+            data.update(eos_token_id=fast.eos_token_id, pad_token_id=fast.pad_token_id)
+            path.write_text(json.dumps(data, indent=2))
 
 
 CONVERT = r'''

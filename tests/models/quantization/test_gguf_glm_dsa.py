@@ -93,9 +93,10 @@ def test_config_from_gguf_equals_hf_config(glm5_gguf, glm5_ggufs, kind):
     # vLLM's layer schedule of the indexer reads index_topk_pattern
     assert config.index_topk_pattern == "".join("F" if t == "full" else "S"
                                                 for t in ref.indexer_types)
-    # token ids come from the GGUF's tokenizer metadata (the tiny HF config's are made up)
+    # token ids come from the GGUF's tokenizer metadata
     tok = gg.tokenizer_from_gguf(glm5_ggufs[kind])
     assert tok.convert_ids_to_tokens(config.eos_token_id) == "<|endoftext|>"
+    assert (config.eos_token_id, config.pad_token_id) == (ref.eos_token_id, ref.pad_token_id)
 
 
 def test_config_through_vllm_get_config(glm5_ggufs):
