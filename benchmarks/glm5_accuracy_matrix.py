@@ -116,11 +116,13 @@ def main():
     p.add_argument("--parallel", type=int, default=6)
     p.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES),
                    help="run only these modes (each mode's rows carry their own references)")
+    p.add_argument("--mem-total", type=float, default=0.85,
+                   help="GPU memory fraction shared by the parallel rows")
     args = p.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     sources = prepare(out)
-    mem = round(0.85 / args.parallel, 3)
+    mem = round(args.mem_total / args.parallel, 3)
     results = {}
     with concurrent.futures.ThreadPoolExecutor(args.parallel) as pool:
         futures = {pool.submit(run_row, r, *sources[r["source"]], out, mem): r

@@ -9,7 +9,8 @@
 # (launch-parameter sweep of the gather kernel), bisect (tests/models/quantization/gguf_bisect.py),
 # sm120 (the engine from a GGUF with the capability reported as 12.0), throughput
 # (benchmarks/glm5_throughput.py), matrix (benchmarks/glm5_accuracy_matrix.py), serve
-# (tools/gpu-host/serve-check.sh: `vllm serve` of the GGUF under load). Logs and JSON go
+# (tools/gpu-host/serve-check.sh: `vllm serve` of the GGUF under load), rerun
+# (tests/models/glm5_rerun.py: two identical runs per path). Logs and JSON go
 # to OUT_DIR. Split the stages over calls when one
 # call's time limit is short: /tmp/site stays while the machine does.
 # The bundle comes from:
@@ -76,6 +77,9 @@ for stage in $stages; do
         tests/plugins/vllm_report_capability >/dev/null 2>&1 || rc=1
       timeout 300 python3 -m pytest tests/models/quantization/test_glm5_gguf_as_sm120.py -q -s \
         -p no:cacheprovider -p no:warnings 2>&1 | tee "$out/sm120.log" | tail -5 || rc=1 ;;
+    rerun)
+      timeout 300 python3 tests/models/glm5_rerun.py --out /tmp/rerun --mem "${RERUN_MEM:-0.05}" \
+        --json "$out/rerun.json" > "$out/rerun.log" 2>&1; tail -n 6 "$out/rerun.log" ;;
     serve)
       timeout 420 bash tools/gpu-host/serve-check.sh "$out" 2>&1 | tee "$out/serve-check.log" \
         | tail -20 || rc=1 ;;
@@ -85,7 +89,8 @@ for stage in $stages; do
     matrix)
       # MATRIX_MODES="eager" or "graphs" runs half of the rows (one call each)
       timeout "${MATRIX_TIMEOUT:-580}" python3 benchmarks/glm5_accuracy_matrix.py --out /tmp/matrix \
-        --parallel 8 --modes ${MATRIX_MODES:-eager graphs} 2>&1 \
+        --parallel "${MATRIX_PARALLEL:-8}" --mem-total "${MATRIX_MEM:-0.85}" \
+        --modes ${MATRIX_MODES:-eager graphs} 2>&1 \
         | tee "$out/matrix.log" | grep -E "^\|" || rc=1
       cp /tmp/matrix/matrix.json "$out/matrix-${MATRIX_MODES:-all}.json" 2>/dev/null || true ;;
     *) echo "unknown stage $stage"; exit 2 ;;

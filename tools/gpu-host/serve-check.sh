@@ -9,7 +9,7 @@
 set -uo pipefail
 out="${1:?out dir}"; here="$(cd "$(dirname "$0")/../.." && pwd)"; work=/tmp/serve-check
 mkdir -p "$out" "$work"; cd "$here"
-export VLLM_BATCH_INVARIANT=1
+export VLLM_BATCH_INVARIANT="${VLLM_BATCH_INVARIANT:-1}"
 python3 - "$work" <<'PY' || exit 1
 import sys
 from pathlib import Path
@@ -26,7 +26,10 @@ gguf="$work/tiny-bf16.gguf"
 mem="${SERVE_MEM:-0.9}"
 python3 benchmarks/serve_load.py offline --model "$gguf" --out "$work/ref.json" \
   --gpu-memory-utilization "$mem" \
-  > "$out/serve-offline.log" 2>&1 || { tail -20 "$out/serve-offline.log"; exit 1; }
+  > "$out/serve-offline.log" 2>&1 || {
+    grep -v "it/s\]" "$out/serve-offline.log" | grep -A45 -m1 "Traceback"
+    grep -E "Error|error:" "$out/serve-offline.log" | tail -n 5
+    exit 1; }
 vllm serve "$gguf" --port 8000 --max-model-len 2048 --gpu-memory-utilization "$mem" > "$out/serve.log" 2>&1 &
 pid=$!
 healthy() { python3 -c 'import urllib.request as u; u.urlopen("http://127.0.0.1:8000/health", timeout=2)' 2>/dev/null; }
