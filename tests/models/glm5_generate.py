@@ -76,6 +76,9 @@ def main():
     p.add_argument("--eager", action="store_true")
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--gpu-memory-utilization", type=float, default=0.35)
+    p.add_argument("--kv-cache-memory-bytes", type=int, default=None,
+                   help="fixed KV cache size: skips vLLM's memory profiling, which "
+                        "fails while other engines on the GPU start or exit")
     p.add_argument("--inspect", action="store_true",
                    help="also dump parameter digests, quant methods and the config")
     args = p.parse_args()
@@ -111,6 +114,7 @@ def main():
         max_num_seqs=8,
         enforce_eager=args.eager,
         gpu_memory_utilization=args.gpu_memory_utilization,
+        kv_cache_memory_bytes=args.kv_cache_memory_bytes,
         seed=0,
         attention_config={"backend": args.attention_backend} if args.attention_backend else None,
     )

@@ -164,6 +164,18 @@ def test_forced_backend_everywhere(capability):
     assert ours == SPARSE.get_path()
 
 
+@pytest.mark.parametrize("capability", CAPABILITIES)
+def test_batch_invariant_selection(capability):
+    """VLLM_BATCH_INVARIANT: FlashMLA-sparse refuses it, so sparse MLA runs on
+    TRITON_MLA_SPARSE on every generation (upstream has no valid backend)."""
+    config = selector_config(True, "auto")._replace(use_batch_invariant=True)
+    assert SPARSE.get_class().supports_batch_invariance()
+    assert not AttentionBackendEnum.FLASHMLA_SPARSE.get_class().supports_batch_invariance()
+    assert select(capability, config) == SPARSE.get_path()
+    assert select(capability, config, upstream=True).startswith(
+        "ValueError: No valid attention backend")
+
+
 def test_forced_backend_rejects_dense_model():
     ours = select((12, 0), selector_config(False, "auto"), selected=SPARSE)
     assert ours.startswith("ValueError") and "sparse" in ours

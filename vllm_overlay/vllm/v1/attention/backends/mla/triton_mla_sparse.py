@@ -114,6 +114,13 @@ class TritonMLASparseBackend(AttentionBackend):
         return True
 
     @classmethod
+    def supports_batch_invariance(cls) -> bool:
+        # Under VLLM_BATCH_INVARIANT both kernels run one KV split per token,
+        # and their tiles depend only on the head count, so a token's result
+        # does not depend on what it is batched with.
+        return True
+
+    @classmethod
     def supports_combination(
         cls,
         head_size: int,
