@@ -259,3 +259,34 @@ def test_cuda_graph_capture_and_replay():
     eager = run()
     for r, n in enumerate(seq.view(-1).tolist()):
         torch.testing.assert_close(out[r, :n], eager[r, :n], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("batch_invariant", [True, False])
+def test_topk_order_under_batch_invariance(batch_invariant, monkeypatch):
+    """The top-k kernels write indices in atomic order; under VLLM_BATCH_INVARIANT
+    the indexer puts each row in one fixed order (descending, -1 padding last), so
+    two runs that selected the same set feed sparse attention the same slots."""
+    import vllm.envs as envs
+    from vllm.model_executor.layers.sparse_attn_indexer import sort_topk_if_batch_invariant
+
+    monkeypatch.setattr(envs, "VLLM_BATCH_INVARIANT", batch_invariant)
+    gen = torch.Generator().manual_seed(0)
+    rows = []
+    for n_valid in (128, 70, 1):  # full row, short row with padding, one slot
+        valid = torch.randperm(1000, generator=gen)[:n_valid].to(torch.int32)
+        rows.append(torch.cat([valid, torch.full((128 - n_valid,), -1, dtype=torch.int32)]))
+    a = torch.stack(rows)
+    # the same sets in other orders, as another run's top-k kernel may write them
+    b = torch.stack([r[torch.cat([torch.randperm(int((r >= 0).sum()), generator=gen),
+                                  torch.arange(int((r >= 0).sum()), 128)])] for r in rows])
+    before_a, before_b = a.clone(), b.clone()
+    sort_topk_if_batch_invariant(a)
+    sort_topk_if_batch_invariant(b)
+    if not batch_invariant:
+        assert torch.equal(a, before_a) and torch.equal(b, before_b)
+        return
+    assert torch.equal(a, b)
+    for row, orig in zip(a, before_a):
+        n = int((orig >= 0).sum())
+        assert torch.equal(row[:n], torch.sort(orig[:n], descending=True).values)
+        assert (row[n:] == -1).all()

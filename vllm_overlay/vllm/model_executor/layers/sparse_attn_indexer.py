@@ -34,6 +34,15 @@ RADIX_TOPK_WORKSPACE_SIZE = 1024 * 1024
 MXFP4_BLOCK_SIZE = 32
 
 
+def sort_topk_if_batch_invariant(topk_indices: torch.Tensor) -> None:
+    # overlay: the top-k kernels place indices in atomic (run-dependent) order,
+    # and sparse attention sums over the selected slots in that order. Under
+    # VLLM_BATCH_INVARIANT sort each row in place so results repeat exactly;
+    # descending keeps the -1 padding after the valid indices.
+    if envs.VLLM_BATCH_INVARIANT:
+        topk_indices.copy_(torch.sort(topk_indices, dim=-1, descending=True).values)
+
+
 def _gather_workspace_shapes(
     total_seq_lens: int,
     head_dim: int,
@@ -252,6 +261,7 @@ def sparse_attn_indexer(
                 logits.stride(1),
                 topk_tokens,
             )
+            sort_topk_if_batch_invariant(topk_indices)  # overlay: fixed slot order
 
     if has_decode:
         decode_metadata = attn_metadata_narrowed.decode
@@ -358,6 +368,7 @@ def sparse_attn_indexer(
                 logits.stride(1),
                 topk_tokens,
             )
+        sort_topk_if_batch_invariant(topk_indices)  # overlay: fixed slot order
 
         if decode_metadata.requires_padding:
             # if padded, we need to unpack
