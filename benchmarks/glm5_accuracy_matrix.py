@@ -109,7 +109,7 @@ def run_row(row: dict, model: Path, ref: dict, out: Path, mem: float) -> dict:
                        dtype=row["dtype"], gpu_memory_utilization=str(mem),
                        kv_cache_memory_bytes=str(KV_CACHE_BYTES), **PATHS[row["path"]])
     except AssertionError as e:  # the run failed: keep its error as the row's result
-        return {**row, "error": str(e)[-600:]}
+        return {**row, "error": str(e)[:600]}  # glm5_runs puts the error lines first
     return {**row, "vs_fp32": compare(ref, res), "indexer_backend": res["indexer_backend"],
             "attention_backend": res.get("attention_backend")}
 
@@ -144,7 +144,7 @@ def main():
         cells = (f"{v['mean']:.3f} | {v['max']:.2f} | {v['greedy_agreement']:.2f}" if v
                  else "- | - | -")
         b = "-" if r.get("bound") is None else f"{r['bound']:.3f}"
-        why = f": {r['error'].strip().splitlines()[-1][:80]}" if "error" in r else ""
+        why = f": {r['error'].strip().splitlines()[0][-100:]}" if "error" in r else ""
         print(f"| {r['source']} | {r['path']} | {r['mode']} | {r['dtype']} | {cells} | {b} "
               f"| {r['status']}{why} |")
     (out / "matrix.json").write_text(json.dumps(table, indent=1))

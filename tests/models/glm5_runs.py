@@ -3,6 +3,7 @@
 subprocesses and compare their JSON outputs."""
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -13,7 +14,10 @@ HERE = Path(__file__).resolve().parent
 def _run(script, out, args, env=None):
     cmd = [sys.executable, str(HERE / script), "--out", str(out), *args]
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
-    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-5000:]
+    # the error lines first: a failed engine start ends with teardown warnings
+    errors = [line for line in res.stderr.splitlines() if re.search(r"\w(Error|Exception): ", line)]
+    assert res.returncode == 0, ("\n".join(errors[-3:]) + "\n---\n" + res.stdout[-3000:]
+                                 + res.stderr[-5000:])
     return json.loads(Path(out).read_text())
 
 
