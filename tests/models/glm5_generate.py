@@ -77,6 +77,7 @@ def main():
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--gpu-memory-utilization", type=float, default=0.35)
     p.add_argument("--max-num-seqs", type=int, default=8)
+    p.add_argument("--tensor-parallel-size", type=int, default=1)
     p.add_argument("--kv-cache-memory-bytes", type=int, default=None,
                    help="fixed KV cache size: skips vLLM's memory profiling, which "
                         "fails while other engines on the GPU start or exit")
@@ -113,6 +114,7 @@ def main():
         max_model_len=2048,
         block_size=64,
         max_num_seqs=args.max_num_seqs,
+        tensor_parallel_size=args.tensor_parallel_size,
         enforce_eager=args.eager,
         gpu_memory_utilization=args.gpu_memory_utilization,
         kv_cache_memory_bytes=args.kv_cache_memory_bytes,

@@ -10,7 +10,8 @@
 # sm120 (the engine from a GGUF with the capability reported as 12.0), throughput
 # (benchmarks/glm5_throughput.py), matrix (benchmarks/glm5_accuracy_matrix.py), serve
 # (tools/gpu-host/serve-check.sh: `vllm serve` of the GGUF under load), rerun
-# (tests/models/glm5_rerun.py: two identical runs per path). Logs and JSON go
+# (tests/models/glm5_rerun.py: two identical runs per path), tp2 (TP2 against TP1, needs two GPUs),
+# bi (batch invariance: prompts alone and batched repeat exactly). Logs and JSON go
 # to OUT_DIR. Split the stages over calls when one
 # call's time limit is short: /tmp/site stays while the machine does.
 # The bundle comes from:
@@ -47,7 +48,9 @@ for stage in $stages; do
       timeout 420 python3 -m pytest tests -m gpu -q -s -p no:cacheprovider -p no:warnings \
         --ignore=tests/v1/attention/test_upstream_sparse_mla_backends.py \
         --ignore=tests/models/quantization/test_glm5_gguf_engine.py \
-        --ignore=tests/models/quantization/test_glm5_gguf_as_sm120.py 2>&1 \
+        --ignore=tests/models/quantization/test_glm5_gguf_as_sm120.py \
+        --ignore=tests/models/quantization/test_glm5_gguf_tensor_parallel.py \
+        --ignore=tests/models/test_glm5_batch_invariant.py 2>&1 \
         | tee "$out/gpu-tests.log" | grep -E "passed|failed|error|delta|FAILED" || rc=1 ;;
     gguf)
       timeout 550 python3 -m pytest tests/models/quantization/test_glm5_gguf_engine.py -q -s \
@@ -77,6 +80,14 @@ for stage in $stages; do
         tests/plugins/vllm_report_capability >/dev/null 2>&1 || rc=1
       timeout 300 python3 -m pytest tests/models/quantization/test_glm5_gguf_as_sm120.py -q -s \
         -p no:cacheprovider -p no:warnings 2>&1 | tee "$out/sm120.log" | tail -5 || rc=1 ;;
+    tp2)
+      timeout 540 python3 -m pytest tests/models/quantization/test_glm5_gguf_tensor_parallel.py -q -s \
+        -p no:cacheprovider -p no:warnings 2>&1 | tee "$out/tp2.log" \
+        | grep -E "passed|failed|skipped|TP2_REPORT|Error" || rc=1 ;;
+    bi)
+      timeout 300 python3 -m pytest tests/models/test_glm5_batch_invariant.py -q -s \
+        -p no:cacheprovider -p no:warnings 2>&1 | tee "$out/bi.log" \
+        | grep -E "passed|failed|REPORT|Error" || rc=1 ;;
     rerun)
       timeout 300 python3 tests/models/glm5_rerun.py --out /tmp/rerun --mem "${RERUN_MEM:-0.05}" \
         --json "$out/rerun.json" > "$out/rerun.log" 2>&1; tail -n 6 "$out/rerun.log" ;;

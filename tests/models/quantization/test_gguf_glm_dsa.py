@@ -343,3 +343,44 @@ def test_unsupported_quant_type(glm5_gguf, tmp_path):
     f = gr.convert(llama_cpp, model, tmp_path / "tq1.gguf", "tq1_0")
     with pytest.raises(gg.GGUFError, match=r"has type TQ1_0, which vLLM's GGUF kernels"):
         GlmDsaGGUF([f], gg.config_from_gguf(f))
+
+
+def test_tensor_parallel_split_keeps_whole_quant_blocks(glm5_ggufs):
+    """Row-parallel layers (o_proj, the down projections) split the input
+    dimension, which quant types pack in blocks (32 for q8_0, 256 for K-quants).
+    The tiny model's down projections have 256 inputs."""
+    q8 = glm5_ggufs["q8_0"]
+    config = gg.config_from_gguf(q8)
+    GlmDsaGGUF([q8], config, tp_size=8)  # 256 / 8 = 32: one q8_0 block per rank
+    with pytest.raises(gg.GGUFError, match=r"tensor parallel size 16: a rank would hold 16 inputs"):
+        GlmDsaGGUF([q8], config, tp_size=16)
+    k = glm5_ggufs["Q4_K_M"]
+    with pytest.raises(gg.GGUFError, match=r"'blk\.\d+\.ffn_down(_shexp|_exps)?\.weight' \(Q\d_K, "
+                                           r"256 inputs\) cannot be split over tensor parallel "
+                                           r"size 2: .* blocks of 256"):
+        GlmDsaGGUF([k], config, tp_size=2)
+    # unquantized tensors split anywhere; tp 1 never checks
+    GlmDsaGGUF([glm5_ggufs["bf16"]], config, tp_size=16)
+    GlmDsaGGUF([k], config, tp_size=1)
+
+
+@pytest.mark.parametrize("expert_parallel", [False, True])
+def test_loader_takes_tensor_parallel_size_from_config(glm5_ggufs, expert_parallel):
+    """GGUFModelLoader checks the split with the engine's TP size (experts are not
+    split along their inputs under expert parallelism; the shared expert is)."""
+    from types import SimpleNamespace
+    from unittest.mock import patch
+
+    from vllm.config.load import LoadConfig
+    from vllm.model_executor.model_loader import gguf_loader
+
+    k = glm5_ggufs["Q4_K_M"]
+    model_config = SimpleNamespace(model=str(k), revision=None, hf_config=gg.config_from_gguf(k))
+    parallel = SimpleNamespace(tensor_parallel_size=2, enable_expert_parallel=expert_parallel)
+    with patch("vllm.config.get_current_vllm_config",
+               lambda: SimpleNamespace(parallel_config=parallel)):
+        loader = gguf_loader.GGUFModelLoader(LoadConfig(load_format="gguf"))
+        with pytest.raises(gg.GGUFError, match="tensor parallel size 2") as e:
+            loader._glm_dsa(model_config)
+    if expert_parallel:  # the refused tensor is not a routed expert stack
+        assert "_exps" not in e.value.args[0]

@@ -425,7 +425,14 @@ class GGUFModelLoader(BaseModelLoader):
         # overlay: one checked reader of the glm-dsa file(s) per loader
         if getattr(self, "_glm_dsa_gguf", None) is None:
             files = self._get_all_gguf_files(self._prepare_weights(model_config))
-            self._glm_dsa_gguf = glm_dsa_gguf.GlmDsaGGUF(files, model_config.hf_config)
+            from vllm.config import get_current_vllm_config
+
+            # the tensor parallel split must keep whole quant blocks per rank
+            parallel = get_current_vllm_config().parallel_config
+            tp = parallel.tensor_parallel_size
+            self._glm_dsa_gguf = glm_dsa_gguf.GlmDsaGGUF(
+                files, model_config.hf_config, tp_size=tp,
+                experts_tp_size=1 if parallel.enable_expert_parallel else tp)
         return self._glm_dsa_gguf
 
     def download_model(self, model_config: ModelConfig) -> None:

@@ -84,6 +84,9 @@ _MOE = {
     "ffn_up_shexp.weight": "mlp.shared_experts.up_proj.weight",
     "ffn_down_shexp.weight": "mlp.shared_experts.down_proj.weight",
 }
+# Layers split along their input dimension under tensor parallelism.
+_ROW_PARALLEL = ("self_attn.o_proj.weight", "mlp.down_proj.weight",
+                 "mlp.shared_experts.down_proj.weight", "mlp.experts.0.down_proj.weight")
 _BLOCK_RE = re.compile(r"^blk\.(\d+)\.(.+)$")
 _EXPERTS_RE = re.compile(r"\.mlp\.experts\.0\.(gate|up|down)_proj\.weight$")
 
@@ -139,8 +142,11 @@ class GlmDsaGGUF:
     """The tensors of one glm-dsa GGUF model (a single file or a split set),
     checked against `config` and mapped to vLLM's names."""
 
-    def __init__(self, files: list[str | Path], config):
+    def __init__(self, files: list[str | Path], config, tp_size: int = 1,
+                 experts_tp_size: int | None = None):
         self.config = config
+        self.tp_size = tp_size
+        self.experts_tp_size = tp_size if experts_tp_size is None else experts_tp_size
         self.tensors = {}
         for f in files:
             reader = open_reader(f)
@@ -151,6 +157,7 @@ class GlmDsaGGUF:
                     raise GGUFError(f"{f}: tensor {t.name!r} appears in more than one part")
                 self.tensors[t.name] = t
         self.gguf_to_hf = self._map()
+        self._check_tensor_parallel()
 
     def _map(self) -> dict[str, str]:
         config = self.config
@@ -201,6 +208,22 @@ class GlmDsaGGUF:
             logger.info("GGUF: %d tensors of the MTP (nextn) block are not loaded; "
                         "speculative decoding from GGUF is not supported", mtp)
         return mapping
+
+    def _check_tensor_parallel(self) -> None:
+        """Row-parallel layers split their input dimension, which is the one a
+        GGUF quant type packs in blocks: each rank must get whole blocks."""
+        for g, hf in self.gguf_to_hf.items():
+            if not self._quantized(g) or not hf.endswith(_ROW_PARALLEL):
+                continue
+            tp = self.experts_tp_size if _EXPERTS_RE.search(hf) else self.tp_size
+            kind = self.tensors[g].tensor_type
+            block = gguf.GGML_QUANT_SIZES[kind][0]
+            inputs = _shape(self.tensors[g])[-1]
+            if tp > 1 and inputs % (tp * block):
+                raise GGUFError(
+                    f"GGUF tensor {g!r} ({kind.name}, {inputs} inputs) cannot be split over "
+                    f"tensor parallel size {tp}: a rank would hold {inputs / tp:g} inputs, not "
+                    f"a whole number of {kind.name} blocks of {block}")
 
     def _type(self, name: str) -> str:
         return self.tensors[name].tensor_type.name
