@@ -76,12 +76,15 @@ def sweep_configs(base):
     # smaller head blocks trade re-reading rows (from L2) for fewer registers per program
     block_hs = sorted({base["BLOCK_H"], max(16, base["BLOCK_H"] // 2)})
     for block_h in block_hs:
-        for block_n in (16, 32, 64):
-            for warps in (4, 8):
-                for stages in (2,):
-                    for sp in splits:
-                        yield dict(base, BLOCK_H=block_h, BLOCK_N=block_n, num_warps=warps,
-                                   num_stages=stages, splits=sp)
+        # output columns over two programs: half the accumulator, QK^T twice
+        for v_splits in ((1, 2) if block_h >= 64 else (1,)):
+            for block_n in (16, 32, 64):
+                for warps in (4, 8):
+                    for stages in (2,):
+                        for sp in splits:
+                            yield dict(base, BLOCK_H=block_h, BLOCK_N=block_n,
+                                       num_warps=warps, num_stages=stages, splits=sp,
+                                       V_SPLITS=v_splits)
 
 
 def bench_case(num_tokens, num_heads, kv, topk, pool, l2_bytes, sms, flashmla, sweep):

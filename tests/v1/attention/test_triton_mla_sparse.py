@@ -178,6 +178,22 @@ def test_sparse_mla_fp8_cache(dtype, tol, kernel):
     check(case, 16, tol, kv_scale=0.75, kernel=kernel)
 
 
+def test_gather_kernel_v_splits_fp8_cache():
+    # Output columns split over programs, each re-reading its slice of the fp8
+    # rows and dequantizing it, against float64 on the dequantized cache.
+    case = make_case([2, 1], [50, 90], 16, 128, 16, torch.float16, FP8, seed=3)
+    slots, counts = tsm_inputs(case)
+    scale = 1.0 / math.sqrt(192 + ROPE)
+    ref = reference_sparse_mla(case.q, case.cache, case.block_table, case.req_id,
+                               case.indices, scale, k_scale=0.75)
+    for splits in (1, 2):
+        cfg = dict(tsm.launch_config(3, 16, 128, KV_LORA, 132), splits=splits, BLOCK_N=16,
+                   V_SPLITS=2)
+        o = tsm.sparse_mla_attention(case.q, case.cache, slots, counts, KV_LORA, scale,
+                                     torch.full((1,), 0.75, device=DEVICE), 132, config=cfg)
+        torch.testing.assert_close(o.double().cpu(), ref, rtol=1e-2, atol=1e-2)
+
+
 def test_sparse_mla_chunked_workspace(monkeypatch):
     # A workspace bound below one token's need forces one kernel launch per token.
     case = make_case([3], [30], 16, 128, 16, torch.float16, torch.float16, seed=2)
@@ -189,9 +205,10 @@ def test_sparse_mla_chunked_workspace(monkeypatch):
 
 @pytest.mark.parametrize("num_heads", [5, 20, 40])
 def test_gather_kernel_split_k_and_head_padding(num_heads):
-    # Heads that do not fill a head block (masked rows of the MMA) and split-K
-    # with the log-sum-exp merge, forced through `config`, against float64; the
-    # splits include ones past a row's valid entries (empty splits).
+    # Heads that do not fill a head block (masked rows of the MMA), split-K
+    # with the log-sum-exp merge and output columns split over programs
+    # (V_SPLITS), forced through `config`, against float64; the splits include
+    # ones past a row's valid entries (empty splits).
     case = make_case([2, 1], [90, 200], num_heads, 128, 16, torch.float16, torch.float16,
                      seed=8)
     o1 = check(case, num_heads, 4e-3)  # the launch table's choice
@@ -200,9 +217,9 @@ def test_gather_kernel_split_k_and_head_padding(num_heads):
     one = torch.ones(1, device=DEVICE)
     ref = reference_sparse_mla(case.q, case.cache, case.block_table, case.req_id,
                                case.indices, scale)
-    for splits in (1, 4):
+    for splits, v_splits in ((1, 1), (4, 1), (1, 2), (4, 4)):
         cfg = dict(tsm.launch_config(3, num_heads, 128, KV_LORA, 132),
-                   splits=splits, BLOCK_N=16)
+                   splits=splits, BLOCK_N=16, V_SPLITS=v_splits)
         o = tsm.sparse_mla_attention(case.q, case.cache, slots, counts, KV_LORA, scale,
                                      one, 132, config=cfg)
         torch.testing.assert_close(o.double().cpu(), ref, rtol=4e-3, atol=4e-3)

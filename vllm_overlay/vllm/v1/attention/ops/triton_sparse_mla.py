@@ -54,15 +54,19 @@ def _sparse_mla_kernel(
     D_R: tl.constexpr,
     KV_FP8: tl.constexpr,
     PARTIAL: tl.constexpr,
+    V_SPLITS: tl.constexpr,
 ):
     # heads fastest: the programs of one token run together and share its rows in L2
-    hb = tl.program_id(0)
+    hb = tl.program_id(0) // V_SPLITS
+    vs = tl.program_id(0) % V_SPLITS  # which slice of the output columns
     t = tl.program_id(1).to(tl.int64)
     s = tl.program_id(2)
 
     offs_h = hb * BLOCK_H + tl.arange(0, BLOCK_H)
     mask_h = offs_h < num_heads
     offs_v = tl.arange(0, D_V)
+    D_O: tl.constexpr = D_V // V_SPLITS
+    offs_o = vs * D_O + tl.arange(0, D_O)
     offs_r = tl.arange(0, D_R)
     q_row = Q + t * stride_qt + offs_h[:, None] * stride_qh
     q_nope = tl.load(q_row + offs_v[None, :], mask=mask_h[:, None], other=0.0)
@@ -78,7 +82,7 @@ def _sparse_mla_kernel(
 
     m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_H, D_V], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_H, D_O], dtype=tl.float32)
     for n0 in range(start, end, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         mask_n = offs_n < end
@@ -96,19 +100,26 @@ def _sparse_mla_kernel(
         p = tl.exp2(qk - m_new[:, None])
         alpha = tl.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(k_nope.dtype), k_nope)
+        if V_SPLITS == 1:
+            v = k_nope
+        else:  # this program's output columns of the rows just read (from L1/L2)
+            v = tl.load(kv_row + offs_o[None, :], mask=mask_n[:, None], other=0.0)
+            if KV_FP8:
+                v = v.to(q_nope.dtype)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m_i = m_new
 
     l_safe = tl.where(l_i > 0.0, l_i, 1.0)
     out = acc / l_safe[:, None]
     if KV_FP8:
         out = out * k_scale  # V is the same fp8 latent as K
-    o_ptr = O + t * stride_ot + s * stride_os + offs_h[:, None] * stride_oh + offs_v[None, :]
+    o_ptr = O + t * stride_ot + s * stride_os + offs_h[:, None] * stride_oh + offs_o[None, :]
     tl.store(o_ptr, out.to(O.dtype.element_ty), mask=mask_h[:, None])
     if PARTIAL:
-        # base-2 log-sum-exp of the split; -inf for a split without valid slots
+        # base-2 log-sum-exp of the split (the same in every column slice); -inf
+        # for a split without valid slots
         lse = tl.where(l_i > 0.0, m_i + tl.log2(l_safe), float("-inf"))
-        tl.store(Lse + t * stride_lt + offs_h * stride_lh + s, lse, mask=mask_h)
+        tl.store(Lse + t * stride_lt + offs_h * stride_lh + s, lse, mask=mask_h & (vs == 0))
 
 
 @triton.jit
@@ -144,7 +155,12 @@ def _sparse_mla_merge_kernel(
 def launch_config(
     num_tokens: int, num_heads: int, topk: int, kv_lora_rank: int, num_sms: int
 ) -> dict:
-    """Block sizes, warps, stages and splits for a shape (no data, no host sync)."""
+    """Block sizes, warps, stages and splits for a shape (no data, no host sync).
+
+    V_SPLITS > 1 (not chosen by the table yet; benchmarks and tests set it) splits
+    a head block's output columns over that many programs, each recomputing the
+    scores: a smaller accumulator for a second QK^T.
+    """
     block_h = 16 if num_heads <= 16 else (32 if num_heads <= 32 else 64)
     block_n = 32 if block_h == 64 else 64
     num_warps = 8 if block_h == 64 else 4
@@ -159,7 +175,7 @@ def launch_config(
         while splits > 1 and splits * per_split > _MAX_PARTIAL_BYTES:
             splits //= 2
     return {"BLOCK_H": block_h, "BLOCK_N": block_n, "num_warps": num_warps,
-            "num_stages": 2, "splits": splits}
+            "num_stages": 2, "splits": splits, "V_SPLITS": 1}
 
 
 def sparse_mla_attention(
@@ -195,7 +211,9 @@ def sparse_mla_attention(
     cfg = config or launch_config(num_tokens, num_heads, topk, kv_lora_rank, num_sms)
     splits = cfg["splits"]
     split_len = triton.cdiv(triton.cdiv(topk, splits), cfg["BLOCK_N"]) * cfg["BLOCK_N"]
-    grid = (triton.cdiv(num_heads, cfg["BLOCK_H"]), num_tokens, splits)
+    v_splits = cfg.get("V_SPLITS", 1)
+    assert kv_lora_rank % v_splits == 0
+    grid = (triton.cdiv(num_heads, cfg["BLOCK_H"]) * v_splits, num_tokens, splits)
     if splits == 1:
         out, lse = o, o  # lse unused
         so = (o.stride(0), o.stride(1), 0)
@@ -213,7 +231,7 @@ def sparse_mla_attention(
         *so, *sl,
         num_heads, split_len,
         BLOCK_H=cfg["BLOCK_H"], BLOCK_N=cfg["BLOCK_N"], D_V=kv_lora_rank, D_R=d_r,
-        KV_FP8=kv_fp8, PARTIAL=splits > 1,
+        KV_FP8=kv_fp8, PARTIAL=splits > 1, V_SPLITS=v_splits,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     if splits > 1:

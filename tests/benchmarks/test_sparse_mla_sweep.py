@@ -1,0 +1,52 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The kernel benchmark's launch sweep: around the table's choice, it tries half
+head blocks and, for 64-head blocks, output columns over two programs; every
+candidate runs and matches the table's configuration on the same inputs."""
+
+import importlib.util
+import math
+from pathlib import Path
+
+import torch
+
+from vllm.v1.attention.ops import triton_sparse_mla as tsm
+
+ROOT = Path(__file__).resolve().parents[2]
+spec = importlib.util.spec_from_file_location(
+    "benchmark_triton_mla_sparse",
+    ROOT / "benchmarks" / "kernels" / "benchmark_triton_mla_sparse.py")
+bench = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(bench)
+
+
+def test_sweep_candidates():
+    base = tsm.launch_config(4096, 64, 2048, 512, 132)
+    configs = list(bench.sweep_configs(base))
+    assert {(c["BLOCK_H"], c["V_SPLITS"]) for c in configs} == {(64, 1), (64, 2), (32, 1)}
+    assert all(c["splits"] == 1 for c in configs)  # 4096 tokens fill the GPU
+    small = list(bench.sweep_configs(tsm.launch_config(1, 8, 2048, 512, 132)))
+    assert {c["V_SPLITS"] for c in small} == {1}
+
+
+def test_sweep_candidates_compute_the_same():
+    # Each candidate of a 64-head shape on the same small inputs (interpreter on CPU).
+    g = torch.Generator().manual_seed(0)
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    T, H, K = 2, 64, 32
+    q = (torch.randn(T, H, 576, generator=g) * 0.5).half().to(dev)
+    cache = (torch.randn(4, 16, 576, generator=g) * 0.5).half().to(dev)
+    slots = torch.stack([torch.randperm(64, generator=g)[:K] for _ in range(T)]).int().to(dev)
+    counts = torch.full((T,), K, dtype=torch.int32, device=dev)
+    one = torch.ones(1, device=dev)
+    args = (q, cache, slots, counts, 512, 1 / math.sqrt(256), one, 132)
+    base = tsm.launch_config(T, H, K, 512, 132)
+    ref = tsm.sparse_mla_attention(*args, config=base).float()
+    seen = set()
+    for c in bench.sweep_configs(base):
+        key = (c["BLOCK_H"], c["V_SPLITS"], c["splits"])
+        if key in seen:  # block sizes and warps only change tiling on the interpreter
+            continue
+        seen.add(key)
+        out = tsm.sparse_mla_attention(*args, config=dict(c, BLOCK_N=16)).float()
+        torch.testing.assert_close(out, ref, rtol=2e-3, atol=2e-3, msg=str(c))
+    assert (64, 2, base["splits"]) in seen
