@@ -60,7 +60,8 @@ def offline(args) -> None:
 
     llm = LLM(model=args.model, tokenizer=args.tokenizer, max_model_len=args.max_model_len,
               seed=0, enforce_eager=args.eager,
-              gpu_memory_utilization=args.gpu_memory_utilization)
+              gpu_memory_utilization=args.gpu_memory_utilization,
+              kv_cache_memory_bytes=args.kv_cache_memory_bytes)
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, seed=0)
     ps, ks = prompts(args.num_prompts), kinds(args.num_prompts)
     comp = [i for i, k in enumerate(ks) if k == "completion"]
@@ -143,6 +144,7 @@ def main():
     o.add_argument("--max-model-len", type=int, default=2048)
     o.add_argument("--eager", action="store_true")
     o.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    o.add_argument("--kv-cache-memory-bytes", type=int, default=None)
     ld = sub.choices["load"]
     ld.add_argument("--base-url", default="http://127.0.0.1:8000")
     ld.add_argument("--reference", default=None)

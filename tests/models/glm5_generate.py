@@ -78,9 +78,11 @@ def main():
     p.add_argument("--gpu-memory-utilization", type=float, default=0.35)
     p.add_argument("--max-num-seqs", type=int, default=8)
     p.add_argument("--tensor-parallel-size", type=int, default=1)
-    p.add_argument("--kv-cache-memory-bytes", type=int, default=None,
-                   help="fixed KV cache size: skips vLLM's memory profiling, which "
-                        "fails while other engines on the GPU start or exit")
+    p.add_argument("--kv-cache-memory-bytes", type=int, default=1 << 30,
+                   help="fixed KV cache size (default 1 GiB, plenty for 8 x 2K tokens of "
+                        "the tiny model; 0: size it by profiling). A fixed size skips vLLM's "
+                        "memory profiling, which fails while other engines on the GPU "
+                        "release memory, so runs can share the GPU")
     p.add_argument("--inspect", action="store_true",
                    help="also dump parameter digests, quant methods and the config")
     args = p.parse_args()
@@ -117,7 +119,7 @@ def main():
         tensor_parallel_size=args.tensor_parallel_size,
         enforce_eager=args.eager,
         gpu_memory_utilization=args.gpu_memory_utilization,
-        kv_cache_memory_bytes=args.kv_cache_memory_bytes,
+        kv_cache_memory_bytes=args.kv_cache_memory_bytes or None,
         seed=0,
         attention_config={"backend": args.attention_backend} if args.attention_backend else None,
     )

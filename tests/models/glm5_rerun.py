@@ -46,8 +46,7 @@ def main():
     jobs = [(name, i) for name in PATHS for i in (0, 1)]
     with concurrent.futures.ThreadPoolExecutor(len(jobs)) as pool:
         futs = {job: pool.submit(generate, model, out / f"{job[0]}-{job[1]}.json".replace(" ", "_"),
-                                 gpu_memory_utilization=args.mem,
-                                 kv_cache_memory_bytes=str(1 << 30), **PATHS[job[0]])
+                                 gpu_memory_utilization=args.mem, **PATHS[job[0]])
                 for job in jobs}
         runs = {}
         for job, fut in futs.items():

@@ -5,7 +5,9 @@
 # `vllm serve FILE.gguf` with nothing else, waits for /health, runs benchmarks/serve_load.py
 # (64 clients, 3 rounds, completions + chat), stops the server. Batch-invariant mode on both sides,
 # so that a request's greedy text does not depend on what it was batched with. SERVE_MEM (default
-# 0.9) is the GPU memory fraction of each engine, for sharing the GPU with other checks.
+# 0.9) is the GPU memory fraction of each engine; SERVE_KV_BYTES, if set, fixes the KV cache size
+# (--kv-cache-memory-bytes), which skips vLLM's memory profiling: for sharing the GPU with other
+# checks, whose engines starting and exiting would break that profiling.
 set -uo pipefail
 out="${1:?out dir}"; here="$(cd "$(dirname "$0")/../.." && pwd)"; work=/tmp/serve-check
 mkdir -p "$out" "$work"; cd "$here"
@@ -24,13 +26,15 @@ gr.convert(llama_cpp, model, work / "tiny-bf16.gguf", "bf16")
 PY
 gguf="$work/tiny-bf16.gguf"
 mem="${SERVE_MEM:-0.9}"
+kv=(); [ -n "${SERVE_KV_BYTES:-}" ] && kv=(--kv-cache-memory-bytes "$SERVE_KV_BYTES")
 python3 benchmarks/serve_load.py offline --model "$gguf" --out "$work/ref.json" \
-  --gpu-memory-utilization "$mem" \
+  --gpu-memory-utilization "$mem" "${kv[@]}" \
   > "$out/serve-offline.log" 2>&1 || {
     grep -v "it/s\]" "$out/serve-offline.log" | grep -A45 -m1 "Traceback"
     grep -E "Error|error:" "$out/serve-offline.log" | tail -n 5
     exit 1; }
-vllm serve "$gguf" --port 8000 --max-model-len 2048 --gpu-memory-utilization "$mem" > "$out/serve.log" 2>&1 &
+vllm serve "$gguf" --port 8000 --max-model-len 2048 --gpu-memory-utilization "$mem" "${kv[@]}" \
+  > "$out/serve.log" 2>&1 &
 pid=$!
 healthy() { python3 -c 'import urllib.request as u; u.urlopen("http://127.0.0.1:8000/health", timeout=2)' 2>/dev/null; }
 for _ in $(seq 150); do healthy && break; kill -0 "$pid" 2>/dev/null || break; sleep 2; done
