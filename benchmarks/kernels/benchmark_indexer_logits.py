@@ -22,6 +22,8 @@ from triton.testing import do_bench
 
 from vllm.v1.attention.ops import triton_indexer_logits as il
 
+from cuda_graph_timing import graph_us  # this folder
+
 FP8 = torch.float8_e4m3fn
 H, D, BS = 32, 128, 64
 
@@ -41,23 +43,6 @@ def prefill_case(M, N, dg):
             lambda: dg.fp8_fp4_mqa_logits((q, None), (k, ks_), w, lo, hi, clean_logits=False),
             warmup=10, rep=50, return_mode="median")
     return row
-
-
-def graph_us(calls) -> float:
-    """Median GPU time of one call: the calls captured in one CUDA graph, as the
-    engine runs decode, so that Python launch overhead is out of the number."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        calls[0]()  # compile and warm up outside the capture
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for call in calls:
-            call()
-    ms = do_bench(graph.replay, warmup=10, rep=100, return_mode="median")
-    del graph
-    return ms * 1e3 / len(calls)
 
 
 def decode_case(batch, ctx, dg, max_model_len):

@@ -31,6 +31,8 @@ from vllm.v1.attention.backends.mla.triton_mla_sparse import (
 )
 from vllm.v1.attention.ops.triton_sparse_mla import launch_config, sparse_mla_attention
 
+from cuda_graph_timing import graph_us  # this folder
+
 KV_LORA, HEAD = 512, 576
 
 
@@ -52,23 +54,6 @@ def slot_sets(num_sets, num_tokens, topk, pool, device):
         else torch.randint(0, pool, (num_tokens, topk), device=device, dtype=torch.int32)
         for _ in range(num_sets)
     ]
-
-
-def graph_us(calls) -> float:
-    """Median GPU time of one call: all calls (one per index set) captured in a
-    CUDA graph, as the engine runs decode, so that Python launch overhead is out."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        calls[0]()  # compile and warm up outside the capture
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for call in calls:
-            call()
-    ms = do_bench(graph.replay, warmup=10, rep=100, return_mode="median")
-    del graph
-    return ms * 1e3 / len(calls)
 
 
 def sweep_configs(base):

@@ -5,6 +5,7 @@ candidate runs and matches the table's configuration on the same inputs."""
 
 import importlib.util
 import math
+import sys
 from pathlib import Path
 
 import torch
@@ -12,6 +13,7 @@ import torch
 from vllm.v1.attention.ops import triton_sparse_mla as tsm
 
 ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "benchmarks" / "kernels"))  # as when run as a script
 spec = importlib.util.spec_from_file_location(
     "benchmark_triton_mla_sparse",
     ROOT / "benchmarks" / "kernels" / "benchmark_triton_mla_sparse.py")
