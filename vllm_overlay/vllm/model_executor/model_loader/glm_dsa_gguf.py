@@ -145,8 +145,6 @@ class GlmDsaGGUF:
     def __init__(self, files: list[str | Path], config, tp_size: int = 1,
                  experts_tp_size: int | None = None):
         self.config = config
-        self.tp_size = tp_size
-        self.experts_tp_size = tp_size if experts_tp_size is None else experts_tp_size
         self.tensors = {}
         for f in files:
             reader = open_reader(f)
@@ -157,7 +155,8 @@ class GlmDsaGGUF:
                     raise GGUFError(f"{f}: tensor {t.name!r} appears in more than one part")
                 self.tensors[t.name] = t
         self.gguf_to_hf = self._map()
-        self._check_tensor_parallel()
+        self._check_tensor_parallel(
+            tp_size, tp_size if experts_tp_size is None else experts_tp_size)
 
     def _map(self) -> dict[str, str]:
         config = self.config
@@ -209,13 +208,13 @@ class GlmDsaGGUF:
                         "speculative decoding from GGUF is not supported", mtp)
         return mapping
 
-    def _check_tensor_parallel(self) -> None:
+    def _check_tensor_parallel(self, tp_size: int, experts_tp_size: int) -> None:
         """Row-parallel layers split their input dimension, which is the one a
         GGUF quant type packs in blocks: each rank must get whole blocks."""
         for g, hf in self.gguf_to_hf.items():
             if not self._quantized(g) or not hf.endswith(_ROW_PARALLEL):
                 continue
-            tp = self.experts_tp_size if _EXPERTS_RE.search(hf) else self.tp_size
+            tp = experts_tp_size if _EXPERTS_RE.search(hf) else tp_size
             kind = self.tensors[g].tensor_type
             block = gguf.GGML_QUANT_SIZES[kind][0]
             inputs = _shape(self.tensors[g])[-1]
