@@ -18,6 +18,7 @@ calls do not find their rows in L2.
 """
 
 import argparse
+import itertools
 import json
 import math
 
@@ -62,14 +63,10 @@ def sweep_configs(base):
     block_hs = sorted({base["BLOCK_H"], max(16, base["BLOCK_H"] // 2)})
     for block_h in block_hs:
         # output columns over two programs: half the accumulator, QK^T twice
-        for v_splits in ((1, 2) if block_h >= 64 else (1,)):
-            for block_n in (16, 32, 64):
-                for warps in (4, 8):
-                    for stages in (2,):
-                        for sp in splits:
-                            yield dict(base, BLOCK_H=block_h, BLOCK_N=block_n,
-                                       num_warps=warps, num_stages=stages, splits=sp,
-                                       V_SPLITS=v_splits)
+        v_splits = (1, 2) if block_h >= 64 else (1,)
+        for v, block_n, warps, sp in itertools.product(v_splits, (16, 32, 64), (4, 8), splits):
+            yield dict(base, BLOCK_H=block_h, BLOCK_N=block_n, num_warps=warps, num_stages=2,
+                       splits=sp, V_SPLITS=v)
 
 
 def bench_case(num_tokens, num_heads, kv, topk, pool, l2_bytes, sms, flashmla, sweep):
