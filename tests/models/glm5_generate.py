@@ -44,10 +44,11 @@ def inspect_model(llm) -> dict:
     """The loaded model as the engine holds it (in-process engine only): each
     parameter's dtype, shape and a digest of its values, each module's quant
     method, and the model config vLLM built."""
+    import hashlib
+
+    import torch
 
     def collect(model):
-        import hashlib
-
         params = {
             name: [str(p.dtype), list(p.shape),
                    hashlib.sha1(p.detach().cpu().contiguous().view(-1).view(
@@ -57,8 +58,6 @@ def inspect_model(llm) -> dict:
         methods = {name: type(m.quant_method).__name__ for name, m in model.named_modules()
                    if getattr(m, "quant_method", None) is not None}
         return params, methods
-
-    import torch
 
     (params, methods), = llm.apply_model(collect)
     config = llm.llm_engine.vllm_config.model_config.hf_text_config.to_dict()
