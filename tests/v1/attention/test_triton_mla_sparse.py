@@ -317,6 +317,24 @@ def test_glm5_shapes(num_heads, dtype, kv, kernel):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("num_heads", [32, 64, 128])
+@pytest.mark.parametrize("kv", ["model", "fp8"])
+def test_glm5_shapes_small_shared_memory(monkeypatch, num_heads, kv):
+    # The launch table of a 99 KiB GPU (SM 8.6/8.9/12.x), run on this one: the
+    # same results with the halved key blocks.
+    small = 99 * 1024
+    monkeypatch.setattr(tsm, "device_shared_mem", lambda index: small)
+    wide = tsm.launch_config(1, num_heads, 2048, KV_LORA, 132)
+    assert tsm.launch_config(1, num_heads, 2048, KV_LORA, 132, small)["BLOCK_N"] < (
+        wide["BLOCK_N"])
+    kv_dtype = FP8 if kv == "fp8" else torch.bfloat16
+    case = make_case(
+        [1, 1, 4], [65536, 1500, 9000], num_heads, 2048, 64, torch.bfloat16, kv_dtype, seed=5
+    )
+    check(case, num_heads, 3e-2, kv_scale=0.5 if kv == "fp8" else 1.0)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("kernel", KERNELS)
 def test_memory_safety_edges(kernel):
     # Slots in the very last cache block, all -1 rows, topk larger than context.

@@ -14,9 +14,12 @@ padding after the valid ones). Unlike a paged decode kernel with a page size of
 - reads an fp8 cache as is and dequantizes on load (the per-tensor scale is
   applied to the scores and to the output, so the dots stay in 16 bits).
 
-Launch parameters come from the shapes only (a table, no host sync), so the
-kernels are stable under CUDA graph capture.
+Launch parameters come from the shapes and the device's shared memory per
+block only (a table, no host sync), so the kernels are stable under CUDA graph
+capture.
 """
+
+import functools
 
 import torch
 
@@ -25,6 +28,20 @@ from vllm.triton_utils import tl, triton
 
 # Upper bound for the split-K partial results (fp32 [T, H, splits, D_V]).
 _MAX_PARTIAL_BYTES = 32 * 1024 * 1024
+
+# Opt-in shared memory per block: 227 KiB on SM 9.0 and 10.0, 163 KiB on 8.0,
+# 99 KiB on 8.6, 8.9 and 12.x. The default key blocks of 32- and 64-head tiles
+# take 112 KiB and more; below this limit they are halved (they then take at most
+# 92 KiB on every architecture, checked by compiling for each one in
+# tests/v1/attention/test_triton_mla_sparse_targets.py).
+_WIDE_TILE_SHARED_MEM = 120 * 1024
+HOPPER_SHARED_MEM = 227 * 1024
+
+
+@functools.cache
+def device_shared_mem(device_index: int) -> int:
+    """Opt-in shared memory per block of a CUDA device (read once per device)."""
+    return torch.cuda.get_device_properties(device_index).shared_memory_per_block_optin
 
 
 @triton.jit
@@ -153,16 +170,24 @@ def _sparse_mla_merge_kernel(
 
 
 def launch_config(
-    num_tokens: int, num_heads: int, topk: int, kv_lora_rank: int, num_sms: int
+    num_tokens: int,
+    num_heads: int,
+    topk: int,
+    kv_lora_rank: int,
+    num_sms: int,
+    max_shared_mem: int = HOPPER_SHARED_MEM,
 ) -> dict:
     """Block sizes, warps, stages and splits for a shape (no data, no host sync).
 
+    max_shared_mem: the device's opt-in shared memory per block (bytes).
     V_SPLITS > 1 (not chosen by the table yet; benchmarks and tests set it) splits
     a head block's output columns over that many programs, each recomputing the
     scores: a smaller accumulator for a second QK^T.
     """
     block_h = 16 if num_heads <= 16 else (32 if num_heads <= 32 else 64)
     block_n = 32 if block_h == 64 else 64
+    if max_shared_mem < _WIDE_TILE_SHARED_MEM and block_h > 16:
+        block_n //= 2
     num_warps = 8 if block_h == 64 else 4
     programs = num_tokens * triton.cdiv(num_heads, block_h)
     splits = 1
@@ -188,6 +213,7 @@ def sparse_mla_attention(
     k_scale: torch.Tensor,
     num_sms: int,
     config: dict | None = None,
+    max_shared_mem: int | None = None,
 ) -> torch.Tensor:
     """Sparse MLA over global KV slots.
 
@@ -195,7 +221,9 @@ def sparse_mla_attention(
     rope] (fp16/bf16, or fp8 with the per-tensor scale `k_scale`, a 1-element
     tensor); slots: int32 [T, K], the valid slots of a token first; valid_counts:
     int32 [T]. Returns o: [T, H, kv_lora_rank] in q's dtype; a token without valid
-    slots gets zeros. `config` overrides `launch_config` (benchmarks, tests).
+    slots gets zeros. `config` overrides `launch_config` (benchmarks, tests);
+    `max_shared_mem` defaults to q's device's (Hopper's for CPU tensors, which
+    only the Triton interpreter runs).
     """
     num_tokens, num_heads, head_dim = q.shape
     d_r = head_dim - kv_lora_rank
@@ -208,7 +236,11 @@ def sparse_mla_attention(
     kv_fp8 = kv.dtype in (torch.float8_e4m3fn, torch.float8_e5m2, torch.uint8)
     if kv.dtype == torch.uint8:  # vLLM stores an fp8 cache as uint8
         kv = kv.view(torch.float8_e4m3fn)
-    cfg = config or launch_config(num_tokens, num_heads, topk, kv_lora_rank, num_sms)
+    if max_shared_mem is None:
+        max_shared_mem = (device_shared_mem(q.device.index) if q.is_cuda
+                          else HOPPER_SHARED_MEM)
+    cfg = config or launch_config(num_tokens, num_heads, topk, kv_lora_rank, num_sms,
+                                  max_shared_mem)
     splits = cfg["splits"]
     split_len = triton.cdiv(triton.cdiv(topk, splits), cfg["BLOCK_N"]) * cfg["BLOCK_N"]
     v_splits = cfg.get("V_SPLITS", 1)

@@ -1,0 +1,140 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The gather kernel's launch table fits every GPU generation it may run on.
+
+Triton compiles `_sparse_mla_kernel` for a target without a GPU (the compiler and
+ptxas ship with it). For each architecture this test compiles every binary the
+launch table can pick (8-128 heads, few and many tokens, bf16 and fp8 KV) with
+that architecture's opt-in shared memory per block, and checks the shared memory
+the binary needs against the limit: a binary over it fails at its first launch
+with `OutOfResources`. SM 8.6/8.9/12.x (RTX 30xx/40xx/50xx, RTX PRO 6000) have
+99 KiB, less than half of Hopper's 227 KiB.
+
+The compiles run in a subprocess: the test session runs Triton in interpreter
+mode, which cannot compile.
+"""
+
+import json
+import os
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+# opt-in shared memory per block (CUDA programming guide, compute capabilities)
+SHARED_MEM = {80: 163 * 1024, 89: 99 * 1024, 90: 227 * 1024, 100: 227 * 1024,
+              120: 99 * 1024}
+KV_LORA, ROPE, TOPK, SMS = 512, 64, 2048, 132
+# e4m3 is not a Triton type below SM 8.9 (the sparse indexer needs 8.9 anyway)
+FP8_FROM = 89
+
+
+def table_binaries(arch: int) -> list[dict]:
+    from vllm.v1.attention.ops import triton_sparse_mla as tsm
+
+    found = {}
+    for kv in ("bf16", "fp8") if arch >= FP8_FROM else ("bf16",):
+        for heads in (8, 16, 32, 64, 128):
+            for tokens in (1, 4096):
+                cfg = tsm.launch_config(tokens, heads, TOPK, KV_LORA, SMS, SHARED_MEM[arch])
+                key = dict(cfg, kv=kv, PARTIAL=cfg["splits"] > 1)
+                key.pop("splits")
+                found[json.dumps(key, sort_keys=True)] = key
+    return list(found.values())
+
+
+def compile_shared_bytes(arch: int, binaries: list[dict]) -> list[int]:
+    """Shared memory of each binary compiled for `arch` (run in a plain process)."""
+    import triton
+    import triton.language as tl
+    import triton.language.extra.libdevice as tldevice
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from vllm import triton_utils
+
+    # without a GPU driver vllm.triton_utils hands out a placeholder; the
+    # compiler needs none
+    triton_utils.HAS_TRITON = True
+    triton_utils.triton, triton_utils.tl, triton_utils.tldevice = triton, tl, tldevice
+    from vllm.v1.attention.ops import triton_sparse_mla as tsm
+
+    fn = tsm._sparse_mla_kernel
+    shared = []
+    for b in binaries:
+        partial = b["PARTIAL"]
+        sig = {"Q": "*bf16", "KV": "*fp8e4nv" if b["kv"] == "fp8" else "*bf16",
+               "Slots": "*i32", "Counts": "*i32", "KScale": "*fp32",
+               "O": "*fp32" if partial else "*bf16", "Lse": "*fp32", "sm_scale": "fp32"}
+        ints = ["stride_qt", "stride_qh", "stride_kv", "stride_st", "stride_ot",
+                "stride_oh", "stride_os", "stride_lt", "stride_lh", "num_heads", "split_len"]
+        sig.update({name: "i32" for name in ints})
+        consts = {"BLOCK_H": b["BLOCK_H"], "BLOCK_N": b["BLOCK_N"], "D_V": KV_LORA,
+                  "D_R": ROPE, "KV_FP8": b["kv"] == "fp8", "PARTIAL": partial,
+                  "V_SPLITS": b["V_SPLITS"]}
+        sig.update({name: "constexpr" for name in consts})
+        # what the JIT sees at GLM-5 shapes: 16-byte aligned pointers and strides,
+        # which lets it pipeline the row loads through shared memory (the most
+        # shared memory a binary takes)
+        aligned = ["Q", "KV", "Slots", "Counts", "KScale", "O", "Lse", "stride_qt",
+                   "stride_qh", "stride_kv", "stride_st", "stride_ot", "stride_oh",
+                   "stride_os", "split_len"]
+        src = ASTSource(
+            fn, sig,
+            constexprs={(fn.arg_names.index(k),): v for k, v in consts.items()},
+            attrs={(fn.arg_names.index(k),): [["tt.divisibility", 16]] for k in aligned},
+        )
+        kernel = triton.compile(src, target=GPUTarget("cuda", arch, 32),
+                                options={"num_warps": b["num_warps"],
+                                         "num_stages": b["num_stages"]})
+        shared.append(kernel.metadata.shared)
+    return shared
+
+
+def run_compiles(arch: int, binaries: list[dict]) -> list[int]:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["CUDA_VISIBLE_DEVICES"] = ""
+    proc = subprocess.run(
+        [sys.executable, __file__, str(arch), json.dumps(binaries)],
+        env=env, capture_output=True, text=True, timeout=1200, check=False,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="module")
+def compiled():
+    # two processes at a time (the CI machine has two cores)
+    archs = sorted(SHARED_MEM)
+    with ThreadPoolExecutor(2) as pool:
+        tables = {arch: table_binaries(arch) for arch in archs}
+        results = pool.map(lambda a: run_compiles(a, tables[a]), archs)
+        return {arch: list(zip(tables[arch], shared))
+                for arch, shared in zip(archs, results)}
+
+
+@pytest.mark.parametrize("arch", sorted(SHARED_MEM))
+def test_launch_table_fits_shared_memory(compiled, arch):
+    over = [(b, s) for b, s in compiled[arch] if s > SHARED_MEM[arch]]
+    assert not over, (
+        f"sm_{arch} allows {SHARED_MEM[arch]} B of shared memory per block; "
+        f"these launch configs need more: {over}"
+    )
+    # the check sees real binaries: each uses shared memory for its row tiles
+    assert all(s >= b["BLOCK_N"] * (KV_LORA + ROPE) for b, s in compiled[arch])
+
+
+def test_small_shared_memory_halves_wide_key_blocks():
+    from vllm.v1.attention.ops import triton_sparse_mla as tsm
+
+    for heads in (32, 64, 128):
+        wide = tsm.launch_config(1, heads, TOPK, KV_LORA, SMS, SHARED_MEM[90])
+        small = tsm.launch_config(1, heads, TOPK, KV_LORA, SMS, SHARED_MEM[120])
+        assert small["BLOCK_N"] == wide["BLOCK_N"] // 2
+        assert small["BLOCK_H"] == wide["BLOCK_H"]
+    assert (tsm.launch_config(1, 16, TOPK, KV_LORA, SMS, SHARED_MEM[120])
+            == tsm.launch_config(1, 16, TOPK, KV_LORA, SMS, SHARED_MEM[90]))
+
+
+if __name__ == "__main__":
+    print(json.dumps(compile_shared_bytes(int(sys.argv[1]), json.loads(sys.argv[2]))))
