@@ -11,16 +11,24 @@ attention step on global top-k slots with both of its kernels: "gather"
 page-size-1 block table), and, for bf16 KV on SM90/SM100, FlashMLA's
 `flash_mla_sparse_fwd` on the same inputs (heads padded to 64/128 as
 FLASHMLA_SPARSE does). `--sweep` also times alternative launch parameters of the
-gather kernel and reports the best per shape (to tune `launch_config`). Bytes counted: T x topk x 576 x bytes per
-element, i.e. each selected latent row read once. The device's copy bandwidth
+gather kernel and reports each candidate and the best per shape (to tune
+`launch_config`). Each gather row also reports what Triton compiled for it:
+registers and spills per thread, shared memory, and counts of TTGIR ops (async
+copies into shared memory, register-to-shared stores, wgmma dots) that show
+whether the KV loads were pipelined. `--ops-file PATH` takes the gather kernel
+from a copy of `triton_sparse_mla.py` (to try a kernel change on the GPU host
+without building a wheel). Bytes counted: T x topk x 576 x bytes per element,
+i.e. each selected latent row read once. The device's copy bandwidth
 (read + write) is measured in the same run. Index sets rotate so that repeated
 calls do not find their rows in L2.
 """
 
 import argparse
+import importlib.util
 import itertools
 import json
 import math
+import re
 
 import torch
 from triton.testing import do_bench
@@ -30,7 +38,7 @@ from vllm.v1.attention.backends.mla.triton_mla_sparse import (
     num_kv_splits_for,
     sparse_mla_decode_fwd,
 )
-from vllm.v1.attention.ops.triton_sparse_mla import launch_config, sparse_mla_attention
+from vllm.v1.attention.ops import triton_sparse_mla
 
 from cuda_graph_timing import graph_us  # this folder
 
@@ -57,6 +65,63 @@ def slot_sets(num_sets, num_tokens, topk, pool, device):
     ]
 
 
+def load_ops(path: str | None):
+    """The gather kernel's module: the installed one, or a copy at `path`."""
+    if path is None:
+        return triton_sparse_mla
+    spec = importlib.util.spec_from_file_location("triton_sparse_mla_under_test", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def compile_key(cfg: dict, kv: str) -> tuple:
+    # the constexprs and launch options that make a distinct Triton binary
+    return (cfg["BLOCK_H"], cfg["BLOCK_N"], cfg.get("V_SPLITS", 1), cfg["splits"] > 1,
+            cfg["num_warps"], cfg["num_stages"], kv)
+
+
+class CompiledStats:
+    """Registers, spills, shared memory and TTGIR op counts of each gather binary."""
+
+    TTGIR_OPS = {  # noqa: RUF012 (read only)
+        "async_copies": r"ttg\.async_copy_global_to_local",
+        "local_stores": r"ttg\.local_(?:store|alloc) %",
+        "wgmma": r"ttng\.warp_group_dot ",
+    }
+
+    def __init__(self, jit_fn):
+        self.jit_fn = jit_fn
+        self.by_key = {}
+
+    def _cached(self) -> dict:
+        found = {}
+        for caches in self.jit_fn.device_caches.values():
+            found.update(caches[0])  # Triton 3.x: (kernel_cache, ...) per device
+        return found
+
+    def record(self, key: tuple, run) -> None:
+        """Run `run` (which launches the kernel) and note the binary it compiled."""
+        before = set(self._cached())
+        run()
+        if key in self.by_key:
+            return
+        new = [k for name, k in self._cached().items() if name not in before]
+        if len(new) != 1:  # already compiled under another key, or not a Triton 3.x cache
+            return
+        kernel = new[0]
+        kernel._init_handles()
+        ttgir = kernel.asm.get("ttgir", "")
+        stats = {"n_regs": kernel.n_regs, "n_spills": kernel.n_spills,
+                 "shared_bytes": kernel.metadata.shared}
+        for name, pattern in self.TTGIR_OPS.items():
+            stats[f"ttgir_{name}"] = len(re.findall(pattern, ttgir))
+        self.by_key[key] = stats
+
+    def get(self, key: tuple) -> dict:
+        return self.by_key.get(key, {})
+
+
 def sweep_configs(base):
     splits = sorted({base["splits"], 2 * base["splits"]} if base["splits"] > 1 else {1})
     # smaller head blocks trade re-reading rows (from L2) for fewer registers per program
@@ -64,12 +129,14 @@ def sweep_configs(base):
     for block_h in block_hs:
         # output columns over two programs: half the accumulator, QK^T twice
         v_splits = (1, 2) if block_h >= 64 else (1,)
-        for v, block_n, warps, sp in itertools.product(v_splits, (16, 32, 64), (4, 8), splits):
-            yield dict(base, BLOCK_H=block_h, BLOCK_N=block_n, num_warps=warps, num_stages=2,
-                       splits=sp, V_SPLITS=v)
+        for v, block_n, warps, stages, sp in itertools.product(
+                v_splits, (16, 32, 64), (4, 8), (2, 3), splits):
+            yield dict(base, BLOCK_H=block_h, BLOCK_N=block_n, num_warps=warps,
+                       num_stages=stages, splits=sp, V_SPLITS=v)
 
 
-def bench_case(num_tokens, num_heads, kv, topk, pool, l2_bytes, sms, flashmla, sweep):
+def bench_case(num_tokens, num_heads, kv, topk, pool, l2_bytes, sms, flashmla, sweep, ops,
+               compiled):
     dev = "cuda"
     kv_dtype = torch.float8_e4m3fn if kv == "fp8" else torch.bfloat16
     cache = (torch.randn(pool // 64, 64, HEAD, device=dev) * 0.5).to(kv_dtype)
@@ -86,9 +153,12 @@ def bench_case(num_tokens, num_heads, kv, topk, pool, l2_bytes, sms, flashmla, s
         return lambda: sparse_mla_decode_fwd(q, cache, s, valid, KV_LORA, scale, k_scale, sms)
 
     def gather(s, cfg=None):
-        return lambda: sparse_mla_attention(q, cache, s, valid, KV_LORA, scale, k_scale, sms,
-                                            config=cfg)
+        return lambda: ops.sparse_mla_attention(q, cache, s, valid, KV_LORA, scale, k_scale,
+                                                sms, config=cfg)
 
+    cfg = ops.launch_config(num_tokens, num_heads, topk, KV_LORA, sms,
+                            ops.device_shared_mem(torch.cuda.current_device()))
+    compiled.record(compile_key(cfg, kv), gather(sets[0]))
     t_gather = graph_us([gather(s) for s in sets])
     t_decode = graph_us([decode(s) for s in sets])
     it = {"i": 0}
@@ -98,10 +168,10 @@ def bench_case(num_tokens, num_heads, kv, topk, pool, l2_bytes, sms, flashmla, s
         it["i"] += 1
 
     t_eager = do_bench(eager, warmup=10, rep=100, return_mode="median") * 1e3
-    cfg = launch_config(num_tokens, num_heads, topk, KV_LORA, sms)
     row = {
         "tokens": num_tokens, "heads": num_heads, "kv": kv, "topk": topk,
-        "gather_config": cfg, "gather_us": t_gather, "gather_eager_us": t_eager,
+        "gather_config": cfg, "gather_compiled": compiled.get(compile_key(cfg, kv)),
+        "gather_us": t_gather, "gather_eager_us": t_eager,
         "gather_TBps": bytes_read / (t_gather * 1e-6) / 1e12,
         "decode_num_kv_splits": num_kv_splits_for(num_tokens, num_heads, topk, sms),
         "decode_us": t_decode, "decode_TBps": bytes_read / (t_decode * 1e-6) / 1e12,
@@ -109,15 +179,18 @@ def bench_case(num_tokens, num_heads, kv, topk, pool, l2_bytes, sms, flashmla, s
     }
     if sweep:
         best = (t_gather, cfg)
+        tried = []
         for alt in sweep_configs(cfg):
             try:
+                compiled.record(compile_key(alt, kv), gather(sets[0], alt))
                 t = graph_us([gather(s, alt) for s in sets[:8]])
             except Exception as e:  # e.g. out of shared memory for a combination
-                print(f"  skip {alt}: {type(e).__name__}")
+                tried.append({"config": alt, "error": f"{type(e).__name__}: {e}"[:200]})
                 continue
+            tried.append({"config": alt, "us": t, **compiled.get(compile_key(alt, kv))})
             if t < best[0]:
                 best = (t, alt)
-        row.update(sweep_best_us=best[0], sweep_best_config=best[1])
+        row.update(sweep_best_us=best[0], sweep_best_config=best[1], sweep=tried)
     if flashmla is not None and kv == "bf16":
         padded = 64 if num_heads <= 64 else 128
         if current_platform.is_device_capability_family(100):
@@ -146,7 +219,11 @@ def main():
     parser.add_argument("--pool", type=int, default=262144, help="KV pool tokens")
     parser.add_argument("--sweep", action="store_true",
                         help="also time alternative gather launch parameters")
+    parser.add_argument("--ops-file", default=None,
+                        help="take the gather kernel from this copy of triton_sparse_mla.py")
     args = parser.parse_args()
+    ops = load_ops(args.ops_file)
+    compiled = CompiledStats(ops._sparse_mla_kernel)
 
     props = torch.cuda.get_device_properties(0)
     sms = props.multi_processor_count
@@ -164,7 +241,7 @@ def main():
         for h in args.heads:
             for t in args.tokens:
                 rows.append(bench_case(t, h, kv, args.topk, args.pool, l2, sms, flashmla,
-                                       args.sweep))
+                                       args.sweep, ops, compiled))
                 torch.cuda.empty_cache()
     bf16 = {(r["tokens"], r["heads"]): r for r in rows if r["kv"] == "bf16"}
     for r in rows:
@@ -187,6 +264,14 @@ def main():
         print(f"| {r['tokens']:4d} | {r['heads']:3d} | {r['kv']:4} | {r['gather_us']:9.1f} "
               f"| {r['gather_TBps']:4.2f} | {100 * r['gather_fraction_of_copy_bw']:8.1f}% "
               f"| {r['gather_eager_us']:8.1f} | {r['decode_us']:9.1f} | {fm} | {f8} |{sw}")
+    print("compiled gather kernels (table configs): regs/thread, spills, shared bytes, "
+          "TTGIR async copies / local stores / wgmma")
+    for r in rows:
+        c = r["gather_compiled"]
+        if c:
+            print(f"  T={r['tokens']} H={r['heads']} {r['kv']}: {c['n_regs']} regs, "
+                  f"{c['n_spills']} spills, {c['shared_bytes']} B shared, "
+                  f"{c['ttgir_async_copies']}/{c['ttgir_local_stores']}/{c['ttgir_wgmma']}")
     if args.sweep:
         for r in rows:
             if r.get("sweep_best_config") != r["gather_config"]:
@@ -195,8 +280,8 @@ def main():
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"device": props.name, "sms": sms, "copy_bw_Bps": bw,
-                       "topk": args.topk, "pool_tokens": args.pool, "rows": rows}, f,
-                      indent=1)
+                       "topk": args.topk, "pool_tokens": args.pool,
+                       "ops_file": args.ops_file or ops.__file__, "rows": rows}, f, indent=1)
 
 
 if __name__ == "__main__":
