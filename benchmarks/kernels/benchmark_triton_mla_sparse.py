@@ -24,10 +24,12 @@ calls do not find their rows in L2.
 """
 
 import argparse
+import concurrent.futures
 import importlib.util
 import itertools
 import json
 import math
+import multiprocessing
 import re
 
 import torch
@@ -129,10 +131,49 @@ def sweep_configs(base):
     for block_h in block_hs:
         # output columns over two programs: half the accumulator, QK^T twice
         v_splits = (1, 2) if block_h >= 64 else (1,)
-        for v, block_n, warps, stages, sp in itertools.product(
-                v_splits, (16, 32, 64), (4, 8), (2, 3), splits):
-            yield dict(base, BLOCK_H=block_h, BLOCK_N=block_n, num_warps=warps,
+        # a 64-row wgmma tile needs two warpgroups for its 64 x 512 fp32 accumulator
+        warps = (8,) if block_h >= 64 else (4, 8)
+        for v, block_n, nw, stages, sp in itertools.product(
+                v_splits, (16, 32, 64), warps, (2, 3), splits):
+            yield dict(base, BLOCK_H=block_h, BLOCK_N=block_n, num_warps=nw,
                        num_stages=stages, splits=sp, V_SPLITS=v)
+
+
+def _compile_jobs(ops_file: str | None, jobs: list) -> int:
+    """Launch each (config, kv, heads) once on empty inputs: fills Triton's disk cache."""
+    ops = load_ops(ops_file)
+    done = 0
+    for cfg, kv, heads, topk in jobs:
+        kv_dtype = torch.float8_e4m3fn if kv == "fp8" else torch.bfloat16
+        q = torch.zeros(2, heads, HEAD, device="cuda", dtype=torch.bfloat16)
+        cache = torch.zeros(1, 64, HEAD, device="cuda").to(kv_dtype)
+        slots = torch.zeros(2, topk, device="cuda", dtype=torch.int32)
+        counts = torch.zeros(2, device="cuda", dtype=torch.int32)
+        try:
+            ops.sparse_mla_attention(q, cache, slots, counts, KV_LORA, 1.0,
+                                     torch.ones(1, device="cuda"), 132, config=cfg)
+            done += 1
+        except Exception:  # noqa: BLE001, S110 (the timed run reports it)
+            pass
+    torch.cuda.synchronize()
+    return done
+
+
+def warm_compile_cache(cases, topk, sms, smem, sweep, ops_file, workers: int) -> None:
+    """Compile every binary the run will time in `workers` processes at once (Triton
+    compiles one kernel at a time per process; the sweep needs dozens)."""
+    ops = load_ops(ops_file)
+    jobs = {}
+    for t, h, kv in cases:
+        cfg = ops.launch_config(t, h, topk, KV_LORA, sms, smem)
+        for c in [cfg, *(sweep_configs(cfg) if sweep else [])]:
+            jobs.setdefault(compile_key(c, kv), (c, kv, h, topk))
+    jobs = list(jobs.values())
+    ctx = multiprocessing.get_context("spawn")
+    with concurrent.futures.ProcessPoolExecutor(workers, mp_context=ctx) as pool:
+        done = sum(pool.map(_compile_jobs, [ops_file] * workers,
+                            [jobs[i::workers] for i in range(workers)]))
+    print(f"compiled {done} of {len(jobs)} binaries in {workers} processes", flush=True)
 
 
 def bench_case(num_tokens, num_heads, kv, topk, pool, l2_bytes, sms, flashmla, sweep, ops,
@@ -219,6 +260,8 @@ def main():
     parser.add_argument("--pool", type=int, default=262144, help="KV pool tokens")
     parser.add_argument("--sweep", action="store_true",
                         help="also time alternative gather launch parameters")
+    parser.add_argument("--compile-workers", type=int, default=0,
+                        help="compile all binaries first in this many processes")
     parser.add_argument("--ops-file", default=None,
                         help="take the gather kernel from this copy of triton_sparse_mla.py")
     args = parser.parse_args()
@@ -235,6 +278,14 @@ def main():
         flashmla = flashmla if ok else None
     except ImportError as e:
         flashmla, reason = None, str(e)
+    if args.compile_workers:
+        cases = [(t, h, kv) for kv in args.kv for h in args.heads for t in args.tokens]
+        try:
+            warm_compile_cache(cases, args.topk, sms, ops.device_shared_mem(0), args.sweep,
+                               args.ops_file, args.compile_workers)
+        except Exception as e:  # noqa: BLE001 (only slower: each run then compiles)
+            print(f"compile warm-up failed ({type(e).__name__}: {e}); compiling as the "
+                  "rows run", flush=True)
     bw = copy_bandwidth()
     rows = []
     for kv in args.kv:

@@ -26,6 +26,8 @@ def test_sweep_candidates():
     configs = list(bench.sweep_configs(base))
     assert {(c["BLOCK_H"], c["V_SPLITS"]) for c in configs} == {(64, 1), (64, 2), (32, 1)}
     assert all(c["splits"] == 1 for c in configs)  # 4096 tokens fill the GPU
+    assert {c["num_warps"] for c in configs if c["BLOCK_H"] == 64} == {8}
+    assert {c["num_stages"] for c in configs} == {2, 3}
     small = list(bench.sweep_configs(tsm.launch_config(1, 8, 2048, 512, 132)))
     assert {c["V_SPLITS"] for c in small} == {1}
 
