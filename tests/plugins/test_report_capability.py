@@ -48,3 +48,26 @@ def test_without_the_variable_nothing_changes(cuda_platform, monkeypatch):
     before = type(cuda_platform).get_device_capability
     hook.register()
     assert type(cuda_platform).get_device_capability == before
+
+
+def test_reports_shared_memory(monkeypatch):
+    import vllm_report_capability as hook
+
+    from vllm.v1.attention.ops import triton_indexer_logits as il
+    from vllm.v1.attention.ops import triton_sparse_mla as tsm
+
+    monkeypatch.setattr(tsm, "device_shared_mem", tsm.device_shared_mem)
+    monkeypatch.setattr(il, "_optin_shared_memory", il._optin_shared_memory)
+    monkeypatch.delenv(hook.ENV, raising=False)
+    monkeypatch.setenv(hook.SHARED_MEM_ENV, "101376")
+    hook.register()
+    assert tsm.device_shared_mem(0) == 101376
+    # the persistent top-k kernel needs 128 KiB: not on a 99 KiB GPU
+    monkeypatch.setattr("torch.cuda.current_device", lambda: 0)  # no GPU here
+    assert not il.use_persistent_topk(2048)
+    # sparse_mla_attention's launch table reads it: the 99 KiB tiles
+    assert tsm.launch_config(1, 64, 2048, 512, 132, tsm.device_shared_mem(0))["BLOCK_N"] == 16
+    monkeypatch.setenv(hook.SHARED_MEM_ENV, str(227 * 1024))
+    hook.register()
+    assert il.use_persistent_topk(2048)
+    assert tsm.launch_config(1, 64, 2048, 512, 132, tsm.device_shared_mem(0))["BLOCK_N"] == 32

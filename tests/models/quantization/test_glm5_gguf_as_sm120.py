@@ -18,7 +18,9 @@ from glm5_runs import compare, generate, within_rerun
 def test_gguf_as_on_sm120(glm5_ggufs, tmp_path):
     if importlib.util.find_spec("vllm_report_capability") is None:
         pytest.skip("pip install --no-deps tests/plugins/vllm_report_capability first")
-    env = dict(os.environ, VLLM_TEST_REPORT_CAPABILITY="12.0")
+    # SM120's capability and shared memory per block (99 KiB: the kernels' small tiles)
+    env = dict(os.environ, VLLM_TEST_REPORT_CAPABILITY="12.0",
+               VLLM_TEST_REPORT_SHARED_MEM="101376")
     env.pop("VLLM_SPARSE_INDEXER_LOGITS", None)
     auto = generate(glm5_ggufs["bf16"], tmp_path / "auto.json", env=env, dtype="auto")
     assert auto["indexer_backend"] == "triton"

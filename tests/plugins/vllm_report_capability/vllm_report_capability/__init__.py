@@ -2,22 +2,28 @@
 """Test hook: make vLLM's CUDA platform report another compute capability.
 
     pip install --no-deps tests/plugins/vllm_report_capability
-    VLLM_TEST_REPORT_CAPABILITY=12.0 vllm serve model.gguf
+    VLLM_TEST_REPORT_CAPABILITY=12.0 VLLM_TEST_REPORT_SHARED_MEM=101376 vllm serve model.gguf
 
 A vLLM general plugin (loaded in every vLLM process). With the variable set, the
 CUDA platform's `get_device_capability` returns that capability, so everything
 vLLM decides from it (attention backend, DeepGEMM or the portable indexer, GGUF's
 fp16 default on SM>=100, ...) is decided as on that GPU, while the kernels run on
-the real one. Used to run the engine "as on SM120" on an H200; never install it
-in production. Without the variable it changes nothing.
+the real one. VLLM_TEST_REPORT_SHARED_MEM does the same for the opt-in shared
+memory per block (bytes) that the overlay's kernels read to pick their launch
+parameters (SM120: 99 KiB = 101376). Used to run the engine "as on SM120" on an
+H200; never install it in production. Without the variables it changes nothing.
 """
 
 import os
 
 ENV = "VLLM_TEST_REPORT_CAPABILITY"
+SHARED_MEM_ENV = "VLLM_TEST_REPORT_SHARED_MEM"
 
 
 def register() -> None:
+    shared_mem = os.environ.get(SHARED_MEM_ENV)
+    if shared_mem:
+        report_shared_mem(int(shared_mem))
     value = os.environ.get(ENV)
     if not value:
         return
@@ -36,3 +42,11 @@ def register() -> None:
     init_logger(__name__).warning(
         "%s=%s: vLLM decides as on compute capability %s (test hook)", ENV, value, capability
     )
+
+
+def report_shared_mem(nbytes: int) -> None:
+    """The overlay's kernels choose tiles as on a GPU with `nbytes` per block."""
+    from vllm.v1.attention.ops import triton_indexer_logits, triton_sparse_mla
+
+    triton_sparse_mla.device_shared_mem = lambda device_index: nbytes
+    triton_indexer_logits._optin_shared_memory = lambda device_index: nbytes
