@@ -27,9 +27,13 @@ def cuda_platform(monkeypatch):
 def test_reports_the_capability(cuda_platform, monkeypatch):
     import vllm_report_capability as hook
 
+    from vllm.v1.attention.ops import triton_sparse_mla as tsm
+
+    monkeypatch.setattr(tsm, "device_capability", tsm.device_capability)
     monkeypatch.setenv(hook.ENV, "12.0")
     hook.register()
     assert cuda_platform.get_device_capability().to_int() == 120
+    assert tsm.device_capability(0) == 120  # the sparse MLA launch table's view
     assert cuda_platform.has_device_capability(100)
     assert not cuda_platform.is_device_capability(90)
     # the GGUF dtype rule and the indexer choice read it
@@ -70,4 +74,4 @@ def test_reports_shared_memory(monkeypatch):
     monkeypatch.setenv(hook.SHARED_MEM_ENV, str(227 * 1024))
     hook.register()
     assert il.use_persistent_topk(2048)
-    assert tsm.launch_config(1, 64, 2048, 512, 132, tsm.device_shared_mem(0))["BLOCK_N"] == 32
+    assert tsm.launch_config(1, 64, 2048, 512, 132, tsm.device_shared_mem(0))["BLOCK_N"] == 64

@@ -36,7 +36,8 @@ def table_binaries(arch: int) -> list[dict]:
     for kv in ("bf16", "fp8") if arch >= FP8_FROM else ("bf16",):
         for heads in (8, 16, 32, 64, 128):
             for tokens in (1, 4096):
-                cfg = tsm.launch_config(tokens, heads, TOPK, KV_LORA, SMS, SHARED_MEM[arch])
+                cfg = tsm.launch_config(tokens, heads, TOPK, KV_LORA, SMS, SHARED_MEM[arch],
+                                        kv == "fp8", arch)
                 key = dict(cfg, kv=kv, PARTIAL=cfg["splits"] > 1)
                 key.pop("splits")
                 found[json.dumps(key, sort_keys=True)] = key
@@ -124,16 +125,19 @@ def test_launch_table_fits_shared_memory(compiled, arch):
     assert all(s >= b["BLOCK_N"] * (KV_LORA + ROPE) for b, s in compiled[arch])
 
 
-def test_small_shared_memory_halves_wide_key_blocks():
+def test_key_blocks_by_shared_memory():
     from vllm.v1.attention.ops import triton_sparse_mla as tsm
 
     for heads in (32, 64, 128):
-        wide = tsm.launch_config(1, heads, TOPK, KV_LORA, SMS, SHARED_MEM[90])
-        small = tsm.launch_config(1, heads, TOPK, KV_LORA, SMS, SHARED_MEM[120])
-        assert small["BLOCK_N"] == wide["BLOCK_N"] // 2
-        assert small["BLOCK_H"] == wide["BLOCK_H"]
-    assert (tsm.launch_config(1, 16, TOPK, KV_LORA, SMS, SHARED_MEM[120])
-            == tsm.launch_config(1, 16, TOPK, KV_LORA, SMS, SHARED_MEM[90]))
+        hopper = tsm.launch_config(1, heads, TOPK, KV_LORA, SMS, SHARED_MEM[90], False, 90)
+        sm100 = tsm.launch_config(1, heads, TOPK, KV_LORA, SMS, SHARED_MEM[100], False, 100)
+        sm120 = tsm.launch_config(1, heads, TOPK, KV_LORA, SMS, SHARED_MEM[120], False, 120)
+        assert (hopper["BLOCK_N"], sm100["BLOCK_N"]) == (64, 32)
+        assert sm120["BLOCK_N"] == (16 if heads > 32 else 32)
+        assert hopper["BLOCK_H"] == sm100["BLOCK_H"] == sm120["BLOCK_H"]
+    # 16-head tiles are the same everywhere
+    assert len({json.dumps(tsm.launch_config(1, 16, TOPK, KV_LORA, SMS, SHARED_MEM[a], False, a))
+                for a in SHARED_MEM}) == 1
 
 
 if __name__ == "__main__":

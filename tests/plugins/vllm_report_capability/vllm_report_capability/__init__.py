@@ -37,6 +37,10 @@ def register() -> None:
         return
     cls._reported_capability = capability
     cls.get_device_capability = classmethod(lambda c, device_id=0: capability)
+    from vllm.v1.attention.ops import triton_sparse_mla
+
+    # the sparse MLA kernel's launch table reads the device's capability itself
+    triton_sparse_mla.device_capability = lambda device_index: capability.to_int()
     from vllm.logger import init_logger
 
     init_logger(__name__).warning(

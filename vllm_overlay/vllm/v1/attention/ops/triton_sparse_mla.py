@@ -30,11 +30,10 @@ from vllm.triton_utils import tl, triton
 _MAX_PARTIAL_BYTES = 32 * 1024 * 1024
 
 # Opt-in shared memory per block: 227 KiB on SM 9.0 and 10.0, 163 KiB on 8.0,
-# 99 KiB on 8.6, 8.9 and 12.x. The default key blocks of 32- and 64-head tiles
-# take 112 KiB and more; below this limit they are halved (they then take at most
-# 92 KiB on every architecture, checked by compiling for each one in
-# tests/v1/attention/test_triton_mla_sparse_targets.py).
-_WIDE_TILE_SHARED_MEM = 120 * 1024
+# 99 KiB on 8.6, 8.9 and 12.x. The key block of 32- and 64-head tiles is sized
+# to it (every table entry is compiled for each architecture and checked against
+# its limit in tests/v1/attention/test_triton_mla_sparse_targets.py).
+_MEDIUM_SHARED_MEM = 120 * 1024  # 32 rows
 HOPPER_SHARED_MEM = 227 * 1024
 
 
@@ -42,6 +41,13 @@ HOPPER_SHARED_MEM = 227 * 1024
 def device_shared_mem(device_index: int) -> int:
     """Opt-in shared memory per block of a CUDA device (read once per device)."""
     return torch.cuda.get_device_properties(device_index).shared_memory_per_block_optin
+
+
+@functools.cache
+def device_capability(device_index: int) -> int:
+    """Compute capability of a CUDA device as major * 10 + minor (e.g. 90, 120)."""
+    major, minor = torch.cuda.get_device_capability(device_index)
+    return major * 10 + minor
 
 
 @triton.jit
@@ -176,31 +182,45 @@ def launch_config(
     kv_lora_rank: int,
     num_sms: int,
     max_shared_mem: int = HOPPER_SHARED_MEM,
+    kv_fp8: bool = False,
+    capability: int = 90,
 ) -> dict:
     """Block sizes, warps, stages and splits for a shape (no data, no host sync).
 
-    max_shared_mem: the device's opt-in shared memory per block (bytes).
+    max_shared_mem: the device's opt-in shared memory per block (bytes); kv_fp8:
+    the cache is fp8; capability: major * 10 + minor.
     V_SPLITS > 1 (not chosen by the table yet; benchmarks and tests set it) splits
     a head block's output columns over that many programs, each recomputing the
     scores: a smaller accumulator for a second QK^T.
     """
     block_h = 16 if num_heads <= 16 else (32 if num_heads <= 32 else 64)
-    block_n = 32 if block_h == 64 else 64
-    if max_shared_mem < _WIDE_TILE_SHARED_MEM and block_h > 16:
-        block_n //= 2
+    # H200 sweep (benchmarks/results/h200-sparse-mla-sweep.json): 64-head tiles
+    # run 1.8x faster with 64-row key blocks in three stages than with 32 rows in
+    # two; an fp8 cache with 16-head tiles wants 16 rows (the 16-bit copy of a
+    # converted tile otherwise spills registers)
+    block_n = 64
+    num_stages = 3 if kv_fp8 or block_h == 64 else 2
+    if kv_fp8 and block_h == 16:
+        block_n = 16
+    # three stages of 64 rows fit Hopper's wgmma path (216 KiB), not SM100's
+    # (345 KiB) nor any smaller shared memory
+    if block_h > 16 and (capability // 10 != 9 or max_shared_mem < HOPPER_SHARED_MEM):
+        block_n, num_stages = 32, 2
+        if max_shared_mem < _MEDIUM_SHARED_MEM:
+            block_n = 16 if block_h == 64 else 32
     num_warps = 8 if block_h == 64 else 4
     programs = num_tokens * triton.cdiv(num_heads, block_h)
     splits = 1
     # batch-invariant mode: a token's result must not depend on the batch size
     if programs < num_sms and not envs.VLLM_BATCH_INVARIANT:
         splits = triton.next_power_of_2(triton.cdiv(2 * num_sms, programs))
-        # at least two key blocks per split
-        splits = min(splits, max(1, triton.next_power_of_2(topk) // (2 * block_n)))
+        # at least 64 slots per split
+        splits = min(splits, max(1, triton.next_power_of_2(topk) // 64))
         per_split = num_tokens * num_heads * kv_lora_rank * 4  # fp32 partial rows
         while splits > 1 and splits * per_split > _MAX_PARTIAL_BYTES:
             splits //= 2
     return {"BLOCK_H": block_h, "BLOCK_N": block_n, "num_warps": num_warps,
-            "num_stages": 2, "splits": splits, "V_SPLITS": 1}
+            "num_stages": num_stages, "splits": splits, "V_SPLITS": 1}
 
 
 def sparse_mla_attention(
@@ -222,8 +242,8 @@ def sparse_mla_attention(
     tensor); slots: int32 [T, K], the valid slots of a token first; valid_counts:
     int32 [T]. Returns o: [T, H, kv_lora_rank] in q's dtype; a token without valid
     slots gets zeros. `config` overrides `launch_config` (benchmarks, tests);
-    `max_shared_mem` defaults to q's device's (Hopper's for CPU tensors, which
-    only the Triton interpreter runs).
+    `max_shared_mem` and the capability are q's device's (Hopper's for CPU
+    tensors, which only the Triton interpreter runs).
     """
     num_tokens, num_heads, head_dim = q.shape
     d_r = head_dim - kv_lora_rank
@@ -239,8 +259,9 @@ def sparse_mla_attention(
     if max_shared_mem is None:
         max_shared_mem = (device_shared_mem(q.device.index) if q.is_cuda
                           else HOPPER_SHARED_MEM)
+    capability = device_capability(q.device.index) if q.is_cuda else 90
     cfg = config or launch_config(num_tokens, num_heads, topk, kv_lora_rank, num_sms,
-                                  max_shared_mem)
+                                  max_shared_mem, kv_fp8, capability)
     splits = cfg["splits"]
     split_len = triton.cdiv(triton.cdiv(topk, splits), cfg["BLOCK_N"]) * cfg["BLOCK_N"]
     v_splits = cfg.get("V_SPLITS", 1)
