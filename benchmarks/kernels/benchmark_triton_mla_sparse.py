@@ -165,7 +165,8 @@ def warm_compile_cache(cases, topk, sms, smem, sweep, ops_file, workers: int) ->
     ops = load_ops(ops_file)
     jobs = {}
     for t, h, kv in cases:
-        cfg = ops.launch_config(t, h, topk, KV_LORA, sms, smem)
+        cfg = ops.launch_config(t, h, topk, KV_LORA, sms, smem, kv == "fp8",
+                                ops.device_capability(0))
         for c in [cfg, *(sweep_configs(cfg) if sweep else [])]:
             jobs.setdefault(compile_key(c, kv), (c, kv, h, topk))
     jobs = list(jobs.values())
@@ -197,8 +198,10 @@ def bench_case(num_tokens, num_heads, kv, topk, pool, l2_bytes, sms, flashmla, s
         return lambda: ops.sparse_mla_attention(q, cache, s, valid, KV_LORA, scale, k_scale,
                                                 sms, config=cfg)
 
+    dev_index = torch.cuda.current_device()
     cfg = ops.launch_config(num_tokens, num_heads, topk, KV_LORA, sms,
-                            ops.device_shared_mem(torch.cuda.current_device()))
+                            ops.device_shared_mem(dev_index), kv == "fp8",
+                            ops.device_capability(dev_index))
     compiled.record(compile_key(cfg, kv), gather(sets[0]))
     t_gather = graph_us([gather(s) for s in sets])
     t_decode = graph_us([decode(s) for s in sets])
