@@ -194,7 +194,7 @@ def launch_config(
     scores: a smaller accumulator for a second QK^T.
     """
     block_h = 16 if num_heads <= 16 else (32 if num_heads <= 32 else 64)
-    # H200 sweep (benchmarks/results/h200-sparse-mla-sweep.json): 64-head tiles
+    # H200 sweep (benchmarks/results/h200-sparse-mla-sweep.log): 64-head tiles
     # run 1.8x faster with 64-row key blocks in three stages than with 32 rows in
     # two; an fp8 cache with 16-head tiles wants 16 rows (the 16-bit copy of a
     # converted tile otherwise spills registers)
