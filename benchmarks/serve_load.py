@@ -120,6 +120,9 @@ def load(args) -> int:
         "requests": len(latencies), "concurrency": args.concurrency, "rounds": args.rounds,
         "errors": len(errors), "error_samples": errors[:5],
         "unstable_prompts": unstable, "differs_from_offline": off,
+        # the texts of the first mismatches, to tell a near-tie from a real divergence
+        "mismatch_samples": [{"prompt": i, "kind": ks[i], "offline": reference[i],
+                              "server": next(iter(texts[i]))} for i in off[:8]],
         "wall_s": wall, "latency_s": {"p50": pct(0.5), "p90": pct(0.9), "max": pct(1.0)},
         "passed": not errors and not unstable and not off,
     }

@@ -101,3 +101,5 @@ def test_catches_a_difference_from_offline(server, tmp_path):
     Handler.mode = "ok"
     rc, report = run(server, tmp_path, reference_file(tmp_path, change=5))
     assert rc == 1 and report["differs_from_offline"] == [5]
+    sample = report["mismatch_samples"][0]
+    assert sample["prompt"] == 5 and sample["offline"] != sample["server"]
