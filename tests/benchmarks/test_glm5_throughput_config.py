@@ -1,10 +1,12 @@
 # SPDX-License-Identifier: Apache-2.0
 """The throughput benchmark's model has GLM-5's per-layer shape, as the end-to-end
 issue states it (hidden 6144, 64 heads, 32 indexer heads, top-k 2048, 256-dim v
-heads) plus GLM-5's MLA ranks, and loads as a GlmMoeDsaConfig."""
+heads) plus GLM-5's MLA ranks, and loads as a GlmMoeDsaConfig; its decode step
+time comes from each request's token timestamps."""
 
 import importlib.util
 from pathlib import Path
+from types import SimpleNamespace
 
 ROOT = Path(__file__).resolve().parents[2]
 spec = importlib.util.spec_from_file_location("glm5_throughput",
@@ -25,3 +27,13 @@ def test_glm5_per_layer_shape():
     cfg = GlmMoeDsaConfig(**{k: v for k, v in d.items() if k != "architectures"})
     assert cfg.mlp_layer_types == ["dense", "sparse", "sparse", "sparse"]
     assert d["topk_method"] == "noaux_tc" and d["indexer_rope_interleave"] is True
+
+
+def test_decode_step_from_token_timestamps():
+    # three requests: 11 tokens over 1.0 s (0.1 s/step), 11 over 2.0 s, 5 over 0.8 s
+    def out(first, last, n):
+        return SimpleNamespace(metrics=SimpleNamespace(
+            first_token_ts=first, last_token_ts=last, num_generation_tokens=n))
+
+    outs = [out(10.0, 11.0, 11), out(10.5, 12.5, 11), out(10.2, 11.0, 5)]
+    assert abs(bench.decode_step_s(outs) - 0.2) < 1e-12  # median of 0.1, 0.2, 0.2
