@@ -1,5 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The gather kernel's launch table fits every GPU generation it may run on.
+"""The gather kernel's launch table fits every GPU generation it may run on, and
+the portable indexer's kernels compile for the GPUs that run them.
 
 Triton compiles `_sparse_mla_kernel` for a target without a GPU (the compiler and
 ptxas ship with it). For each architecture this test compiles every binary the
@@ -44,13 +45,11 @@ def table_binaries(arch: int) -> list[dict]:
     return list(found.values())
 
 
-def compile_shared_bytes(arch: int, binaries: list[dict]) -> list[int]:
-    """Shared memory of each binary compiled for `arch` (run in a plain process)."""
+def real_triton():
+    """Triton for compiling in a process without a GPU driver (run in a plain process)."""
     import triton
     import triton.language as tl
     import triton.language.extra.libdevice as tldevice
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
 
     from vllm import triton_utils
 
@@ -58,6 +57,28 @@ def compile_shared_bytes(arch: int, binaries: list[dict]) -> list[int]:
     # compiler needs none
     triton_utils.HAS_TRITON = True
     triton_utils.triton, triton_utils.tl, triton_utils.tldevice = triton, tl, tldevice
+    return triton
+
+
+def compile_kernel(fn, arch, sig, consts, aligned, options):
+    """Compile a Triton function for `arch` as the JIT would for 16-byte aligned
+    pointers and strides; returns the compiled kernel."""
+    triton = real_triton()
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    sig = dict(sig, **{name: "constexpr" for name in consts})
+    src = ASTSource(
+        fn, sig,
+        constexprs={(fn.arg_names.index(k),): v for k, v in consts.items()},
+        attrs={(fn.arg_names.index(k),): [["tt.divisibility", 16]] for k in aligned},
+    )
+    return triton.compile(src, target=GPUTarget("cuda", arch, 32), options=options)
+
+
+def compile_shared_bytes(arch: int, binaries: list[dict]) -> list[int]:
+    """Shared memory of each binary compiled for `arch` (run in a plain process)."""
+    real_triton()
     from vllm.v1.attention.ops import triton_sparse_mla as tsm
 
     fn = tsm._sparse_mla_kernel
@@ -73,26 +94,50 @@ def compile_shared_bytes(arch: int, binaries: list[dict]) -> list[int]:
         consts = {"BLOCK_H": b["BLOCK_H"], "BLOCK_N": b["BLOCK_N"], "D_V": KV_LORA,
                   "D_R": ROPE, "KV_FP8": b["kv"] == "fp8", "PARTIAL": partial,
                   "V_SPLITS": b["V_SPLITS"]}
-        sig.update({name: "constexpr" for name in consts})
         # what the JIT sees at GLM-5 shapes: 16-byte aligned pointers and strides,
         # which lets it pipeline the row loads through shared memory (the most
         # shared memory a binary takes)
         aligned = ["Q", "KV", "Slots", "Counts", "KScale", "O", "Lse", "stride_qt",
                    "stride_qh", "stride_kv", "stride_st", "stride_ot", "stride_oh",
                    "stride_os", "split_len"]
-        src = ASTSource(
-            fn, sig,
-            constexprs={(fn.arg_names.index(k),): v for k, v in consts.items()},
-            attrs={(fn.arg_names.index(k),): [["tt.divisibility", 16]] for k in aligned},
-        )
-        kernel = triton.compile(src, target=GPUTarget("cuda", arch, 32),
-                                options={"num_warps": b["num_warps"],
-                                         "num_stages": b["num_stages"]})
+        kernel = compile_kernel(fn, arch, sig, consts, aligned,
+                                {"num_warps": b["num_warps"], "num_stages": b["num_stages"]})
         shared.append(kernel.metadata.shared)
     return shared
 
 
-def run_compiles(arch: int, binaries: list[dict]) -> list[int]:
+def compile_indexer(arch: int) -> list[dict]:
+    """The portable indexer's prefill and decode kernels for `arch`, as launched
+    for GLM-5 (32 heads x 128, fp8 q and k; decode blocks of 64 tokens)."""
+    real_triton()
+    from vllm.v1.attention.ops import triton_indexer_logits as il
+
+    out = []
+    ptrs = {"Q": "*fp8e4nv", "W": "*fp32", "OUT": "*fp32"}
+    prefill = dict(ptrs, K="*fp8e4nv", KS="*fp32", CU_KS="*i32", CU_KE="*i32")
+    prefill.update({n: "i32" for n in ("M", "N", "stride_qm", "stride_qh", "stride_km",
+                                       "stride_wm", "stride_om")})
+    decode = dict(ptrs, KV_VALUES="*fp8e4nv", KV_SCALES="*fp32", SEQ_LENS="*i32",
+                  BLOCK_TABLE="*i32")
+    decode.update({n: "i32" for n in ("max_model_len", "stride_qr", "stride_qh", "stride_wr",
+                                      "stride_bt", "stride_block", "stride_or")})
+    for name, fn, sig, consts, warps in (
+        ("prefill", il._mqa_logits_kernel, prefill,
+         {"H": 32, "D": 128, "BLOCK_M": 4, "BLOCK_N": 128}, 8),
+        ("decode", il._paged_mqa_logits_kernel, decode,
+         {"NEXT_N": 1, "H": 32, "D": 128, "BS": 64, "SPLITS": 16}, 4),
+    ):
+        aligned = [k for k, v in sig.items() if v.startswith("*") or k.startswith("stride")]
+        kernel = compile_kernel(fn, arch, sig, dict(consts, UPCAST=False), aligned,
+                                {"num_warps": warps})
+        ttgir = kernel.asm["ttgir"]
+        out.append({"kernel": name, "shared": kernel.metadata.shared,
+                    "fp8_dot": "f8E4M3FN" in ttgir and "tt.dot " in ttgir})
+    return out
+
+
+def run_compiles(arch: int, binaries: list[dict] | None) -> list:
+    """compile_shared_bytes (binaries given) or compile_indexer (None) in a subprocess."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["CUDA_VISIBLE_DEVICES"] = ""
     proc = subprocess.run(
@@ -140,5 +185,18 @@ def test_key_blocks_by_shared_memory():
                 for a in SHARED_MEM}) == 1
 
 
+@pytest.mark.parametrize("arch", [89, 120])
+def test_indexer_kernels_compile_with_fp8_dots(arch):
+    # the GPUs the portable indexer is for: fp8 tensor-core dots, little shared memory
+    kernels = run_compiles(arch, None)
+    assert [k["kernel"] for k in kernels] == ["prefill", "decode"]
+    for k in kernels:
+        assert k["fp8_dot"], k
+        assert 0 < k["shared"] <= SHARED_MEM[arch], k
+
+
 if __name__ == "__main__":
-    print(json.dumps(compile_shared_bytes(int(sys.argv[1]), json.loads(sys.argv[2]))))
+    arch_, binaries_ = int(sys.argv[1]), json.loads(sys.argv[2])
+    result = (compile_indexer(arch_) if binaries_ is None
+              else compile_shared_bytes(arch_, binaries_))
+    print(json.dumps(result))
