@@ -125,7 +125,10 @@ class CompiledStats:
 
 
 def sweep_configs(base):
-    splits = sorted({base["splits"], 2 * base["splits"]} if base["splits"] > 1 else {1})
+    # fewer splits too: at 64+ heads the fp32 partial rows (T x H x splits x 2 KiB,
+    # written and read back) outweigh the KV rows themselves beyond ~8 splits
+    sp = base["splits"]
+    splits = sorted({max(1, sp // 4), max(1, sp // 2), sp, 2 * sp} if sp > 1 else {1})
     # smaller head blocks trade re-reading rows (from L2) for fewer registers per program
     block_hs = sorted({base["BLOCK_H"], max(16, base["BLOCK_H"] // 2)})
     for block_h in block_hs:
@@ -133,10 +136,10 @@ def sweep_configs(base):
         v_splits = (1, 2) if block_h >= 64 else (1,)
         # a 64-row wgmma tile needs two warpgroups for its 64 x 512 fp32 accumulator
         warps = (8,) if block_h >= 64 else (4, 8)
-        for v, block_n, nw, stages, sp in itertools.product(
+        for v, block_n, nw, stages, n_splits in itertools.product(
                 v_splits, (16, 32, 64), warps, (2, 3), splits):
             yield dict(base, BLOCK_H=block_h, BLOCK_N=block_n, num_warps=nw,
-                       num_stages=stages, splits=sp, V_SPLITS=v)
+                       num_stages=stages, splits=n_splits, V_SPLITS=v)
 
 
 def _compile_jobs(ops_file: str | None, jobs: list) -> int:

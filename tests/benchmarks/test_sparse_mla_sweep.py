@@ -30,6 +30,10 @@ def test_sweep_candidates():
     assert {c["num_stages"] for c in configs} == {2, 3}
     small = list(bench.sweep_configs(tsm.launch_config(1, 8, 2048, 512, 132)))
     assert {c["V_SPLITS"] for c in small} == {1}
+    # around the table's split count: a quarter, half, the same, double
+    few = tsm.launch_config(8, 64, 2048, 512, 132)
+    assert few["splits"] == 32
+    assert {c["splits"] for c in bench.sweep_configs(few)} == {8, 16, 32, 64}
 
 
 def test_sweep_candidates_compute_the_same():

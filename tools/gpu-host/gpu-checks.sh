@@ -69,7 +69,7 @@ for stage in $stages; do
     sweep)
       # the shapes short of the kernel issue's targets: bf16 at 64/128 heads, fp8 KV
       timeout "${SWEEP_TIMEOUT:-400}" python3 benchmarks/kernels/benchmark_triton_mla_sparse.py \
-        --sweep --compile-workers 12 --tokens 8 4096 --heads 64 128 --kv bf16 --json "$out/sweep-mla.json" 2>&1 \
+        --sweep --compile-workers 12 --tokens 8 64 4096 --heads 64 128 --kv bf16 --json "$out/sweep-mla.json" 2>&1 \
         | tee "$out/sweep-mla.log" | tail -22 || rc=1
       timeout "${SWEEP_TIMEOUT:-400}" python3 benchmarks/kernels/benchmark_triton_mla_sparse.py \
         --sweep --compile-workers 12 --tokens 4096 --heads 8 64 --kv fp8 --json "$out/sweep-mla-fp8.json" 2>&1 \
