@@ -14,9 +14,9 @@ padding after the valid ones). Unlike a paged decode kernel with a page size of
 - reads an fp8 cache as is and dequantizes on load (the per-tensor scale is
   applied to the scores and to the output, so the dots stay in 16 bits).
 
-Launch parameters come from the shapes and the device's shared memory per
-block only (a table, no host sync), so the kernels are stable under CUDA graph
-capture.
+Launch parameters come from the shapes, the KV dtype and the device's compute
+capability and shared memory per block only (a table, no host sync), so the
+kernels are stable under CUDA graph capture.
 """
 
 import functools
@@ -233,7 +233,6 @@ def sparse_mla_attention(
     k_scale: torch.Tensor,
     num_sms: int,
     config: dict | None = None,
-    max_shared_mem: int | None = None,
 ) -> torch.Tensor:
     """Sparse MLA over global KV slots.
 
@@ -241,9 +240,9 @@ def sparse_mla_attention(
     rope] (fp16/bf16, or fp8 with the per-tensor scale `k_scale`, a 1-element
     tensor); slots: int32 [T, K], the valid slots of a token first; valid_counts:
     int32 [T]. Returns o: [T, H, kv_lora_rank] in q's dtype; a token without valid
-    slots gets zeros. `config` overrides `launch_config` (benchmarks, tests);
-    `max_shared_mem` and the capability are q's device's (Hopper's for CPU
-    tensors, which only the Triton interpreter runs).
+    slots gets zeros. `config` overrides `launch_config` (benchmarks, tests),
+    which otherwise gets q's device's shared memory and capability (Hopper's for
+    CPU tensors, which only the Triton interpreter runs).
     """
     num_tokens, num_heads, head_dim = q.shape
     d_r = head_dim - kv_lora_rank
@@ -256,12 +255,13 @@ def sparse_mla_attention(
     kv_fp8 = kv.dtype in (torch.float8_e4m3fn, torch.float8_e5m2, torch.uint8)
     if kv.dtype == torch.uint8:  # vLLM stores an fp8 cache as uint8
         kv = kv.view(torch.float8_e4m3fn)
-    if max_shared_mem is None:
-        max_shared_mem = (device_shared_mem(q.device.index) if q.is_cuda
-                          else HOPPER_SHARED_MEM)
-    capability = device_capability(q.device.index) if q.is_cuda else 90
-    cfg = config or launch_config(num_tokens, num_heads, topk, kv_lora_rank, num_sms,
-                                  max_shared_mem, kv_fp8, capability)
+    cfg = config
+    if cfg is None:
+        on_gpu = q.is_cuda
+        shared_mem = device_shared_mem(q.device.index) if on_gpu else HOPPER_SHARED_MEM
+        capability = device_capability(q.device.index) if on_gpu else 90
+        cfg = launch_config(num_tokens, num_heads, topk, kv_lora_rank, num_sms,
+                            shared_mem, kv_fp8, capability)
     splits = cfg["splits"]
     split_len = triton.cdiv(triton.cdiv(topk, splits), cfg["BLOCK_N"]) * cfg["BLOCK_N"]
     v_splits = cfg.get("V_SPLITS", 1)
