@@ -13,7 +13,10 @@
 # (tests/models/glm5_rerun.py: two identical runs per path), tp2 (TP2 against TP1, needs two GPUs),
 # bi (batch invariance: prompts alone and batched repeat exactly). Logs and JSON go
 # to OUT_DIR. Split the stages over calls when one
-# call's time limit is short: /tmp/site stays while the machine does.
+# call's time limit is short: /tmp/site stays while the machine does. The device tool
+# brings back only a few files: point OUT_DIR at a /tmp folder and copy the JSON
+# reports into the tool's $OUT; stages on separate GPUs run side by side with
+# CUDA_VISIBLE_DEVICES (and PYTEST_ADDOPTS=--basetemp=... for each pytest stage).
 # The bundle comes from:
 #   python build.py bundle --wheel dist/vllm-*.whl --exclude-from tools/gpu-host/h200-pip-freeze.txt \
 #     --only tools/gpu-host/h200-runtime-extras.txt --max-part 56M --out .bundle \
