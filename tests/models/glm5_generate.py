@@ -78,6 +78,9 @@ def main():
     # memory (the tiny model takes a few GiB); small, so that several runs share a GPU
     p.add_argument("--gpu-memory-utilization", type=float, default=0.1)
     p.add_argument("--max-num-seqs", type=int, default=8)
+    p.add_argument("--max-num-batched-tokens", type=int, default=None,
+                   help="token budget per step (small: prompts are prefilled in chunks, "
+                        "mixed with other requests' decodes)")
     p.add_argument("--tensor-parallel-size", type=int, default=1)
     p.add_argument("--kv-cache-memory-bytes", type=int, default=1 << 30,
                    help="fixed KV cache size (default 1 GiB, plenty for 8 x 2K tokens of "
@@ -117,6 +120,7 @@ def main():
         max_model_len=2048,
         block_size=64,
         max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
         tensor_parallel_size=args.tensor_parallel_size,
         enforce_eager=args.eager,
         gpu_memory_utilization=args.gpu_memory_utilization,

@@ -94,7 +94,7 @@ for stage in $stages; do
         -p no:cacheprovider -p no:warnings 2>&1 | tee "$out/tp2.log" \
         | grep -E "passed|failed|skipped|TP2_REPORT|Error" || rc=1 ;;
     bi)
-      timeout 300 python3 -m pytest tests/models/test_glm5_batch_invariant.py -q -s \
+      timeout 420 python3 -m pytest tests/models/test_glm5_batch_invariant.py -q -s \
         -p no:cacheprovider -p no:warnings 2>&1 | tee "$out/bi.log" \
         | grep -E "passed|failed|REPORT|Error" || rc=1 ;;
     rerun)
