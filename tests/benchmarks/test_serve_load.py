@@ -74,12 +74,12 @@ def run(base_url, tmp_path, reference=None):
     return rc, json.loads((tmp_path / "report.json").read_text())
 
 
-def reference_file(tmp_path, change=None):
+def reference_file(tmp_path, change=None, unstable=()):
     texts = [answer({"prompt": p}) for p in serve_load.prompts(40)]
     if change is not None:
         texts[change] += "?"
     f = tmp_path / "ref.json"
-    f.write_text(json.dumps({"texts": texts}))
+    f.write_text(json.dumps({"texts": texts, "unstable": list(unstable)}))
     return str(f)
 
 
@@ -103,3 +103,10 @@ def test_catches_a_difference_from_offline(server, tmp_path):
     assert rc == 1 and report["differs_from_offline"] == [5]
     sample = report["mismatch_samples"][0]
     assert sample["prompt"] == 5 and sample["offline"] != sample["server"]
+
+
+def test_fails_when_the_offline_reference_was_unstable(server, tmp_path):
+    Handler.mode = "ok"
+    rc, report = run(server, tmp_path, reference_file(tmp_path, unstable=[3]))
+    assert rc == 1 and not report["passed"] and report["offline_unstable_prompts"] == [3]
+    assert not report["differs_from_offline"]
