@@ -20,6 +20,9 @@ weights (`load_format="dummy"`). Each path runs in its own process:
   = BATCH / step time. The report also gives the cached prompt tokens, so a missed
   prefix cache (decode overlapping prefill) shows.
 CUDA graphs on (vLLM's default). The report gives the ratio Triton / upstream.
+`--profile` also profiles 16 decode steps of the batch at the last context per path
+(torch.profiler; the engine then runs in the worker's process, which the timings
+share) and prints the kernels with the most GPU time and the CUDA-graph launches.
 """
 
 import argparse
@@ -67,6 +70,8 @@ def decode_step_s(outputs) -> float:
 
 def worker(args) -> None:
     os.environ["VLLM_SPARSE_INDEXER_LOGITS"] = PATHS[args.path]["indexer"]
+    if args.profile:  # the profiler sees only this process's kernels
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     from vllm import LLM, SamplingParams
 
     llm = LLM(model=args.model_dir, load_format="dummy", skip_tokenizer_init=True,
@@ -74,30 +79,41 @@ def worker(args) -> None:
               enable_prefix_caching=True, disable_log_stats=False,
               max_num_seqs=args.batch, seed=0, gpu_memory_utilization=0.85,
               attention_config={"backend": PATHS[args.path]["backend"]})
+    def run(ctx, batch, max_tokens, seed):
+        # distinct tokens per (seed, request): no prefix shared across seeds
+        ids = [[(seed * 7919 + b * 104729 + i * 13) % 150000 + 10 for i in range(ctx)]
+               for b in range(batch)]
+        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True,
+                                detokenize=False)
+        t0 = time.perf_counter()
+        outs = llm.generate([{"prompt_token_ids": x} for x in ids], params, use_tqdm=False)
+        return time.perf_counter() - t0, outs
+
     rows = []
     for ctx in args.contexts:
-        def run(batch, max_tokens, seed):
-            # distinct tokens per (seed, request): no prefix shared across seeds
-            ids = [[(seed * 7919 + b * 104729 + i * 13) % 150000 + 10 for i in range(ctx)]
-                   for b in range(batch)]
-            params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True,
-                                    detokenize=False)
-            t0 = time.perf_counter()
-            outs = llm.generate([{"prompt_token_ids": x} for x in ids], params,
-                                use_tqdm=False)
-            return time.perf_counter() - t0, outs
-
-        run(1, 2, 0)  # warm up this context length
-        ttft = min(run(1, 1, seed)[0] for seed in (1, 2, 3))
-        run(args.batch, 1, 4)  # the decode prompts into the prefix cache
-        wall, outs = run(args.batch, 1 + args.gen, 4)
+        run(ctx, 1, 2, 0)  # warm up this context length
+        ttft = min(run(ctx, 1, 1, seed)[0] for seed in (1, 2, 3))
+        run(ctx, args.batch, 1, 4)  # the decode prompts into the prefix cache
+        wall, outs = run(ctx, args.batch, 1 + args.gen, 4)
         step = decode_step_s(outs)
         rows.append({"context": ctx, "ttft_s": ttft, "batch": args.batch, "gen": args.gen,
                      "decode_step_ms": 1e3 * step, "decode_tok_s": args.batch / step,
                      "decode_run_wall_s": wall,
                      "cached_prompt_tokens": sum(o.num_cached_tokens or 0 for o in outs),
-                     "prompt_tokens": args.batch * ctx})
-    Path(args.out).write_text(json.dumps(rows))
+                     "prompt_tokens": args.batch * ctx,
+                     "engine_in_process": bool(args.profile)})
+    result = {"rows": rows}
+    if args.profile:
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            # the last context's prompts are cached: 16 decode steps of the batch
+            run(args.contexts[-1], args.batch, 1 + 16, 4)
+        events = prof.key_averages()
+        result["profile"] = events.table(sort_by="cuda_time_total", row_limit=25)
+        result["cuda_graph_launches"] = sum(e.count for e in events
+                                            if e.key == "cudaGraphLaunch")
+    Path(args.out).write_text(json.dumps(result))
 
 
 def main():
@@ -110,6 +126,8 @@ def main():
     p.add_argument("--experts", type=int, default=16)
     p.add_argument("--vocab", type=int, default=154880)
     p.add_argument("--paths", nargs="*", default=list(PATHS))
+    p.add_argument("--profile", action="store_true",
+                   help="also profile 16 decode steps per path (in-process engine)")
     p.add_argument("--path", default=None, help=argparse.SUPPRESS)
     p.add_argument("--model-dir", default=None, help=argparse.SUPPRESS)
     p.add_argument("--out", default=None, help=argparse.SUPPRESS)
@@ -124,20 +142,24 @@ def main():
             out = Path(tmp) / f"{path}.json"
             cmd = [sys.executable, __file__, "--path", path, "--model-dir", tmp, "--out",
                    str(out), "--batch", str(args.batch), "--gen", str(args.gen),
-                   "--contexts", *map(str, args.contexts)]
+                   "--contexts", *map(str, args.contexts),
+                   *(["--profile"] if args.profile else [])]
             res = subprocess.run(cmd, capture_output=True, text=True)
             if res.returncode != 0:
                 sys.exit(f"{path} failed:\n{res.stdout[-2000:]}\n{res.stderr[-4000:]}")
             results[path] = json.loads(out.read_text())
+            if args.profile:
+                print(f"== {path}: 16 decode steps, {results[path]['cuda_graph_launches']} "
+                      f"CUDA-graph launches\n{results[path]['profile']}")
     print(f"GLM-5 per-layer shape, {args.layers} layers, {args.experts} routed experts, "
           f"batch {args.batch}, {args.gen} generated tokens")
     print("| context | path | TTFT ms | decode step ms | decode tok/s | portable/upstream "
           "decode | cached prompt tokens |")
     print("|---:|---|---:|---:|---:|---:|---:|")
     for i, ctx in enumerate(args.contexts):
-        base = results.get("upstream", [None] * len(args.contexts))[i]
+        base = (results["upstream"]["rows"][i] if "upstream" in results else None)
         for path in args.paths:
-            r = results[path][i]
+            r = results[path]["rows"][i]
             ratio = (f"{r['decode_tok_s'] / base['decode_tok_s']:.2f}"
                      if base and path != "upstream" else "-")
             print(f"| {ctx} | {path} | {1e3 * r['ttft_s']:.1f} | {r['decode_step_ms']:.2f} | "

@@ -104,7 +104,9 @@ for stage in $stages; do
       timeout 420 bash tools/gpu-host/serve-check.sh "$out" 2>&1 | tee "$out/serve-check.log" \
         | tail -20 || rc=1 ;;
     throughput)
-      timeout 500 python3 benchmarks/glm5_throughput.py --json "$out/glm5-throughput.json" 2>&1 \
+      # THROUGHPUT_ARGS: e.g. --profile (kernels of 16 decode steps per path)
+      timeout 500 python3 benchmarks/glm5_throughput.py ${THROUGHPUT_ARGS:-} \
+        --json "$out/glm5-throughput.json" 2>&1 \
         | tee "$out/glm5-throughput.log" | tail -8 || rc=1 ;;
     matrix)
       # MATRIX_MODES="eager" or "graphs" runs half of the rows (one call each)
