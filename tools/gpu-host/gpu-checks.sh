@@ -87,7 +87,7 @@ for stage in $stages; do
       # the engine "as on SM120": the capability hook, then the no-flags GGUF test
       pip install -q --no-deps --no-build-isolation --target /tmp/site \
         tests/plugins/vllm_report_capability >/dev/null 2>&1 || rc=1
-      timeout 300 python3 -m pytest tests/models/quantization/test_glm5_gguf_as_sm120.py -q -s \
+      timeout 540 python3 -m pytest tests/models/quantization/test_glm5_gguf_as_sm120.py -q -s \
         -p no:cacheprovider -p no:warnings 2>&1 | tee "$out/sm120.log" | tail -5 || rc=1 ;;
     tp2)
       timeout 540 python3 -m pytest tests/models/quantization/test_glm5_gguf_tensor_parallel.py -q -s \

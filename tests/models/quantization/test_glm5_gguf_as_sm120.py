@@ -4,14 +4,20 @@ reports compute capability 12.0 (tests/plugins/vllm_report_capability, installed
 and enabled by VLLM_TEST_REPORT_CAPABILITY=12.0): automatic selection must pick
 TRITON_MLA_SPARSE and the portable indexer, and dtype auto must give fp16, as on
 an RTX PRO 6000 / RTX 5090. Outputs are compared with the same file forced onto
-those paths without the hook, within the run-to-run difference of that setting."""
+those paths without the hook, within the run-to-run difference of that setting.
+
+A second test does the same with 64 attention heads (GLM-5's count at TP1): with
+SM120's 99 KiB of shared memory reported as well, the sparse MLA kernel runs the
+smaller 64-head tiles of such GPUs, which must give the outputs of the H200's."""
 
 import importlib.util
 import os
 
 import pytest
 
+import gguf_reference as gr
 from glm5_runs import compare, generate, within_rerun
+from glm5_tiny import make_tiny_glm5
 
 
 @pytest.mark.gpu
@@ -35,4 +41,28 @@ def test_gguf_as_on_sm120(glm5_ggufs, tmp_path):
     # run to run: 0.08 nats mean measured on the H200, test_glm5_gguf_engine).
     same, rerun = compare(forced[0], auto), compare(forced[0], forced[1])
     print("SM120_REPORT", {"auto_vs_forced": same, "forced_rerun": rerun})
+    assert within_rerun(same, rerun), (same, rerun)
+
+
+@pytest.mark.gpu
+def test_gguf_as_on_sm120_64_heads(glm5_gguf, tmp_path):
+    if importlib.util.find_spec("vllm_report_capability") is None:
+        pytest.skip("pip install --no-deps tests/plugins/vllm_report_capability first")
+    llama_cpp = glm5_gguf[0]
+    model = make_tiny_glm5(tmp_path / "tiny-64-heads", num_attention_heads=64,
+                           num_key_value_heads=64)
+    gr.write_tokenizer(model, gr.config(model)["vocab_size"])
+    gguf = gr.convert(llama_cpp, model, tmp_path / "tiny-64-heads-bf16.gguf", "bf16")
+    env = dict(os.environ, VLLM_TEST_REPORT_CAPABILITY="12.0",
+               VLLM_TEST_REPORT_SHARED_MEM="101376")
+    env.pop("VLLM_SPARSE_INDEXER_LOGITS", None)
+    small_tiles = generate(gguf, tmp_path / "sm120.json", env=env, dtype="auto")
+    assert small_tiles["attention_backend"] == "TRITON_MLA_SPARSE"
+    assert small_tiles["dtype"] == "torch.float16"
+    # the same paths with the H200's own capability and shared memory (its tiles)
+    hopper = [generate(gguf, tmp_path / f"h200-{i}.json", dtype="float16",
+                       attention_backend="TRITON_MLA_SPARSE", indexer="triton")
+              for i in range(2)]
+    same, rerun = compare(hopper[0], small_tiles), compare(hopper[0], hopper[1])
+    print("SM120_64_HEADS_REPORT", {"sm120_tiles_vs_h200_tiles": same, "h200_rerun": rerun})
     assert within_rerun(same, rerun), (same, rerun)
