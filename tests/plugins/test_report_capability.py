@@ -61,7 +61,6 @@ def test_reports_shared_memory(monkeypatch):
     from vllm.v1.attention.ops import triton_sparse_mla as tsm
 
     monkeypatch.setattr(tsm, "device_shared_mem", tsm.device_shared_mem)
-    monkeypatch.setattr(il, "_optin_shared_memory", il._optin_shared_memory)
     monkeypatch.delenv(hook.ENV, raising=False)
     monkeypatch.setenv(hook.SHARED_MEM_ENV, "101376")
     hook.register()

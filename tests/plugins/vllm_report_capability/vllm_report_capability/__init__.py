@@ -49,8 +49,8 @@ def register() -> None:
 
 
 def report_shared_mem(nbytes: int) -> None:
-    """The overlay's kernels choose tiles as on a GPU with `nbytes` per block."""
-    from vllm.v1.attention.ops import triton_indexer_logits, triton_sparse_mla
+    """The overlay's kernels choose tiles as on a GPU with `nbytes` per block (the
+    sparse MLA table and the indexer's top-k both read this one function)."""
+    from vllm.v1.attention.ops import triton_sparse_mla
 
     triton_sparse_mla.device_shared_mem = lambda device_index: nbytes
-    triton_indexer_logits._optin_shared_memory = lambda device_index: nbytes

@@ -34,6 +34,7 @@ import torch
 from vllm.logger import init_logger
 from vllm.platforms import current_platform
 from vllm.triton_utils import tl, triton
+from vllm.v1.attention.ops import triton_sparse_mla
 
 logger = init_logger(__name__)
 
@@ -72,16 +73,11 @@ def check_triton_indexer_supported() -> None:
         )
 
 
-@functools.cache
-def _optin_shared_memory(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).shared_memory_per_block_optin
-
-
 def use_persistent_topk(topk_tokens: int) -> bool:
     # Called per layer and step: the device property is read once per device.
     if topk_tokens not in (512, 1024, 2048):
         return False
-    optin = _optin_shared_memory(torch.cuda.current_device())
+    optin = triton_sparse_mla.device_shared_mem(torch.cuda.current_device())
     return optin >= PERSISTENT_TOPK_MIN_SMEM
 
 
