@@ -11,6 +11,7 @@ nothing else in the converter is changed.
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -108,7 +109,6 @@ def rewrite(gguf, src: Path, out: Path, drop: tuple[str, ...] = (), metadata: di
     `drop_keys`, with metadata values replaced (same value types), and with the
     tensors whose names match `swap_from`'s regex taken from its file: altered
     files for the loader's error tests and hybrids for bisection."""
-    import re
     reader = gguf.GGUFReader(src)
     writer = gguf.GGUFWriter(out, arch or reader.fields["general.architecture"].contents())
     metadata = metadata or {}
