@@ -178,17 +178,20 @@ def test_sparse_mla_fp8_cache(dtype, tol, kernel):
     check(case, 16, tol, kv_scale=0.75, kernel=kernel)
 
 
-def test_gather_kernel_v_splits_fp8_cache():
-    # Output columns split over programs, each re-reading its slice of the fp8
-    # rows and dequantizing it, against float64 on the dequantized cache.
+@pytest.mark.parametrize("v_splits,v_reload", [(1, False), (1, True), (2, False)])
+def test_gather_kernel_fp8_cache_reads(v_splits, v_reload):
+    # The ways the gather kernel reads fp8 rows for the PV dot: the tile it
+    # converted for QK^T, a second copy of the rows (V_RELOAD), or each program's
+    # slice of the output columns (V_SPLITS), against float64 on the dequantized
+    # cache.
     case = make_case([2, 1], [50, 90], 16, 128, 16, torch.float16, FP8, seed=3)
     slots, counts = tsm_inputs(case)
     scale = 1.0 / math.sqrt(192 + ROPE)
     ref = reference_sparse_mla(case.q, case.cache, case.block_table, case.req_id,
                                case.indices, scale, k_scale=0.75)
     for splits in (1, 2):
-        cfg = dict(tsm.launch_config(3, 16, 128, KV_LORA, 132), splits=splits, BLOCK_N=16,
-                   V_SPLITS=2)
+        cfg = dict(tsm.launch_config(3, 16, 128, KV_LORA, 132, kv_fp8=True),
+                   splits=splits, BLOCK_N=16, V_SPLITS=v_splits, V_RELOAD=v_reload)
         o = tsm.sparse_mla_attention(case.q, case.cache, slots, counts, KV_LORA, scale,
                                      torch.full((1,), 0.75, device=DEVICE), 132, config=cfg)
         torch.testing.assert_close(o.double().cpu(), ref, rtol=1e-2, atol=1e-2)
@@ -251,6 +254,15 @@ def test_gather_launch_config():
             s = c["splits"]
             assert s & (s - 1) == 0 and 2048 // s >= 64
             assert s == 1 or t * h * s * 512 * 4 <= tsm._MAX_PARTIAL_BYTES
+    # an fp8 cache is read twice by mma.sync tiles (fewer heads, or no Hopper /
+    # SM100), once by Hopper's wgmma and SM100's tcgen05 tiles of 64 heads
+    for cap, smem in ((90, tsm.HOPPER_SHARED_MEM), (100, tsm.HOPPER_SHARED_MEM),
+                      (120, 99 * 1024), (89, 99 * 1024)):
+        for h, reload in ((8, True), (32, True), (64, cap >= 110 or cap < 90)):
+            c = tsm.launch_config(1, h, 2048, KV_LORA, 132, smem, True, cap)
+            assert c["V_RELOAD"] is reload, (cap, h)
+            assert not tsm.launch_config(1, h, 2048, KV_LORA, 132, smem, False,
+                                         cap)["V_RELOAD"]
 
 
 def test_gather_batch_invariant(monkeypatch):

@@ -8,7 +8,10 @@ launch table can pick (8-128 heads, few and many tokens, bf16 and fp8 KV) with
 that architecture's opt-in shared memory per block, and checks the shared memory
 the binary needs against the limit: a binary over it fails at its first launch
 with `OutOfResources`. SM 8.6/8.9/12.x (RTX 30xx/40xx/50xx, RTX PRO 6000) have
-99 KiB, less than half of Hopper's 227 KiB.
+99 KiB, less than half of Hopper's 227 KiB. It also checks that every binary
+stages its KV rows through asynchronous copies: a synchronous row load in the
+main loop leaves the kernel waiting on memory (an fp8 tile that both dots take
+through a conversion compiled to one, at a third of the bf16 bandwidth).
 
 The compiles run in a subprocess: the test session runs Triton in interpreter
 mode, which cannot compile.
@@ -16,6 +19,7 @@ mode, which cannot compile.
 
 import json
 import os
+import re
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
@@ -76,8 +80,16 @@ def compile_kernel(fn, arch, sig, consts, aligned, options):
     return triton.compile(src, target=GPUTarget("cuda", arch, 32), options=options)
 
 
-def compile_shared_bytes(arch: int, binaries: list[dict]) -> list[int]:
-    """Shared memory of each binary compiled for `arch` (run in a plain process)."""
+def sync_row_loads(ttgir: str) -> int:
+    """Synchronous loads of 2-D KV tiles (bf16 or fp8) in the kernel's main loop."""
+    loop = ttgir[ttgir.index("scf.for"):ttgir.rindex("scf.yield")]
+    return len(re.findall(
+        r"tt\.load %\S+, %\S+, %\S+ : tensor<\d+x\d+x!tt\.ptr<(?:f8E4M3FN|bf16)>", loop))
+
+
+def compile_shared_bytes(arch: int, binaries: list[dict]) -> list[tuple[int, int]]:
+    """Shared memory and synchronous row loads (`sync_row_loads`) of each binary
+    compiled for `arch` (run in a plain process)."""
     real_triton()
     from vllm.v1.attention.ops import triton_sparse_mla as tsm
 
@@ -93,7 +105,7 @@ def compile_shared_bytes(arch: int, binaries: list[dict]) -> list[int]:
         sig.update({name: "i32" for name in ints})
         consts = {"BLOCK_H": b["BLOCK_H"], "BLOCK_N": b["BLOCK_N"], "D_V": KV_LORA,
                   "D_R": ROPE, "KV_FP8": b["kv"] == "fp8", "PARTIAL": partial,
-                  "V_SPLITS": b["V_SPLITS"]}
+                  "V_SPLITS": b["V_SPLITS"], "V_RELOAD": b["V_RELOAD"]}
         # what the JIT sees at GLM-5 shapes: 16-byte aligned pointers and strides,
         # which lets it pipeline the row loads through shared memory (the most
         # shared memory a binary takes)
@@ -102,7 +114,7 @@ def compile_shared_bytes(arch: int, binaries: list[dict]) -> list[int]:
                    "stride_os", "split_len"]
         kernel = compile_kernel(fn, arch, sig, consts, aligned,
                                 {"num_warps": b["num_warps"], "num_stages": b["num_stages"]})
-        shared.append(kernel.metadata.shared)
+        shared.append((kernel.metadata.shared, sync_row_loads(kernel.asm["ttgir"])))
     return shared
 
 
@@ -161,13 +173,29 @@ def compiled():
 
 @pytest.mark.parametrize("arch", sorted(SHARED_MEM))
 def test_launch_table_fits_shared_memory(compiled, arch):
-    over = [(b, s) for b, s in compiled[arch] if s > SHARED_MEM[arch]]
+    over = [(b, s) for b, (s, _) in compiled[arch] if s > SHARED_MEM[arch]]
     assert not over, (
         f"sm_{arch} allows {SHARED_MEM[arch]} B of shared memory per block; "
         f"these launch configs need more: {over}"
     )
     # the check sees real binaries: each uses shared memory for its row tiles
-    assert all(s >= b["BLOCK_N"] * (KV_LORA + ROPE) for b, s in compiled[arch])
+    assert all(s >= b["BLOCK_N"] * (KV_LORA + ROPE) for b, (s, _) in compiled[arch])
+
+
+@pytest.mark.parametrize("arch", sorted(SHARED_MEM))
+def test_launch_table_pipelines_row_loads(compiled, arch):
+    sync = [b for b, (_, loads) in compiled[arch] if loads]
+    assert not sync, f"sm_{arch}: these launch configs load KV rows synchronously: {sync}"
+
+
+def test_sync_row_load_check_sees_fp8_reuse():
+    # the check itself: an fp8 tile shared by both dots through a conversion
+    # (V_RELOAD off) compiles to a synchronous load on an mma.sync tile
+    binary = {"BLOCK_H": 16, "BLOCK_N": 16, "num_warps": 4, "num_stages": 3,
+              "V_SPLITS": 1, "kv": "fp8", "PARTIAL": False}
+    reused, reloaded = run_compiles(90, [dict(binary, V_RELOAD=False),
+                                         dict(binary, V_RELOAD=True)])
+    assert reused[1] > 0 and reloaded[1] == 0
 
 
 def test_key_blocks_by_shared_memory():

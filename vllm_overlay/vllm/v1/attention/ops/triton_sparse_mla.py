@@ -78,6 +78,7 @@ def _sparse_mla_kernel(
     KV_FP8: tl.constexpr,
     PARTIAL: tl.constexpr,
     V_SPLITS: tl.constexpr,
+    V_RELOAD: tl.constexpr,
 ):
     # heads fastest: the programs of one token run together and share its rows in L2
     hb = tl.program_id(0) // V_SPLITS
@@ -123,10 +124,17 @@ def _sparse_mla_kernel(
         p = tl.exp2(qk - m_new[:, None])
         alpha = tl.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, 1)
-        if V_SPLITS == 1:
+        if V_SPLITS == 1 and not V_RELOAD:
             v = k_nope
-        else:  # this program's output columns of the rows just read (from L1/L2)
-            v = tl.load(kv_row + offs_o[None, :], mask=mask_n[:, None], other=0.0)
+        else:
+            # this program's output columns of the rows just read, or (V_RELOAD)
+            # all of them again: a copy of its own for the PV dot (from L2; the
+            # cache modifier keeps it from merging with the first). With one
+            # consumer per copy, the software pipeliner stages an fp8 tile that
+            # both dots would otherwise take through a conversion, which it
+            # leaves as a synchronous load.
+            v = tl.load(kv_row + offs_o[None, :], mask=mask_n[:, None], other=0.0,
+                        cache_modifier=".cg")
             if KV_FP8:
                 v = v.to(q_nope.dtype)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
@@ -194,21 +202,30 @@ def launch_config(
     scores: a smaller accumulator for a second QK^T.
     """
     block_h = 16 if num_heads <= 16 else (32 if num_heads <= 32 else 64)
+    # Hopper runs 64-head tiles as wgmma dots with both operands in shared memory
+    # and SM100 as tcgen05 dots; smaller tiles, and every tile elsewhere, are
+    # mma.sync dots that take their operands through registers
+    smem_dots = block_h == 64 and capability // 10 in (9, 10)
     # H200 sweep (benchmarks/results/h200-sparse-mla-sweep.log): 64-head tiles
     # run 1.8x faster with 64-row key blocks in three stages than with 32 rows in
-    # two; an fp8 cache with 16-head tiles wants 16 rows (the 16-bit copy of a
-    # converted tile otherwise spills registers)
+    # two. 32-head tiles take two warpgroups too: with one, the binary spills
+    # registers (compiled for sm_90).
     block_n = 64
-    num_stages = 3 if kv_fp8 or block_h == 64 else 2
-    if kv_fp8 and block_h == 16:
-        block_n = 16
+    num_stages = 3 if kv_fp8 or block_h >= 32 else 2
+    num_warps = 8 if block_h >= 32 else 4
+    # an fp8 tile is converted in registers: smaller key blocks keep the 16-bit
+    # copy from spilling registers
+    if kv_fp8 and not smem_dots:
+        block_n = 16 if block_h == 16 else 32
     # three stages of 64 rows fit Hopper's wgmma path (216 KiB), not SM100's
     # (345 KiB) nor any smaller shared memory
     if block_h > 16 and (capability // 10 != 9 or max_shared_mem < HOPPER_SHARED_MEM):
-        block_n, num_stages = 32, 2
+        block_n, num_stages = min(block_n, 32), 2
         if max_shared_mem < _MEDIUM_SHARED_MEM:
             block_n = 16 if block_h == 64 else 32
-    num_warps = 8 if block_h == 64 else 4
+    # mma.sync tiles read an fp8 tile's rows twice (V_RELOAD): a synchronous load
+    # otherwise
+    v_reload = kv_fp8 and not smem_dots
     programs = num_tokens * triton.cdiv(num_heads, block_h)
     splits = 1
     # batch-invariant mode: a token's result must not depend on the batch size
@@ -220,7 +237,8 @@ def launch_config(
         while splits > 1 and splits * per_split > _MAX_PARTIAL_BYTES:
             splits //= 2
     return {"BLOCK_H": block_h, "BLOCK_N": block_n, "num_warps": num_warps,
-            "num_stages": num_stages, "splits": splits, "V_SPLITS": 1}
+            "num_stages": num_stages, "splits": splits, "V_SPLITS": 1,
+            "V_RELOAD": v_reload}
 
 
 def sparse_mla_attention(
@@ -285,6 +303,7 @@ def sparse_mla_attention(
         num_heads, split_len,
         BLOCK_H=cfg["BLOCK_H"], BLOCK_N=cfg["BLOCK_N"], D_V=kv_lora_rank, D_R=d_r,
         KV_FP8=kv_fp8, PARTIAL=splits > 1, V_SPLITS=v_splits,
+        V_RELOAD=cfg.get("V_RELOAD", False),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     if splits > 1:
