@@ -79,8 +79,8 @@ def load_ops(path: str | None):
 
 def compile_key(cfg: dict, kv: str) -> tuple:
     # the constexprs and launch options that make a distinct Triton binary
-    return (cfg["BLOCK_H"], cfg["BLOCK_N"], cfg.get("V_SPLITS", 1), cfg["splits"] > 1,
-            cfg["num_warps"], cfg["num_stages"], kv)
+    return (cfg["BLOCK_H"], cfg["BLOCK_N"], cfg.get("V_SPLITS", 1), cfg.get("V_RELOAD", False),
+            cfg["splits"] > 1, cfg["num_warps"], cfg["num_stages"], kv)
 
 
 class CompiledStats:
@@ -124,22 +124,23 @@ class CompiledStats:
         return self.by_key.get(key, {})
 
 
-def sweep_configs(base):
+def sweep_configs(base, kv="bf16"):
     # fewer splits too: at 64+ heads the fp32 partial rows (T x H x splits x 2 KiB,
     # written and read back) outweigh the KV rows themselves beyond ~8 splits
     sp = base["splits"]
     splits = sorted({max(1, sp // 4), max(1, sp // 2), sp, 2 * sp} if sp > 1 else {1})
     # smaller head blocks trade re-reading rows (from L2) for fewer registers per program
     block_hs = sorted({base["BLOCK_H"], max(16, base["BLOCK_H"] // 2)})
+    # an fp8 tile's rows read once (converted for both dots) or twice (V_RELOAD);
+    # output columns over two programs (V_SPLITS) never won a sweep and are left out
+    reloads = (False, True) if kv == "fp8" else (False,)
     for block_h in block_hs:
-        # output columns over two programs: half the accumulator, QK^T twice
-        v_splits = (1, 2) if block_h >= 64 else (1,)
         # a 64-row wgmma tile needs two warpgroups for its 64 x 512 fp32 accumulator
         warps = (8,) if block_h >= 64 else (4, 8)
-        for v, block_n, nw, stages, n_splits in itertools.product(
-                v_splits, (16, 32, 64), warps, (2, 3), splits):
+        for reload, block_n, nw, stages, n_splits in itertools.product(
+                reloads, (16, 32, 64), warps, (2, 3), splits):
             yield dict(base, BLOCK_H=block_h, BLOCK_N=block_n, num_warps=nw,
-                       num_stages=stages, splits=n_splits, V_SPLITS=v)
+                       num_stages=stages, splits=n_splits, V_SPLITS=1, V_RELOAD=reload)
 
 
 def _compile_jobs(ops_file: str | None, jobs: list) -> int:
@@ -170,7 +171,7 @@ def warm_compile_cache(cases, topk, sms, smem, sweep, ops_file, workers: int) ->
     for t, h, kv in cases:
         cfg = ops.launch_config(t, h, topk, KV_LORA, sms, smem, kv == "fp8",
                                 ops.device_capability(0))
-        for c in [cfg, *(sweep_configs(cfg) if sweep else [])]:
+        for c in [cfg, *(sweep_configs(cfg, kv) if sweep else [])]:
             jobs.setdefault(compile_key(c, kv), (c, kv, h, topk))
     jobs = list(jobs.values())
     ctx = multiprocessing.get_context("spawn")
@@ -227,7 +228,7 @@ def bench_case(num_tokens, num_heads, kv, topk, pool, l2_bytes, sms, flashmla, s
     if sweep:
         best = (t_gather, cfg)
         tried = []
-        for alt in sweep_configs(cfg):
+        for alt in sweep_configs(cfg, kv):
             try:
                 compiled.record(compile_key(alt, kv), gather(sets[0], alt))
                 t = graph_us([gather(s, alt) for s in sets[:8]])
@@ -260,7 +261,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--json", default=None, help="write the rows here")
     parser.add_argument("--tokens", type=int, nargs="*", default=[1, 8, 64, 256, 4096])
-    parser.add_argument("--heads", type=int, nargs="*", default=[8, 64, 128])
+    parser.add_argument("--heads", type=int, nargs="*", default=[8, 32, 64, 128])
     parser.add_argument("--kv", nargs="*", default=["bf16", "fp8"])
     parser.add_argument("--topk", type=int, default=2048)
     parser.add_argument("--pool", type=int, default=262144, help="KV pool tokens")

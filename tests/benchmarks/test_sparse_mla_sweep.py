@@ -1,13 +1,15 @@
 # SPDX-License-Identifier: Apache-2.0
 """The kernel benchmark's launch sweep: around the table's choice, it tries half
-head blocks and, for 64-head blocks, output columns over two programs; every
-candidate runs and matches the table's configuration on the same inputs."""
+head blocks, fewer and more splits and, for an fp8 cache, reading the rows once or
+twice; every candidate runs and matches the table's configuration on the same
+inputs."""
 
 import importlib.util
 import math
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 from vllm.v1.attention.ops import triton_sparse_mla as tsm
@@ -24,37 +26,44 @@ spec.loader.exec_module(bench)
 def test_sweep_candidates():
     base = tsm.launch_config(4096, 64, 2048, 512, 132)
     configs = list(bench.sweep_configs(base))
-    assert {(c["BLOCK_H"], c["V_SPLITS"]) for c in configs} == {(64, 1), (64, 2), (32, 1)}
+    assert {(c["BLOCK_H"], c["V_SPLITS"]) for c in configs} == {(64, 1), (32, 1)}
+    assert {c["V_RELOAD"] for c in configs} == {False}
     assert all(c["splits"] == 1 for c in configs)  # 4096 tokens fill the GPU
     assert {c["num_warps"] for c in configs if c["BLOCK_H"] == 64} == {8}
     assert {c["num_stages"] for c in configs} == {2, 3}
     small = list(bench.sweep_configs(tsm.launch_config(1, 8, 2048, 512, 132)))
-    assert {c["V_SPLITS"] for c in small} == {1}
+    assert {c["BLOCK_H"] for c in small} == {16}
+    fp8 = list(bench.sweep_configs(tsm.launch_config(4096, 8, 2048, 512, 132, kv_fp8=True),
+                                   "fp8"))
+    assert {c["V_RELOAD"] for c in fp8} == {False, True}
     # around the table's split count: a quarter, half, the same, double
     few = tsm.launch_config(8, 64, 2048, 512, 132)
     assert few["splits"] == 32
     assert {c["splits"] for c in bench.sweep_configs(few)} == {8, 16, 32, 64}
 
 
-def test_sweep_candidates_compute_the_same():
+@pytest.mark.parametrize("kv", ["fp16", "fp8"])
+def test_sweep_candidates_compute_the_same(kv):
     # Each candidate of a 64-head shape on the same small inputs (interpreter on CPU).
     g = torch.Generator().manual_seed(0)
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     T, H, K = 2, 64, 32
     q = (torch.randn(T, H, 576, generator=g) * 0.5).half().to(dev)
     cache = (torch.randn(4, 16, 576, generator=g) * 0.5).half().to(dev)
+    if kv == "fp8":
+        cache = cache.to(torch.float8_e4m3fn)
     slots = torch.stack([torch.randperm(64, generator=g)[:K] for _ in range(T)]).int().to(dev)
     counts = torch.full((T,), K, dtype=torch.int32, device=dev)
     one = torch.ones(1, device=dev)
     args = (q, cache, slots, counts, 512, 1 / math.sqrt(256), one, 132)
-    base = tsm.launch_config(T, H, K, 512, 132)
+    base = tsm.launch_config(T, H, K, 512, 132, kv_fp8=kv == "fp8")
     ref = tsm.sparse_mla_attention(*args, config=base).float()
     seen = set()
-    for c in bench.sweep_configs(base):
-        key = (c["BLOCK_H"], c["V_SPLITS"], c["splits"])
+    for c in bench.sweep_configs(base, kv):
+        key = (c["BLOCK_H"], c["V_RELOAD"], c["splits"])
         if key in seen:  # block sizes and warps only change tiling on the interpreter
             continue
         seen.add(key)
         out = tsm.sparse_mla_attention(*args, config=dict(c, BLOCK_N=16)).float()
         torch.testing.assert_close(out, ref, rtol=2e-3, atol=2e-3, msg=str(c))
-    assert (64, 2, base["splits"]) in seen
+    assert (32, kv == "fp8", base["splits"]) in seen
