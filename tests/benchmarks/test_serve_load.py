@@ -42,9 +42,22 @@ class Handler(BaseHTTPRequestHandler):
             return
         if self.mode == "unstable" and n == 3:
             text += "!"
-        choice = ({"text": text} if self.path == "/v1/completions"
-                  else {"message": {"role": "assistant", "content": text}})
-        out = json.dumps({"choices": [choice]}).encode()
+        prompt = body.get("prompt") or body["messages"][0]["content"]
+        ids, prompt_ids = [ord(c) for c in text], [ord(c) for c in prompt]
+        # top-2 logprobs of each token: a margin of 0.5 + index / 100
+        tops = [(-0.1, -0.6 - k / 100) for k in range(len(text))]
+        if self.path == "/v1/completions":
+            choice = {"text": text, "token_ids": ids, "prompt_token_ids": prompt_ids,
+                      "logprobs": {"top_logprobs": [{"a": a, "b": b} for a, b in tops]}}
+            out = {"choices": [choice]}
+        else:
+            content = [{"token": "a", "logprob": a,
+                        "top_logprobs": [{"token": "a", "logprob": a},
+                                         {"token": "b", "logprob": b}]} for a, b in tops]
+            choice = {"message": {"role": "assistant", "content": text}, "token_ids": ids,
+                      "logprobs": {"content": content}}
+            out = {"choices": [choice], "prompt_token_ids": prompt_ids}
+        out = json.dumps(out).encode()
         self.send_response(200)
         self.send_header("Content-Type", "application/json")
         self.send_header("Content-Length", str(len(out)))
@@ -75,11 +88,15 @@ def run(base_url, tmp_path, reference=None):
 
 
 def reference_file(tmp_path, change=None, unstable=()):
-    texts = [answer({"prompt": p}) for p in serve_load.prompts(40)]
+    ps = serve_load.prompts(40)
+    texts = [answer({"prompt": p}) for p in ps]
     if change is not None:
-        texts[change] += "?"
+        texts[change] = texts[change][:3] + "?" + texts[change][4:]
+    results = [{"text": t, "token_ids": [ord(c) for c in t],
+                "prompt_token_ids": [ord(c) for c in p], "margins": [0.25] * len(t)}
+               for t, p in zip(texts, ps)]
     f = tmp_path / "ref.json"
-    f.write_text(json.dumps({"texts": texts, "unstable": list(unstable)}))
+    f.write_text(json.dumps({"texts": texts, "results": results, "unstable": list(unstable)}))
     return str(f)
 
 
@@ -103,6 +120,25 @@ def test_catches_a_difference_from_offline(server, tmp_path):
     assert rc == 1 and report["differs_from_offline"] == [5]
     sample = report["mismatch_samples"][0]
     assert sample["prompt"] == 5 and sample["offline"] != sample["server"]
+    # prompt 5 is a chat request: the same prompt tokens, the 4th token differs,
+    # with the margins both sides gave there; sent alone it still differs
+    assert sample["kind"] == "chat" and sample["same_prompt_tokens"] is True
+    assert sample["first_different_token"] == 3
+    assert sample["offline_margin"] == 0.25
+    assert abs(sample["server_margin"] - 0.53) < 1e-9
+    assert sample["solo"] == sample["server"] and sample["solo_matches_offline"] is False
+
+
+@pytest.mark.parametrize("kind", ["completion", "chat"])
+def test_request_asks_for_token_ids_and_logprobs(server, kind):
+    # what the report's mismatch fields are read from, for both endpoints
+    Handler.mode = "ok"
+    body = serve_load.request_body(kind, "m", "Request 1: a b c", 8)
+    assert body["return_token_ids"] is True
+    res = serve_load.post(server, kind, body, 10.0)
+    assert res["text"] == answer(body) and res["token_ids"] == [ord(c) for c in res["text"]]
+    assert res["prompt_token_ids"] == [ord(c) for c in "Request 1: a b c"]
+    assert res["margins"][:2] == pytest.approx([0.5, 0.51])
 
 
 def test_fails_when_the_offline_reference_was_unstable(server, tmp_path):
