@@ -240,10 +240,15 @@ def tsm_inputs(case):
 
 
 def test_gather_launch_config():
-    # Shapes only; heads in blocks of 16/32/64; splits fill ~2 waves at small
-    # batch, keep >= 64 slots per split and bound the partial buffer.
+    # Shapes only; heads in blocks of 16/32/64; splits fill about one wave at
+    # small batch (two of 16-head bf16 programs on Hopper), keep >= 64 slots per
+    # split and bound the partial buffer.
     c = tsm.launch_config(1, 64, 2048, KV_LORA, 132)
     assert (c["BLOCK_H"], c["splits"]) == (64, 32)
+    assert [tsm.launch_config(t, 64, 2048, KV_LORA, 132)["splits"] for t in (8, 64, 67)] == [
+        16, 2, 1]
+    assert [tsm.launch_config(t, 8, 2048, KV_LORA, 132)["splits"] for t in (8, 64, 132)] == [
+        32, 4, 2]
     assert tsm.launch_config(1, 8, 2048, KV_LORA, 132)["BLOCK_H"] == 16
     assert tsm.launch_config(4096, 64, 2048, KV_LORA, 132)["splits"] == 1
     assert tsm.launch_config(1, 8, 128, KV_LORA, 132)["splits"] == 2

@@ -136,14 +136,17 @@ def _sparse_mla_kernel(
             v = tl.load(kv_row + offs_o[None, :], mask=mask_n[:, None], other=0.0,
                         cache_modifier=".cg")
             if KV_FP8:
-                v = v.to(q_nope.dtype)
+                # dequantized here, in fp32: a bare cast would be moved past the
+                # tile's layout change for the dot, which then gathers single
+                # bytes from shared memory
+                v = (v.to(tl.float32) * k_scale).to(q_nope.dtype)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m_i = m_new
 
     l_safe = tl.where(l_i > 0.0, l_i, 1.0)
     out = acc / l_safe[:, None]
-    if KV_FP8:
-        out = out * k_scale  # V is the same fp8 latent as K
+    if KV_FP8 and V_SPLITS == 1 and not V_RELOAD:
+        out = out * k_scale  # V is the converted K tile, still unscaled
     o_ptr = O + t * stride_ot + s * stride_os + offs_h[:, None] * stride_oh + offs_o[None, :]
     tl.store(o_ptr, out.to(O.dtype.element_ty), mask=mask_h[:, None])
     if PARTIAL:
@@ -202,40 +205,56 @@ def launch_config(
     scores: a smaller accumulator for a second QK^T.
     """
     block_h = 16 if num_heads <= 16 else (32 if num_heads <= 32 else 64)
+    hopper = capability // 10 == 9 and max_shared_mem >= HOPPER_SHARED_MEM
     # Hopper runs 64-head tiles as wgmma dots with both operands in shared memory
     # and SM100 as tcgen05 dots; smaller tiles, and every tile elsewhere, are
-    # mma.sync dots that take their operands through registers
+    # mma.sync dots that take their operands through registers. Those read an
+    # fp8 tile's rows a second time for the PV dot (V_RELOAD): otherwise a
+    # synchronous load.
     smem_dots = block_h == 64 and capability // 10 in (9, 10)
-    # H200 sweep (benchmarks/results/h200-sparse-mla-sweep.log): 64-head tiles
-    # run 1.8x faster with 64-row key blocks in three stages than with 32 rows in
-    # two. 32-head tiles take two warpgroups too: with one, the binary spills
-    # registers (compiled for sm_90).
-    block_n = 64
-    num_stages = 3 if kv_fp8 or block_h >= 32 else 2
-    num_warps = 8 if block_h >= 32 else 4
-    # an fp8 tile is converted in registers: smaller key blocks keep the 16-bit
-    # copy from spilling registers
-    if kv_fp8 and not smem_dots:
-        block_n = 16 if block_h == 16 else 32
+    v_reload = kv_fp8 and not smem_dots
+    # H200 sweeps (benchmarks/results/h200-sparse-mla-sweep*.log): 64-row key
+    # blocks; 64-head tiles in three stages (1.8x faster than two stages of 32
+    # rows), 32-head tiles in one warpgroup (1.4x faster than two, despite a
+    # few spilled registers)
+    block_n, num_warps, num_stages = 64, 4, 2
+    if block_h == 64:
+        num_warps, num_stages = 8, 3
+    if v_reload and block_h == 16:
+        # H200 fp8 sweep: 64-row blocks in two warpgroups; three stages of them
+        # and the converted copy need 153 KiB, else 16 rows (52 KiB)
+        if max_shared_mem >= HOPPER_SHARED_MEM:
+            num_warps, num_stages = 8, 3
+        else:
+            block_n, num_stages = 16, 3
+    elif v_reload:
+        block_n = 32  # H200 fp8 sweep: 32-head tiles with 32-row key blocks
     # three stages of 64 rows fit Hopper's wgmma path (216 KiB), not SM100's
     # (345 KiB) nor any smaller shared memory
-    if block_h > 16 and (capability // 10 != 9 or max_shared_mem < HOPPER_SHARED_MEM):
-        block_n, num_stages = min(block_n, 32), 2
+    if block_h > 16 and not hopper:
+        block_n, num_stages = 32, 2
         if max_shared_mem < _MEDIUM_SHARED_MEM:
             block_n = 16 if block_h == 64 else 32
-    # mma.sync tiles read an fp8 tile's rows twice (V_RELOAD): a synchronous load
-    # otherwise
-    v_reload = kv_fp8 and not smem_dots
+            if kv_fp8:
+                # the converted copy of the rows does not fit 99 KiB next to a
+                # 64-head query tile, nor 32 rows next to a 32-head one
+                block_h, block_n, num_warps = 32, 16, 4
     programs = num_tokens * triton.cdiv(num_heads, block_h)
     splits = 1
     # batch-invariant mode: a token's result must not depend on the batch size
-    if programs < num_sms and not envs.VLLM_BATCH_INVARIANT:
-        splits = triton.next_power_of_2(triton.cdiv(2 * num_sms, programs))
-        # at least 64 slots per split
-        splits = min(splits, max(1, triton.next_power_of_2(topk) // 64))
-        per_split = num_tokens * num_heads * kv_lora_rank * 4  # fp32 partial rows
-        while splits > 1 and splits * per_split > _MAX_PARTIAL_BYTES:
-            splits //= 2
+    if not envs.VLLM_BATCH_INVARIANT:
+        # split-K to about one wave of programs (two 16-bit 16-head programs fit
+        # an SM with Hopper's shared memory); the H200 sweeps found more splits
+        # slower: each writes and reads back its fp32 partial rows
+        waves = 2 if block_h == 16 and not kv_fp8 and max_shared_mem >= HOPPER_SHARED_MEM else 1
+        per_wave = waves * num_sms // programs
+        if per_wave >= 2:
+            splits = 1 << (per_wave.bit_length() - 1)  # a power of two, rounded down
+            # at least 64 slots per split
+            splits = min(splits, max(1, triton.next_power_of_2(topk) // 64))
+            per_split = num_tokens * num_heads * kv_lora_rank * 4  # fp32 partial rows
+            while splits > 1 and splits * per_split > _MAX_PARTIAL_BYTES:
+                splits //= 2
     return {"BLOCK_H": block_h, "BLOCK_N": block_n, "num_warps": num_warps,
             "num_stages": num_stages, "splits": splits, "V_SPLITS": 1,
             "V_RELOAD": v_reload}
