@@ -220,15 +220,10 @@ def launch_config(
     block_n, num_warps, num_stages = 64, 4, 2
     if block_h == 64:
         num_warps, num_stages = 8, 3
-    if v_reload and block_h == 16:
-        # H200 fp8 sweep: 64-row blocks in two warpgroups; three stages of them
-        # and the converted copy need 153 KiB, else 16 rows (52 KiB)
-        if max_shared_mem >= HOPPER_SHARED_MEM:
-            num_warps, num_stages = 8, 3
-        else:
-            block_n, num_stages = 16, 3
-    elif v_reload:
-        block_n = 32  # H200 fp8 sweep: 32-head tiles with 32-row key blocks
+    if v_reload:
+        # H200 fp8 sweep: 32-row key blocks (85 KiB at 16 heads, so also within
+        # 99 KiB)
+        block_n = 32
     # three stages of 64 rows fit Hopper's wgmma path (216 KiB), not SM100's
     # (345 KiB) nor any smaller shared memory
     if block_h > 16 and not hopper:
@@ -243,10 +238,10 @@ def launch_config(
     splits = 1
     # batch-invariant mode: a token's result must not depend on the batch size
     if not envs.VLLM_BATCH_INVARIANT:
-        # split-K to about one wave of programs (two 16-bit 16-head programs fit
-        # an SM with Hopper's shared memory); the H200 sweeps found more splits
-        # slower: each writes and reads back its fp32 partial rows
-        waves = 2 if block_h == 16 and not kv_fp8 and max_shared_mem >= HOPPER_SHARED_MEM else 1
+        # split-K to about one wave of programs (two 16-head programs fit an SM
+        # with Hopper's shared memory); the H200 sweeps found more splits slower:
+        # each writes and reads back its fp32 partial rows
+        waves = 2 if block_h == 16 and max_shared_mem >= HOPPER_SHARED_MEM else 1
         per_wave = waves * num_sms // programs
         if per_wave >= 2:
             splits = 1 << (per_wave.bit_length() - 1)  # a power of two, rounded down
