@@ -113,7 +113,8 @@ def offline(args) -> None:
     llm = LLM(model=args.model, tokenizer=args.tokenizer, max_model_len=args.max_model_len,
               seed=0, enforce_eager=args.eager,
               gpu_memory_utilization=args.gpu_memory_utilization,
-              kv_cache_memory_bytes=args.kv_cache_memory_bytes)
+              kv_cache_memory_bytes=args.kv_cache_memory_bytes,
+              max_num_batched_tokens=args.max_num_batched_tokens)
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, seed=0, logprobs=2)
     ps, ks = prompts(args.num_prompts), kinds(args.num_prompts)
     comp = [i for i, k in enumerate(ks) if k == "completion"]
@@ -223,6 +224,9 @@ def main():
     o.add_argument("--eager", action="store_true")
     o.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     o.add_argument("--kv-cache-memory-bytes", type=int, default=None)
+    # vLLM's default differs between vllm.LLM (16384 on an H200) and `vllm serve`
+    # (8192); give the server's
+    o.add_argument("--max-num-batched-tokens", type=int, default=None)
     ld = sub.choices["load"]
     ld.add_argument("--base-url", default="http://127.0.0.1:8000")
     ld.add_argument("--reference", default=None)

@@ -7,7 +7,11 @@
 # so that a request's greedy text does not depend on what it was batched with. SERVE_MEM (default
 # 0.9) is the GPU memory fraction of each engine; SERVE_KV_BYTES, if set, fixes the KV cache size
 # (--kv-cache-memory-bytes), which skips vLLM's memory profiling: for sharing the GPU with other
-# checks, whose engines starting and exiting would break that profiling.
+# checks, whose engines starting and exiting would break that profiling. Both engines get the
+# same --max-num-batched-tokens (SERVE_MAX_BATCHED, default 8192): vLLM's default for it
+# differs between vllm.LLM and `vllm serve` (16384 and 8192 on an H200), and with it the
+# engine's compiled size ranges; the stop-13 run with the defaults differed from the offline
+# text at a 1-ulp (bf16 logit) near tie in 2 of 128 prompts, also when the prompt was sent alone.
 set -uo pipefail
 out="${1:?out dir}"; here="$(cd "$(dirname "$0")/../.." && pwd)"; work=/tmp/serve-check
 mkdir -p "$out" "$work"; cd "$here"
@@ -26,14 +30,15 @@ gr.convert(llama_cpp, model, work / "tiny-bf16.gguf", "bf16")
 PY
 gguf="$work/tiny-bf16.gguf"
 mem="${SERVE_MEM:-0.9}"
-kv=(); [ -n "${SERVE_KV_BYTES:-}" ] && kv=(--kv-cache-memory-bytes "$SERVE_KV_BYTES")
+engine=(); [ -n "${SERVE_KV_BYTES:-}" ] && engine=(--kv-cache-memory-bytes "$SERVE_KV_BYTES")
+engine+=(--max-num-batched-tokens "${SERVE_MAX_BATCHED:-8192}")
 python3 benchmarks/serve_load.py offline --model "$gguf" --out "$work/ref.json" \
-  --gpu-memory-utilization "$mem" "${kv[@]}" \
+  --gpu-memory-utilization "$mem" "${engine[@]}" \
   > "$out/serve-offline.log" 2>&1 || {
     grep -v "it/s\]" "$out/serve-offline.log" | grep -A45 -m1 "Traceback"
     grep -E "Error|error:" "$out/serve-offline.log" | tail -n 5
     exit 1; }
-vllm serve "$gguf" --port 8000 --max-model-len 2048 --gpu-memory-utilization "$mem" "${kv[@]}" \
+vllm serve "$gguf" --port 8000 --max-model-len 2048 --gpu-memory-utilization "$mem" "${engine[@]}" \
   > "$out/serve.log" 2>&1 &
 pid=$!
 healthy() { python3 -c 'import urllib.request as u; u.urlopen("http://127.0.0.1:8000/health", timeout=2)' 2>/dev/null; }
