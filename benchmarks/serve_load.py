@@ -119,6 +119,7 @@ def offline(args) -> None:
     ps, ks = prompts(args.num_prompts), kinds(args.num_prompts)
     comp = [i for i, k in enumerate(ks) if k == "completion"]
     chat = [i for i, k in enumerate(ks) if k == "chat"]
+
     def result(o) -> dict:
         out = o.outputs[0]
         return {"text": out.text, "token_ids": list(out.token_ids),

@@ -10,7 +10,7 @@
 # checks, whose engines starting and exiting would break that profiling. Both engines get the
 # same --max-num-batched-tokens (SERVE_MAX_BATCHED, default 8192): vLLM's default for it
 # differs between vllm.LLM and `vllm serve` (16384 and 8192 on an H200), and with it the
-# engine's compiled size ranges; the stop-13 run with the defaults differed from the offline
+# engine's compiled size ranges; the 2026-11-30 run with the defaults differed from the offline
 # text at a 1-ulp (bf16 logit) near tie in 2 of 128 prompts, also when the prompt was sent alone.
 set -uo pipefail
 out="${1:?out dir}"; here="$(cd "$(dirname "$0")/../.." && pwd)"; work=/tmp/serve-check

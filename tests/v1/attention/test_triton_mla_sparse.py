@@ -241,7 +241,7 @@ def tsm_inputs(case):
 
 def test_gather_launch_config():
     # Shapes only; heads in blocks of 16/32/64; splits fill about one wave at
-    # small batch (two of 16-head bf16 programs on Hopper), keep >= 64 slots per
+    # small batch (two 16-head programs per SM on Hopper), keep >= 64 slots per
     # split and bound the partial buffer.
     c = tsm.launch_config(1, 64, 2048, KV_LORA, 132)
     assert (c["BLOCK_H"], c["splits"]) == (64, 32)

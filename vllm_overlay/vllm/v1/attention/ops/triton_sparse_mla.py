@@ -12,7 +12,8 @@ padding after the valid ones). Unlike a paged decode kernel with a page size of
 - splits a token's top-k over several programs when there are few tokens, and
   merges the partial results by their log-sum-exp in a second small kernel;
 - reads an fp8 cache as is and dequantizes on load (the per-tensor scale is
-  applied to the scores and to the output, so the dots stay in 16 bits).
+  applied to the scores, and to the output or to the V tile, so the dots stay
+  in 16 bits).
 
 Launch parameters come from the shapes, the KV dtype and the device's compute
 capability and shared memory per block only (a table, no host sync), so the
@@ -202,7 +203,8 @@ def launch_config(
     the cache is fp8; capability: major * 10 + minor.
     V_SPLITS > 1 (not chosen by the table yet; benchmarks and tests set it) splits
     a head block's output columns over that many programs, each recomputing the
-    scores: a smaller accumulator for a second QK^T.
+    scores: a smaller accumulator for a second QK^T. V_RELOAD (fp8 caches) reads
+    the rows a second time for the PV dot instead of reusing the converted K tile.
     """
     block_h = 16 if num_heads <= 16 else (32 if num_heads <= 32 else 64)
     hopper = capability // 10 == 9 and max_shared_mem >= HOPPER_SHARED_MEM
@@ -213,7 +215,7 @@ def launch_config(
     # synchronous load.
     smem_dots = block_h == 64 and capability // 10 in (9, 10)
     v_reload = kv_fp8 and not smem_dots
-    # H200 sweeps (benchmarks/results/h200-sparse-mla-sweep*.log): 64-row key
+    # H200 sweeps (benchmarks/results/h200-sparse-mla-sweep.{log,json}): 64-row key
     # blocks; 64-head tiles in three stages (1.8x faster than two stages of 32
     # rows), 32-head tiles in one warpgroup (1.4x faster than two, despite a
     # few spilled registers)
