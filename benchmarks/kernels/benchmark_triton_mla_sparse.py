@@ -17,7 +17,9 @@ registers and spills per thread, shared memory, and counts of TTGIR ops (async
 copies into shared memory, register-to-shared stores, wgmma dots) that show
 whether the KV loads were pipelined. `--ops-file PATH` takes the gather kernel
 from a copy of `triton_sparse_mla.py` (to try a kernel change on the GPU host
-without building a wheel). Bytes counted: T x topk x 576 x bytes per element,
+without building a wheel). `--q-dtype fp16` runs fp16 queries (what a GGUF model
+runs on SM >= 10.0, SM120 included; FlashMLA is bf16 only and is left out then).
+Bytes counted: T x topk x 576 x bytes per element of the KV cache,
 i.e. each selected latent row read once. The device's copy bandwidth
 (read + write) is measured in the same run. Index sets rotate so that repeated
 calls do not find their rows in L2.
@@ -45,6 +47,7 @@ from vllm.v1.attention.ops import triton_sparse_mla
 from cuda_graph_timing import graph_us  # this folder
 
 KV_LORA, HEAD = 512, 576
+Q_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def copy_bandwidth(gib: float = 2.0) -> float:
@@ -77,10 +80,10 @@ def load_ops(path: str | None):
     return module
 
 
-def compile_key(cfg: dict, kv: str) -> tuple:
-    # the constexprs and launch options that make a distinct Triton binary
+def compile_key(cfg: dict, kv: str, q_dtype: str = "bf16") -> tuple:
+    # the constexprs, launch options and dtypes that make a distinct Triton binary
     return (cfg["BLOCK_H"], cfg["BLOCK_N"], cfg.get("V_SPLITS", 1), cfg.get("V_RELOAD", False),
-            cfg["splits"] > 1, cfg["num_warps"], cfg["num_stages"], kv)
+            cfg["splits"] > 1, cfg["num_warps"], cfg["num_stages"], kv, q_dtype)
 
 
 class CompiledStats:
@@ -147,9 +150,9 @@ def _compile_jobs(ops_file: str | None, jobs: list) -> int:
     """Launch each (config, kv, heads) once on empty inputs: fills Triton's disk cache."""
     ops = load_ops(ops_file)
     done = 0
-    for cfg, kv, heads, topk in jobs:
-        kv_dtype = torch.float8_e4m3fn if kv == "fp8" else torch.bfloat16
-        q = torch.zeros(2, heads, HEAD, device="cuda", dtype=torch.bfloat16)
+    for cfg, kv, heads, topk, q_dtype in jobs:
+        kv_dtype = torch.float8_e4m3fn if kv == "fp8" else Q_DTYPES[q_dtype]
+        q = torch.zeros(2, heads, HEAD, device="cuda", dtype=Q_DTYPES[q_dtype])
         cache = torch.zeros(1, 64, HEAD, device="cuda").to(kv_dtype)
         slots = torch.zeros(2, topk, device="cuda", dtype=torch.int32)
         counts = torch.zeros(2, device="cuda", dtype=torch.int32)
@@ -163,7 +166,8 @@ def _compile_jobs(ops_file: str | None, jobs: list) -> int:
     return done
 
 
-def warm_compile_cache(cases, topk, sms, smem, sweep, ops_file, workers: int) -> None:
+def warm_compile_cache(cases, topk, sms, smem, sweep, ops_file, workers: int,
+                       q_dtype: str = "bf16") -> None:
     """Compile every binary the run will time in `workers` processes at once (Triton
     compiles one kernel at a time per process; the sweep needs dozens)."""
     ops = load_ops(ops_file)
@@ -172,7 +176,7 @@ def warm_compile_cache(cases, topk, sms, smem, sweep, ops_file, workers: int) ->
         cfg = ops.launch_config(t, h, topk, KV_LORA, sms, smem, kv == "fp8",
                                 ops.device_capability(0))
         for c in [cfg, *(sweep_configs(cfg, kv) if sweep else [])]:
-            jobs.setdefault(compile_key(c, kv), (c, kv, h, topk))
+            jobs.setdefault(compile_key(c, kv, q_dtype), (c, kv, h, topk, q_dtype))
     jobs = list(jobs.values())
     ctx = multiprocessing.get_context("spawn")
     with concurrent.futures.ProcessPoolExecutor(workers, mp_context=ctx) as pool:
@@ -182,11 +186,12 @@ def warm_compile_cache(cases, topk, sms, smem, sweep, ops_file, workers: int) ->
 
 
 def bench_case(num_tokens, num_heads, kv, topk, pool, l2_bytes, sms, flashmla, sweep, ops,
-               compiled):
+               compiled, q_dtype="bf16"):
     dev = "cuda"
-    kv_dtype = torch.float8_e4m3fn if kv == "fp8" else torch.bfloat16
+    # a 16-bit cache has the queries' dtype, as in the engine
+    kv_dtype = torch.float8_e4m3fn if kv == "fp8" else Q_DTYPES[q_dtype]
     cache = (torch.randn(pool // 64, 64, HEAD, device=dev) * 0.5).to(kv_dtype)
-    q = torch.randn(num_tokens, num_heads, HEAD, device=dev, dtype=torch.bfloat16)
+    q = torch.randn(num_tokens, num_heads, HEAD, device=dev, dtype=Q_DTYPES[q_dtype])
     elem = 1 if kv == "fp8" else 2
     bytes_read = num_tokens * topk * HEAD * elem
     sets = slot_sets(max(1, min(64, math.ceil(4 * l2_bytes / bytes_read))),
@@ -206,7 +211,8 @@ def bench_case(num_tokens, num_heads, kv, topk, pool, l2_bytes, sms, flashmla, s
     cfg = ops.launch_config(num_tokens, num_heads, topk, KV_LORA, sms,
                             ops.device_shared_mem(dev_index), kv == "fp8",
                             ops.device_capability(dev_index))
-    compiled.record(compile_key(cfg, kv), gather(sets[0]))
+    key = compile_key(cfg, kv, q_dtype)
+    compiled.record(key, gather(sets[0]))
     t_gather = graph_us([gather(s) for s in sets])
     t_decode = graph_us([decode(s) for s in sets])
     it = {"i": 0}
@@ -217,8 +223,9 @@ def bench_case(num_tokens, num_heads, kv, topk, pool, l2_bytes, sms, flashmla, s
 
     t_eager = do_bench(eager, warmup=10, rep=100, return_mode="median") * 1e3
     row = {
-        "tokens": num_tokens, "heads": num_heads, "kv": kv, "topk": topk,
-        "gather_config": cfg, "gather_compiled": compiled.get(compile_key(cfg, kv)),
+        "tokens": num_tokens, "heads": num_heads, "kv": "fp8" if kv == "fp8" else q_dtype,
+        "q": q_dtype, "topk": topk,
+        "gather_config": cfg, "gather_compiled": compiled.get(key),
         "gather_us": t_gather, "gather_eager_us": t_eager,
         "gather_TBps": bytes_read / (t_gather * 1e-6) / 1e12,
         "decode_num_kv_splits": num_kv_splits_for(num_tokens, num_heads, topk, sms),
@@ -230,16 +237,16 @@ def bench_case(num_tokens, num_heads, kv, topk, pool, l2_bytes, sms, flashmla, s
         tried = []
         for alt in sweep_configs(cfg, kv):
             try:
-                compiled.record(compile_key(alt, kv), gather(sets[0], alt))
+                compiled.record(compile_key(alt, kv, q_dtype), gather(sets[0], alt))
                 t = graph_us([gather(s, alt) for s in sets[:8]])
             except Exception as e:  # e.g. out of shared memory for a combination
                 tried.append({"config": alt, "error": f"{type(e).__name__}: {e}"[:200]})
                 continue
-            tried.append({"config": alt, "us": t, **compiled.get(compile_key(alt, kv))})
+            tried.append({"config": alt, "us": t, **compiled.get(compile_key(alt, kv, q_dtype))})
             if t < best[0]:
                 best = (t, alt)
         row.update(sweep_best_us=best[0], sweep_best_config=best[1], sweep=tried)
-    if flashmla is not None and kv == "bf16":
+    if flashmla is not None and kv == "bf16" and q_dtype == "bf16":
         padded = 64 if num_heads <= 64 else 128
         if current_platform.is_device_capability_family(100):
             padded = 128
@@ -263,6 +270,8 @@ def main():
     parser.add_argument("--tokens", type=int, nargs="*", default=[1, 8, 64, 256, 4096])
     parser.add_argument("--heads", type=int, nargs="*", default=[8, 32, 64, 128])
     parser.add_argument("--kv", nargs="*", default=["bf16", "fp8"])
+    parser.add_argument("--q-dtype", choices=sorted(Q_DTYPES), default="bf16",
+                        help="query (and 16-bit cache) dtype")
     parser.add_argument("--topk", type=int, default=2048)
     parser.add_argument("--pool", type=int, default=262144, help="KV pool tokens")
     parser.add_argument("--sweep", action="store_true",
@@ -289,7 +298,7 @@ def main():
         cases = [(t, h, kv) for kv in args.kv for h in args.heads for t in args.tokens]
         try:
             warm_compile_cache(cases, args.topk, sms, ops.device_shared_mem(0), args.sweep,
-                               args.ops_file, args.compile_workers)
+                               args.ops_file, args.compile_workers, args.q_dtype)
         except Exception as e:  # noqa: BLE001 (only slower: each run then compiles)
             print(f"compile warm-up failed ({type(e).__name__}: {e}); compiling as the "
                   "rows run", flush=True)
@@ -299,25 +308,26 @@ def main():
         for h in args.heads:
             for t in args.tokens:
                 rows.append(bench_case(t, h, kv, args.topk, args.pool, l2, sms, flashmla,
-                                       args.sweep, ops, compiled))
+                                       args.sweep, ops, compiled, args.q_dtype))
                 torch.cuda.empty_cache()
-    bf16 = {(r["tokens"], r["heads"]): r for r in rows if r["kv"] == "bf16"}
+    wide = {(r["tokens"], r["heads"]): r for r in rows if r["kv"] != "fp8"}  # 16-bit caches
     for r in rows:
         r["gather_fraction_of_copy_bw"] = r["gather_TBps"] * 1e12 / bw
-        if r["kv"] == "fp8" and (r["tokens"], r["heads"]) in bf16:
-            r["fp8_time_vs_bf16"] = r["gather_us"] / bf16[(r["tokens"], r["heads"])]["gather_us"]
+        if r["kv"] == "fp8" and (r["tokens"], r["heads"]) in wide:
+            r["fp8_time_vs_16bit"] = r["gather_us"] / wide[(r["tokens"], r["heads"])]["gather_us"]
 
     print(f"device: {props.name} ({sms} SMs), copy bandwidth {bw / 1e12:.2f} TB/s "
           f"(read+write), FlashMLA sparse: {'yes' if flashmla else reason}")
-    print(f"topk {args.topk}, KV pool {args.pool} tokens, bytes = T x topk x 576 x elem")
+    print(f"topk {args.topk}, KV pool {args.pool} tokens, {args.q_dtype} queries, "
+          "bytes = T x topk x 576 x elem")
     print("GPU time per call from CUDA-graph replay; eager_us adds Python launch overhead")
     print("|    T |   H | kv   | gather_us | TB/s | % copy bw | eager_us | decode_us "
-          "| flashmla_us | gather/flashmla | fp8/bf16 |" + (" sweep best |" if args.sweep else ""))
+          "| flashmla_us | gather/flashmla | fp8/16-bit |" + (" sweep best |" if args.sweep else ""))
     print("|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|" + ("---:|" if args.sweep else ""))
     for r in rows:
         fm = (f"{r['flashmla_us']:11.1f} | {r['gather_vs_flashmla']:15.2f}"
               if "flashmla_us" in r else f"{'-':>11} | {'-':>15}")
-        f8 = f"{r['fp8_time_vs_bf16']:8.2f}" if "fp8_time_vs_bf16" in r else f"{'-':>8}"
+        f8 = f"{r['fp8_time_vs_16bit']:8.2f}" if "fp8_time_vs_16bit" in r else f"{'-':>8}"
         sw = f" {r['sweep_best_us']:9.1f} |" if "sweep_best_us" in r else ""
         print(f"| {r['tokens']:4d} | {r['heads']:3d} | {r['kv']:4} | {r['gather_us']:9.1f} "
               f"| {r['gather_TBps']:4.2f} | {100 * r['gather_fraction_of_copy_bw']:8.1f}% "
@@ -338,6 +348,7 @@ def main():
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"device": props.name, "sms": sms, "copy_bw_Bps": bw,
+                       "q_dtype": args.q_dtype,
                        "topk": args.topk, "pool_tokens": args.pool,
                        "ops_file": args.ops_file or ops.__file__, "rows": rows}, f, indent=1)
 

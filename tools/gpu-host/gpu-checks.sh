@@ -63,9 +63,10 @@ for stage in $stages; do
       timeout 300 python3 -m pytest tests/v1/attention/test_upstream_sparse_mla_backends.py -q \
         -p no:cacheprovider -p no:warnings 2>&1 | tee "$out/upstream-tests.log" | tail -3 || rc=1 ;;
     bench)
-      # OPS_FILE: time a copy of the kernel file (e.g. the working tree's) instead
+      # OPS_FILE: time a copy of the kernel file (e.g. the working tree's) instead;
+      # BENCH_ARGS: more options (e.g. --q-dtype fp16 --heads 8 32 64)
       timeout 300 python3 benchmarks/kernels/benchmark_triton_mla_sparse.py \
-        --compile-workers 8 ${OPS_FILE:+--ops-file "$OPS_FILE"} --json "$out/bench-mla.json" \
+        --compile-workers 8 ${OPS_FILE:+--ops-file "$OPS_FILE"} ${BENCH_ARGS:-} --json "$out/bench-mla.json" \
         2>&1 | tee "$out/bench-mla.log" | tail -34 || rc=1
       timeout 120 python3 benchmarks/kernels/benchmark_indexer_logits.py \
         --json "$out/bench-indexer.json" 2>&1 | tee "$out/bench-indexer.log" | tail -14 || rc=1 ;;
