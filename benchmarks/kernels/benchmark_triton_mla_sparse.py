@@ -134,8 +134,7 @@ def sweep_configs(base, kv="bf16"):
     splits = sorted({max(1, sp // 4), max(1, sp // 2), sp, 2 * sp} if sp > 1 else {1})
     # smaller head blocks trade re-reading rows (from L2) for fewer registers per program
     block_hs = sorted({base["BLOCK_H"], max(16, base["BLOCK_H"] // 2)})
-    # an fp8 tile's rows read once (converted for both dots) or twice (V_RELOAD);
-    # output columns over two programs (V_SPLITS) never won a sweep and are left out
+    # an fp8 tile's rows read once (converted for both dots) or twice (V_RELOAD)
     reloads = (False, True) if kv == "fp8" else (False,)
     for block_h in block_hs:
         # a 64-row wgmma tile needs two warpgroups for its 64 x 512 fp32 accumulator
@@ -144,6 +143,14 @@ def sweep_configs(base, kv="bf16"):
                 reloads, (16, 32, 64), warps, (2, 3), splits):
             yield dict(base, BLOCK_H=block_h, BLOCK_N=block_n, num_warps=nw,
                        num_stages=stages, splits=n_splits, V_SPLITS=1, V_RELOAD=reload)
+    if base["BLOCK_H"] >= 64:
+        # output columns over two programs (V_SPLITS): half the accumulator, so one
+        # warpgroup holds it (with two, no earlier sweep picked it); 64-row blocks
+        # exceed Hopper's shared memory then
+        for reload, block_n, stages, n_splits in itertools.product(
+                reloads, (16, 32), (2, 3), splits):
+            yield dict(base, BLOCK_N=block_n, num_warps=4, num_stages=stages,
+                       splits=n_splits, V_SPLITS=2, V_RELOAD=reload)
 
 
 def _compile_jobs(ops_file: str | None, jobs: list) -> int:

@@ -1,8 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
 """The kernel benchmark's launch sweep: around the table's choice, it tries half
-head blocks, fewer and more splits and, for an fp8 cache, reading the rows once or
-twice; every candidate runs and matches the table's configuration on the same
-inputs."""
+head blocks, fewer and more splits, output columns over two programs for 64-head
+tiles and, for an fp8 cache, reading the rows once or twice; every candidate runs
+and matches the table's configuration on the same inputs."""
 
 import importlib.util
 import math
@@ -26,10 +26,11 @@ spec.loader.exec_module(bench)
 def test_sweep_candidates():
     base = tsm.launch_config(4096, 64, 2048, 512, 132)
     configs = list(bench.sweep_configs(base))
-    assert {(c["BLOCK_H"], c["V_SPLITS"]) for c in configs} == {(64, 1), (32, 1)}
+    assert {(c["BLOCK_H"], c["V_SPLITS"]) for c in configs} == {(64, 1), (64, 2), (32, 1)}
+    assert {c["num_warps"] for c in configs if c["V_SPLITS"] == 2} == {4}
     assert {c["V_RELOAD"] for c in configs} == {False}
     assert all(c["splits"] == 1 for c in configs)  # 4096 tokens fill the GPU
-    assert {c["num_warps"] for c in configs if c["BLOCK_H"] == 64} == {8}
+    assert {c["num_warps"] for c in configs if c["BLOCK_H"] == 64 and c["V_SPLITS"] == 1} == {8}
     assert {c["num_stages"] for c in configs} == {2, 3}
     small = list(bench.sweep_configs(tsm.launch_config(1, 8, 2048, 512, 132)))
     assert {c["BLOCK_H"] for c in small} == {16}
@@ -60,10 +61,11 @@ def test_sweep_candidates_compute_the_same(kv):
     ref = tsm.sparse_mla_attention(*args, config=base).float()
     seen = set()
     for c in bench.sweep_configs(base, kv):
-        key = (c["BLOCK_H"], c["V_RELOAD"], c["splits"])
+        key = (c["BLOCK_H"], c["V_SPLITS"], c["V_RELOAD"], c["splits"])
         if key in seen:  # block sizes and warps only change tiling on the interpreter
             continue
         seen.add(key)
         out = tsm.sparse_mla_attention(*args, config=dict(c, BLOCK_N=16)).float()
         torch.testing.assert_close(out, ref, rtol=2e-3, atol=2e-3, msg=str(c))
-    assert (32, kv == "fp8", base["splits"]) in seen
+    assert (32, 1, kv == "fp8", base["splits"]) in seen
+    assert (64, 2, kv == "fp8", base["splits"]) in seen
