@@ -173,15 +173,15 @@ def _compile_jobs(ops_file: str | None, jobs: list) -> int:
     return done
 
 
-def warm_compile_cache(cases, topk, sms, smem, sweep, ops_file, workers: int,
+def warm_compile_cache(cases, topk, sms, sweep, ops_file, workers: int,
                        q_dtype: str = "bf16") -> None:
     """Compile every binary the run will time in `workers` processes at once (Triton
     compiles one kernel at a time per process; the sweep needs dozens)."""
     ops = load_ops(ops_file)
     jobs = {}
     for t, h, kv in cases:
-        cfg = ops.launch_config(t, h, topk, KV_LORA, sms, smem, kv == "fp8",
-                                ops.device_capability(0))
+        cfg = ops.device_launch_config(torch.device("cuda"), t, h, topk, KV_LORA, sms,
+                                       kv == "fp8")
         for c in [cfg, *(sweep_configs(cfg, kv) if sweep else [])]:
             jobs.setdefault(compile_key(c, kv, q_dtype), (c, kv, h, topk, q_dtype))
     jobs = list(jobs.values())
@@ -214,10 +214,8 @@ def bench_case(num_tokens, num_heads, kv, topk, pool, l2_bytes, sms, flashmla, s
         return lambda: ops.sparse_mla_attention(q, cache, s, valid, KV_LORA, scale, k_scale,
                                                 sms, config=cfg)
 
-    dev_index = torch.cuda.current_device()
-    cfg = ops.launch_config(num_tokens, num_heads, topk, KV_LORA, sms,
-                            ops.device_shared_mem(dev_index), kv == "fp8",
-                            ops.device_capability(dev_index))
+    cfg = ops.device_launch_config(torch.device(dev), num_tokens, num_heads, topk, KV_LORA,
+                                   sms, kv == "fp8")
     key = compile_key(cfg, kv, q_dtype)
     compiled.record(key, gather(sets[0]))
     t_gather = graph_us([gather(s) for s in sets])
@@ -243,13 +241,14 @@ def bench_case(num_tokens, num_heads, kv, topk, pool, l2_bytes, sms, flashmla, s
         best = (t_gather, cfg)
         tried = []
         for alt in sweep_configs(cfg, kv):
+            alt_key = compile_key(alt, kv, q_dtype)
             try:
-                compiled.record(compile_key(alt, kv, q_dtype), gather(sets[0], alt))
+                compiled.record(alt_key, gather(sets[0], alt))
                 t = graph_us([gather(s, alt) for s in sets[:8]])
             except Exception as e:  # e.g. out of shared memory for a combination
                 tried.append({"config": alt, "error": f"{type(e).__name__}: {e}"[:200]})
                 continue
-            tried.append({"config": alt, "us": t, **compiled.get(compile_key(alt, kv, q_dtype))})
+            tried.append({"config": alt, "us": t, **compiled.get(alt_key)})
             if t < best[0]:
                 best = (t, alt)
         row.update(sweep_best_us=best[0], sweep_best_config=best[1], sweep=tried)
@@ -304,8 +303,8 @@ def main():
     if args.compile_workers:
         cases = [(t, h, kv) for kv in args.kv for h in args.heads for t in args.tokens]
         try:
-            warm_compile_cache(cases, args.topk, sms, ops.device_shared_mem(0), args.sweep,
-                               args.ops_file, args.compile_workers, args.q_dtype)
+            warm_compile_cache(cases, args.topk, sms, args.sweep, args.ops_file,
+                               args.compile_workers, args.q_dtype)
         except Exception as e:  # noqa: BLE001 (only slower: each run then compiles)
             print(f"compile warm-up failed ({type(e).__name__}: {e}); compiling as the "
                   "rows run", flush=True)

@@ -5,8 +5,9 @@
 
 Each path (attention backend x indexer) runs twice on the same checkpoint with the
 same settings (eager; bf16, plus fp16 for TRITON_MLA_SPARSE + portable indexer, as
-FlashMLA takes no fp16), all runs as parallel processes; the report gives, per path, the prompt-logprob difference and
-greedy agreement between its two runs (glm5_runs.compare). A deterministic path
+FlashMLA takes no fp16), all runs as parallel processes; the report gives, per path,
+the prompt-logprob difference and greedy agreement between its two runs
+(glm5_runs.compare). A deterministic path
 gives mean 0. Used to locate run-to-run variation, not to bound it.
 """
 

@@ -230,12 +230,12 @@ def launch_config(
     # (345 KiB) nor any smaller shared memory
     if block_h > 16 and not hopper:
         block_n, num_stages = 32, 2
-        if max_shared_mem < _MEDIUM_SHARED_MEM:
+        if max_shared_mem < _MEDIUM_SHARED_MEM and kv_fp8:
+            # the converted copy of the rows does not fit 99 KiB next to a
+            # 64-head query tile, nor 32 rows next to a 32-head one
+            block_h, block_n, num_warps = 32, 16, 4
+        elif max_shared_mem < _MEDIUM_SHARED_MEM:
             block_n = 16 if block_h == 64 else 32
-            if kv_fp8:
-                # the converted copy of the rows does not fit 99 KiB next to a
-                # 64-head query tile, nor 32 rows next to a 32-head one
-                block_h, block_n, num_warps = 32, 16, 4
     programs = num_tokens * triton.cdiv(num_heads, block_h)
     splits = 1
     # batch-invariant mode: a token's result must not depend on the batch size
@@ -257,6 +257,25 @@ def launch_config(
             "V_RELOAD": v_reload}
 
 
+def device_launch_config(
+    device: torch.device,
+    num_tokens: int,
+    num_heads: int,
+    topk: int,
+    kv_lora_rank: int,
+    num_sms: int,
+    kv_fp8: bool,
+) -> dict:
+    """`launch_config` with the device's shared memory per block and compute
+    capability (Hopper's for a CPU device, which only the Triton interpreter runs)."""
+    if device.type != "cuda":
+        return launch_config(num_tokens, num_heads, topk, kv_lora_rank, num_sms,
+                             HOPPER_SHARED_MEM, kv_fp8, 90)
+    index = torch.cuda.current_device() if device.index is None else device.index
+    return launch_config(num_tokens, num_heads, topk, kv_lora_rank, num_sms,
+                         device_shared_mem(index), kv_fp8, device_capability(index))
+
+
 def sparse_mla_attention(
     q: torch.Tensor,
     kv_cache: torch.Tensor,
@@ -274,9 +293,8 @@ def sparse_mla_attention(
     rope] (fp16/bf16, or fp8 with the per-tensor scale `k_scale`, a 1-element
     tensor); slots: int32 [T, K], the valid slots of a token first; valid_counts:
     int32 [T]. Returns o: [T, H, kv_lora_rank] in q's dtype; a token without valid
-    slots gets zeros. `config` overrides `launch_config` (benchmarks, tests),
-    which otherwise gets q's device's shared memory and capability (Hopper's for
-    CPU tensors, which only the Triton interpreter runs).
+    slots gets zeros. `config` overrides `device_launch_config` on q's device
+    (benchmarks, tests).
     """
     num_tokens, num_heads, head_dim = q.shape
     d_r = head_dim - kv_lora_rank
@@ -289,13 +307,8 @@ def sparse_mla_attention(
     kv_fp8 = kv.dtype in (torch.float8_e4m3fn, torch.float8_e5m2, torch.uint8)
     if kv.dtype == torch.uint8:  # vLLM stores an fp8 cache as uint8
         kv = kv.view(torch.float8_e4m3fn)
-    cfg = config
-    if cfg is None:
-        on_gpu = q.is_cuda
-        shared_mem = device_shared_mem(q.device.index) if on_gpu else HOPPER_SHARED_MEM
-        capability = device_capability(q.device.index) if on_gpu else 90
-        cfg = launch_config(num_tokens, num_heads, topk, kv_lora_rank, num_sms,
-                            shared_mem, kv_fp8, capability)
+    cfg = config or device_launch_config(q.device, num_tokens, num_heads, topk,
+                                         kv_lora_rank, num_sms, kv_fp8)
     splits = cfg["splits"]
     split_len = triton.cdiv(triton.cdiv(topk, splits), cfg["BLOCK_N"]) * cfg["BLOCK_N"]
     v_splits = cfg.get("V_SPLITS", 1)
