@@ -83,7 +83,8 @@ def load_ops(path: str | None):
 def compile_key(cfg: dict, kv: str, q_dtype: str = "bf16") -> tuple:
     # the constexprs, launch options and dtypes that make a distinct Triton binary
     return (cfg["BLOCK_H"], cfg["BLOCK_N"], cfg.get("V_SPLITS", 1), cfg.get("V_RELOAD", False),
-            cfg["splits"] > 1, cfg["num_warps"], cfg["num_stages"], kv, q_dtype)
+            cfg.get("K_DEQUANT", False), cfg["splits"] > 1, cfg["num_warps"],
+            cfg["num_stages"], kv, q_dtype)
 
 
 class CompiledStats:
@@ -121,36 +122,62 @@ class CompiledStats:
                  "shared_bytes": kernel.metadata.shared}
         for name, pattern in self.TTGIR_OPS.items():
             stats[f"ttgir_{name}"] = len(re.findall(pattern, ttgir))
+        # copy groups the main loop leaves in flight when it waits for a tile (0: the
+        # tile it waits for is the only one)
+        loop = ttgir[ttgir.find("scf.for"):]
+        wait = re.search(r"ttg\.async_wait[^{]*\{num = (\d+)", loop)
+        stats["ttgir_loop_wait_pending"] = int(wait.group(1)) if wait else None
         self.by_key[key] = stats
 
     def get(self, key: tuple) -> dict:
         return self.by_key.get(key, {})
 
 
+# Sweep candidates per head block: (BLOCK_N, num_warps, num_stages, variant), picked
+# from what Triton 3.6 compiles for sm_90 (registers, spills, shared memory and how
+# far ahead the rows are copied). The loop pipeliner gives a load whose address
+# comes from another load (the rows, through the slot ids) (num_stages - 1) // 2
+# iterations of lead: 2 stages load the rows synchronously, 3 copy the next tile
+# after this one's dots (one buffer; on mma.sync tiles nothing else overlaps it),
+# 5 and 7 keep one and two tiles in flight during the dots. Variants: "" (16-bit
+# cache, or fp8 converted once with the scale on the scores), "reload"
+# (V_RELOAD), "dequant" (K_DEQUANT), "vsplit" (V_SPLITS=2, which reads its own
+# columns of the rows anyway).
+SWEEP_TILES = {
+    ("bf16", 16): [(64, 4, 2, ""), (32, 4, 5, ""), (32, 8, 5, ""), (16, 4, 5, ""),
+                   (16, 4, 7, ""), (32, 4, 7, "")],
+    ("bf16", 32): [(64, 4, 2, ""), (32, 4, 5, ""), (32, 8, 5, ""), (16, 4, 5, ""),
+                   (16, 4, 7, "")],
+    ("bf16", 64): [(64, 8, 3, ""), (32, 8, 5, ""), (16, 8, 5, ""), (16, 8, 7, ""),
+                   (16, 4, 5, "vsplit"), (16, 4, 7, "vsplit")],
+    ("fp8", 16): [(32, 4, 2, "reload"), (16, 4, 5, "reload"), (16, 4, 7, "reload"),
+                  (32, 4, 5, "reload"), (16, 8, 7, "reload"), (16, 4, 5, "dequant"),
+                  (16, 4, 7, "dequant"), (32, 4, 5, "dequant")],
+    ("fp8", 32): [(32, 4, 2, "reload"), (16, 4, 5, "reload"), (16, 4, 7, "reload"),
+                  (32, 4, 5, "reload")],
+    ("fp8", 64): [(64, 8, 3, ""), (32, 8, 5, ""), (16, 8, 7, ""), (32, 8, 5, "reload"),
+                  (16, 4, 5, "vsplit"), (16, 4, 7, "vsplit")],
+}
+
+
 def sweep_configs(base, kv="bf16"):
+    """Alternatives to the table's configuration `base` (Hopper tiles: elsewhere a
+    candidate over the device's shared memory fails and is reported as such)."""
     # fewer splits too: at 64+ heads the fp32 partial rows (T x H x splits x 2 KiB,
     # written and read back) outweigh the KV rows themselves beyond ~8 splits
     sp = base["splits"]
     splits = sorted({max(1, sp // 4), max(1, sp // 2), sp, 2 * sp} if sp > 1 else {1})
     # smaller head blocks trade re-reading rows (from L2) for fewer registers per program
     block_hs = sorted({base["BLOCK_H"], max(16, base["BLOCK_H"] // 2)})
-    # an fp8 tile's rows read once (converted for both dots) or twice (V_RELOAD)
-    reloads = (False, True) if kv == "fp8" else (False,)
+    family = "fp8" if kv == "fp8" else "bf16"
     for block_h in block_hs:
-        # a 64-row wgmma tile needs two warpgroups for its 64 x 512 fp32 accumulator
-        warps = (8,) if block_h >= 64 else (4, 8)
-        for reload, block_n, nw, stages, n_splits in itertools.product(
-                reloads, (16, 32, 64), warps, (2, 3), splits):
+        for (block_n, nw, stages, variant), n_splits in itertools.product(
+                SWEEP_TILES[(family, block_h)], splits):
             yield dict(base, BLOCK_H=block_h, BLOCK_N=block_n, num_warps=nw,
-                       num_stages=stages, splits=n_splits, V_SPLITS=1, V_RELOAD=reload)
-    if base["BLOCK_H"] >= 64:
-        # output columns over two programs (V_SPLITS): half the accumulator, so one
-        # warpgroup holds it (with two, no earlier sweep picked it); 64-row blocks
-        # exceed Hopper's shared memory then
-        for reload, block_n, stages, n_splits in itertools.product(
-                reloads, (16, 32), (2, 3), splits):
-            yield dict(base, BLOCK_N=block_n, num_warps=4, num_stages=stages,
-                       splits=n_splits, V_SPLITS=2, V_RELOAD=reload)
+                       num_stages=stages, splits=n_splits,
+                       V_SPLITS=2 if variant == "vsplit" else 1,
+                       V_RELOAD=variant == "reload",
+                       K_DEQUANT=variant == "dequant")
 
 
 def _compile_jobs(ops_file: str | None, jobs: list) -> int:
@@ -339,13 +366,14 @@ def main():
               f"| {r['gather_TBps']:4.2f} | {100 * r['gather_fraction_of_copy_bw']:8.1f}% "
               f"| {r['gather_eager_us']:8.1f} | {r['decode_us']:9.1f} | {fm} | {f8} |{sw}")
     print("compiled gather kernels (table configs): regs/thread, spills, shared bytes, "
-          "TTGIR async copies / local stores / wgmma")
+          "TTGIR async copies / local stores / wgmma / copy groups in flight at the loop's wait")
     for r in rows:
         c = r["gather_compiled"]
         if c:
             print(f"  T={r['tokens']} H={r['heads']} {r['kv']}: {c['n_regs']} regs, "
                   f"{c['n_spills']} spills, {c['shared_bytes']} B shared, "
-                  f"{c['ttgir_async_copies']}/{c['ttgir_local_stores']}/{c['ttgir_wgmma']}")
+                  f"{c['ttgir_async_copies']}/{c['ttgir_local_stores']}/{c['ttgir_wgmma']}"
+                  f"/{c.get('ttgir_loop_wait_pending')}")
     if args.sweep:
         for r in rows:
             if r.get("sweep_best_config") != r["gather_config"]:

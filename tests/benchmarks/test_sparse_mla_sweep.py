@@ -1,8 +1,9 @@
 # SPDX-License-Identifier: Apache-2.0
 """The kernel benchmark's launch sweep: around the table's choice, it tries half
-head blocks, fewer and more splits, output columns over two programs for 64-head
-tiles and, for an fp8 cache, reading the rows once or twice; every candidate runs
-and matches the table's configuration on the same inputs."""
+head blocks, fewer and more splits, deeper software pipelines, output columns over
+two programs for 64-head tiles and, for an fp8 cache, reading the rows once (with
+the scale on the scores or on the tile) or twice; every candidate runs and matches
+the table's configuration on the same inputs."""
 
 import importlib.util
 import math
@@ -31,29 +32,34 @@ def test_sweep_candidates():
     assert {c["V_RELOAD"] for c in configs} == {False}
     assert all(c["splits"] == 1 for c in configs)  # 4096 tokens fill the GPU
     assert {c["num_warps"] for c in configs if c["BLOCK_H"] == 64 and c["V_SPLITS"] == 1} == {8}
-    assert {c["num_stages"] for c in configs} == {2, 3}
+    # no copy ahead (2), after the dots (3), one or two tiles in flight (5, 7)
+    assert {c["num_stages"] for c in configs} == {2, 3, 5, 7}
+    assert {c["num_stages"] for c in configs if c["BLOCK_H"] == 64} == {3, 5, 7}
     small = list(bench.sweep_configs(tsm.launch_config(1, 8, 2048, 512, 132)))
     assert {c["BLOCK_H"] for c in small} == {16}
     fp8 = list(bench.sweep_configs(tsm.launch_config(4096, 8, 2048, 512, 132, kv_fp8=True),
                                    "fp8"))
-    assert {c["V_RELOAD"] for c in fp8} == {False, True}
+    assert {(c["V_RELOAD"], c["K_DEQUANT"]) for c in fp8} == {(True, False), (False, True)}
     # around the table's split count: a quarter, half, the same, double
     few = tsm.launch_config(8, 64, 2048, 512, 132)
     assert few["splits"] == 16
     assert {c["splits"] for c in bench.sweep_configs(few)} == {4, 8, 16, 32}
 
 
-@pytest.mark.parametrize("kv", ["fp16", "fp8"])
-def test_sweep_candidates_compute_the_same(kv):
-    # Each candidate of a 64-head shape on the same small inputs (interpreter on CPU).
+@pytest.mark.parametrize("kv,H", [("fp16", 64), ("fp8", 64), ("fp8", 8)])
+def test_sweep_candidates_compute_the_same(kv, H):
+    # Each candidate of a shape on the same small inputs: on a GPU every binary the
+    # sweep times, over enough slots to run its pipeline past the prologue; on the
+    # interpreter (CPU) one run per kernel variant.
     g = torch.Generator().manual_seed(0)
-    dev = "cuda" if torch.cuda.is_available() else "cpu"
-    T, H, K = 2, 64, 32
+    on_gpu = torch.cuda.is_available()
+    dev = "cuda" if on_gpu else "cpu"
+    T, K = 2, (200 if on_gpu else 32)
     q = (torch.randn(T, H, 576, generator=g) * 0.5).half().to(dev)
-    cache = (torch.randn(4, 16, 576, generator=g) * 0.5).half().to(dev)
+    cache = (torch.randn(16, 16, 576, generator=g) * 0.5).half().to(dev)
     if kv == "fp8":
         cache = cache.to(torch.float8_e4m3fn)
-    slots = torch.stack([torch.randperm(64, generator=g)[:K] for _ in range(T)]).int().to(dev)
+    slots = torch.stack([torch.randperm(256, generator=g)[:K] for _ in range(T)]).int().to(dev)
     counts = torch.full((T,), K, dtype=torch.int32, device=dev)
     one = torch.ones(1, device=dev)
     args = (q, cache, slots, counts, 512, 1 / math.sqrt(256), one, 132)
@@ -61,11 +67,16 @@ def test_sweep_candidates_compute_the_same(kv):
     ref = tsm.sparse_mla_attention(*args, config=base).float()
     seen = set()
     for c in bench.sweep_configs(base, kv):
-        key = (c["BLOCK_H"], c["V_SPLITS"], c["V_RELOAD"], c["splits"])
-        if key in seen:  # block sizes and warps only change tiling on the interpreter
+        key = (c["BLOCK_H"], c["V_SPLITS"], c["V_RELOAD"], c["K_DEQUANT"], c["splits"])
+        if key in seen and not on_gpu:  # tiling only, on the interpreter
             continue
         seen.add(key)
-        out = tsm.sparse_mla_attention(*args, config=dict(c, BLOCK_N=16)).float()
+        out = tsm.sparse_mla_attention(*args, config=c if on_gpu else dict(c, BLOCK_N=16))
+        out = out.float()
         torch.testing.assert_close(out, ref, rtol=2e-3, atol=2e-3, msg=str(c))
-    assert (32, 1, kv == "fp8", base["splits"]) in seen
-    assert (64, 2, kv == "fp8", base["splits"]) in seen
+    if H == 64:
+        assert (32, 1, kv == "fp8", False, base["splits"]) in seen
+        assert (64, 2, False, False, base["splits"]) in seen
+    else:  # 16-head fp8 tiles: the rows read twice, or dequantized once
+        assert (16, 1, True, False, base["splits"]) in seen
+        assert (16, 1, False, True, base["splits"]) in seen

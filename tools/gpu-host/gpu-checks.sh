@@ -71,17 +71,20 @@ for stage in $stages; do
       timeout 120 python3 benchmarks/kernels/benchmark_indexer_logits.py \
         --json "$out/bench-indexer.json" 2>&1 | tee "$out/bench-indexer.log" | tail -14 || rc=1 ;;
     sweep)
-      # the shapes short of the kernel issue's targets (bf16 at 64 heads, fp8 KV)
-      # and 32 heads (GLM-5 at TP2)
+      # the shapes short of the kernel issue's targets (bf16 at 64 heads, fp8 KV),
+      # 32 heads (GLM-5 at TP2) and 8 heads (the 16-head tile)
       timeout "${SWEEP_TIMEOUT:-400}" python3 benchmarks/kernels/benchmark_triton_mla_sparse.py \
-        --sweep --compile-workers 12 --tokens 8 64 4096 --heads 32 64 --kv bf16 --json "$out/sweep-mla.json" 2>&1 \
+        --sweep --compile-workers 12 --tokens 8 64 4096 --heads 8 32 64 --kv bf16 --json "$out/sweep-mla.json" 2>&1 \
         | tee "$out/sweep-mla.log" | tail -22 || rc=1
       timeout "${SWEEP_TIMEOUT:-400}" python3 benchmarks/kernels/benchmark_triton_mla_sparse.py \
         --sweep --compile-workers 12 --tokens 64 4096 --heads 8 32 64 --kv fp8 --json "$out/sweep-mla-fp8.json" 2>&1 \
         | tee "$out/sweep-mla-fp8.log" | tail -22 || rc=1 ;;
     mla)
       timeout 300 python3 -m pytest tests/v1/attention/test_triton_mla_sparse.py -m gpu -q \
-        -p no:cacheprovider -p no:warnings 2>&1 | tee "$out/mla-tests.log" | tail -5 || rc=1 ;;
+        -p no:cacheprovider -p no:warnings 2>&1 | tee "$out/mla-tests.log" | tail -5 || rc=1
+      # every launch-sweep candidate against the table's configuration, on the GPU
+      timeout 300 python3 -m pytest tests/benchmarks/test_sparse_mla_sweep.py -q \
+        -p no:cacheprovider -p no:warnings 2>&1 | tee "$out/mla-sweep-tests.log" | tail -3 || rc=1 ;;
     bisect)
       timeout "${BISECT_TIMEOUT:-420}" python3 tests/models/quantization/gguf_bisect.py /tmp/bisect 2>&1 \
         | tee "$out/bisect.log" | grep -E "^[a-z_]+ \{|Error" || rc=1 ;;

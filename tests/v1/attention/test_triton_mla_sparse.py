@@ -178,12 +178,15 @@ def test_sparse_mla_fp8_cache(dtype, tol, kernel):
     check(case, 16, tol, kv_scale=0.75, kernel=kernel)
 
 
-@pytest.mark.parametrize("v_splits,v_reload", [(1, False), (1, True), (2, False)])
-def test_gather_kernel_fp8_cache_reads(v_splits, v_reload):
+@pytest.mark.parametrize("v_splits,v_reload,k_dequant",
+                         [(1, False, False), (1, True, False), (2, False, False),
+                          (1, False, True), (2, False, True)])
+def test_gather_kernel_fp8_cache_reads(v_splits, v_reload, k_dequant):
     # The ways the gather kernel reads fp8 rows for the PV dot: the tile it
-    # converted for QK^T, a second copy of the rows (V_RELOAD), or each program's
-    # slice of the output columns (V_SPLITS), against float64 on the dequantized
-    # cache.
+    # converted for QK^T (scaled as a tile in fp32 with K_DEQUANT, else the scale
+    # goes on the scores and the output), a second copy of the rows (V_RELOAD),
+    # or each program's slice of the output columns (V_SPLITS), against float64
+    # on the dequantized cache.
     case = make_case([2, 1], [50, 90], 16, 128, 16, torch.float16, FP8, seed=3)
     slots, counts = tsm_inputs(case)
     scale = 1.0 / math.sqrt(192 + ROPE)
@@ -191,7 +194,8 @@ def test_gather_kernel_fp8_cache_reads(v_splits, v_reload):
                                case.indices, scale, k_scale=0.75)
     for splits in (1, 2):
         cfg = dict(tsm.launch_config(3, 16, 128, KV_LORA, 132, kv_fp8=True),
-                   splits=splits, BLOCK_N=16, V_SPLITS=v_splits, V_RELOAD=v_reload)
+                   splits=splits, BLOCK_N=16, V_SPLITS=v_splits, V_RELOAD=v_reload,
+                   K_DEQUANT=k_dequant)
         o = tsm.sparse_mla_attention(case.q, case.cache, slots, counts, KV_LORA, scale,
                                      torch.full((1,), 0.75, device=DEVICE), 132, config=cfg)
         torch.testing.assert_close(o.double().cpu(), ref, rtol=1e-2, atol=1e-2)

@@ -105,7 +105,8 @@ def compile_shared_bytes(arch: int, binaries: list[dict]) -> list[tuple[int, int
         sig.update({name: "i32" for name in ints})
         consts = {"BLOCK_H": b["BLOCK_H"], "BLOCK_N": b["BLOCK_N"], "D_V": KV_LORA,
                   "D_R": ROPE, "KV_FP8": b["kv"] == "fp8", "PARTIAL": partial,
-                  "V_SPLITS": b["V_SPLITS"], "V_RELOAD": b["V_RELOAD"]}
+                  "V_SPLITS": b["V_SPLITS"], "V_RELOAD": b["V_RELOAD"],
+                  "K_DEQUANT": b.get("K_DEQUANT", False)}
         # what the JIT sees at GLM-5 shapes: 16-byte aligned pointers and strides,
         # which lets it pipeline the row loads through shared memory (the most
         # shared memory a binary takes)

@@ -12,8 +12,8 @@ padding after the valid ones). Unlike a paged decode kernel with a page size of
 - splits a token's top-k over several programs when there are few tokens, and
   merges the partial results by their log-sum-exp in a second small kernel;
 - reads an fp8 cache as is and dequantizes on load (the per-tensor scale is
-  applied to the scores, and to the output or to the V tile, so the dots stay
-  in 16 bits).
+  applied to the scores and the output, or to the tile, so the dots stay in 16
+  bits).
 
 Launch parameters come from the shapes, the KV dtype and the device's compute
 capability and shared memory per block only (a table, no host sync), so the
@@ -80,6 +80,7 @@ def _sparse_mla_kernel(
     PARTIAL: tl.constexpr,
     V_SPLITS: tl.constexpr,
     V_RELOAD: tl.constexpr,
+    K_DEQUANT: tl.constexpr,
 ):
     # heads fastest: the programs of one token run together and share its rows in L2
     hb = tl.program_id(0) // V_SPLITS
@@ -101,8 +102,11 @@ def _sparse_mla_kernel(
     start = s * split_len
     end = tl.minimum(start + split_len, count)
     qk_scale = sm_scale * 1.4426950408889634  # log2(e): softmax in base 2
+    # an fp8 tile dequantized in fp32 (K_DEQUANT) carries the scale itself
+    SCALE_SCORES: tl.constexpr = KV_FP8 and not K_DEQUANT
     if KV_FP8:
         k_scale = tl.load(KScale)
+    if SCALE_SCORES:
         qk_scale = qk_scale * k_scale
 
     m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
@@ -115,7 +119,12 @@ def _sparse_mla_kernel(
         kv_row = KV + slot[:, None] * stride_kv
         k_nope = tl.load(kv_row + offs_v[None, :], mask=mask_n[:, None], other=0.0)
         k_rope = tl.load(kv_row + D_V + offs_r[None, :], mask=mask_n[:, None], other=0.0)
-        if KV_FP8:
+        if K_DEQUANT:
+            # once, in fp32, for both dots: like the reloaded V tile below, the
+            # conversion then stays ahead of the layout changes for the dots
+            k_nope = (k_nope.to(tl.float32) * k_scale).to(q_nope.dtype)
+            k_rope = (k_rope.to(tl.float32) * k_scale).to(q_nope.dtype)
+        elif KV_FP8:
             k_nope = k_nope.to(q_nope.dtype)
             k_rope = k_rope.to(q_nope.dtype)
         qk = tl.dot(q_nope, tl.trans(k_nope))
@@ -146,7 +155,7 @@ def _sparse_mla_kernel(
 
     l_safe = tl.where(l_i > 0.0, l_i, 1.0)
     out = acc / l_safe[:, None]
-    if KV_FP8 and V_SPLITS == 1 and not V_RELOAD:
+    if SCALE_SCORES and V_SPLITS == 1 and not V_RELOAD:
         out = out * k_scale  # V is the converted K tile, still unscaled
     o_ptr = O + t * stride_ot + s * stride_os + offs_h[:, None] * stride_oh + offs_o[None, :]
     tl.store(o_ptr, out.to(O.dtype.element_ty), mask=mask_h[:, None])
@@ -204,7 +213,9 @@ def launch_config(
     V_SPLITS > 1 (not chosen by the table yet; benchmarks and tests set it) splits
     a head block's output columns over that many programs, each recomputing the
     scores: a smaller accumulator for a second QK^T. V_RELOAD (fp8 caches) reads
-    the rows a second time for the PV dot instead of reusing the converted K tile.
+    the rows a second time for the PV dot instead of reusing the converted K tile;
+    K_DEQUANT (fp8 caches, not chosen by the table yet) dequantizes the K tile in
+    fp32 once and uses it for both dots.
     """
     block_h = 16 if num_heads <= 16 else (32 if num_heads <= 32 else 64)
     hopper = capability // 10 == 9 and max_shared_mem >= HOPPER_SHARED_MEM
@@ -254,7 +265,7 @@ def launch_config(
                 splits //= 2
     return {"BLOCK_H": block_h, "BLOCK_N": block_n, "num_warps": num_warps,
             "num_stages": num_stages, "splits": splits, "V_SPLITS": 1,
-            "V_RELOAD": v_reload}
+            "V_RELOAD": v_reload, "K_DEQUANT": False}
 
 
 def device_launch_config(
@@ -332,7 +343,7 @@ def sparse_mla_attention(
         num_heads, split_len,
         BLOCK_H=cfg["BLOCK_H"], BLOCK_N=cfg["BLOCK_N"], D_V=kv_lora_rank, D_R=d_r,
         KV_FP8=kv_fp8, PARTIAL=splits > 1, V_SPLITS=v_splits,
-        V_RELOAD=cfg.get("V_RELOAD", False),
+        V_RELOAD=cfg.get("V_RELOAD", False), K_DEQUANT=kv_fp8 and cfg.get("K_DEQUANT", False),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     if splits > 1:
