@@ -245,8 +245,8 @@ def tsm_inputs(case):
 
 def test_gather_launch_config():
     # Shapes only; heads in blocks of 16/32/64; splits fill about one wave at
-    # small batch (two 16-head programs per SM on Hopper), keep >= 64 slots per
-    # split and bound the partial buffer.
+    # small batch (two programs of up to 32 heads per SM on Hopper), keep >= 64
+    # slots per split and bound the partial buffer.
     c = tsm.launch_config(1, 64, 2048, KV_LORA, 132)
     assert (c["BLOCK_H"], c["splits"]) == (64, 32)
     assert [tsm.launch_config(t, 64, 2048, KV_LORA, 132)["splits"] for t in (8, 64, 67)] == [
@@ -257,6 +257,15 @@ def test_gather_launch_config():
     assert tsm.launch_config(4096, 64, 2048, KV_LORA, 132)["splits"] == 1
     assert tsm.launch_config(1, 8, 128, KV_LORA, 132)["splits"] == 2
     assert tsm.launch_config(1, 8, 64, KV_LORA, 132)["splits"] == 1
+    # 32 heads of a 16-bit cache: two 16-head programs while the tokens do not
+    # fill the GPU, one 32-head program once they do; an fp8 cache keeps 32
+    def tile(t, kv_fp8=False, smem=tsm.HOPPER_SHARED_MEM, cap=90):
+        c = tsm.launch_config(t, 32, 2048, KV_LORA, 132, smem, kv_fp8, cap)
+        return c["BLOCK_H"], c["splits"]
+
+    assert [tile(t) for t in (8, 64, 128, 4096)] == [(16, 16), (16, 2), (16, 1), (32, 1)]
+    assert [tile(t, kv_fp8=True) for t in (8, 64, 4096)] == [(32, 32), (32, 4), (32, 1)]
+    assert tile(8, smem=99 * 1024, cap=120) == (32, 16)  # one program per SM there
     for t in (1, 2, 8, 64, 131):
         for h in (8, 16, 64, 128):
             c = tsm.launch_config(t, h, 2048, KV_LORA, 132)
@@ -323,7 +332,7 @@ def test_sparse_mla_decode_fwd_empty_batch():
 # GPU only: GLM-5 shapes, memory safety, CUDA graphs, FlashMLA sparse
 # --------------------------------------------------------------------------------------
 @pytest.mark.gpu
-@pytest.mark.parametrize("num_heads", [8, 16, 64, 128])
+@pytest.mark.parametrize("num_heads", [8, 16, 32, 64, 128])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("kv", ["model", "fp8"])
 @pytest.mark.parametrize("kernel", KERNELS)

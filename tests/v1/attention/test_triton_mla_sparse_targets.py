@@ -202,10 +202,12 @@ def test_sync_row_load_check_sees_fp8_reuse():
 def test_key_blocks_by_shared_memory():
     from vllm.v1.attention.ops import triton_sparse_mla as tsm
 
+    # (tokens that fill the GPU: with fewer, Hopper and SM100 run 32 heads as two
+    # 16-head programs)
     for heads in (32, 64, 128):
-        hopper = tsm.launch_config(1, heads, TOPK, KV_LORA, SMS, SHARED_MEM[90], False, 90)
-        sm100 = tsm.launch_config(1, heads, TOPK, KV_LORA, SMS, SHARED_MEM[100], False, 100)
-        sm120 = tsm.launch_config(1, heads, TOPK, KV_LORA, SMS, SHARED_MEM[120], False, 120)
+        hopper = tsm.launch_config(4096, heads, TOPK, KV_LORA, SMS, SHARED_MEM[90], False, 90)
+        sm100 = tsm.launch_config(4096, heads, TOPK, KV_LORA, SMS, SHARED_MEM[100], False, 100)
+        sm120 = tsm.launch_config(4096, heads, TOPK, KV_LORA, SMS, SHARED_MEM[120], False, 120)
         assert (hopper["BLOCK_N"], sm100["BLOCK_N"]) == (64, 32)
         assert sm120["BLOCK_N"] == (16 if heads > 32 else 32)
         assert hopper["BLOCK_H"] == sm100["BLOCK_H"] == sm120["BLOCK_H"]
