@@ -237,7 +237,16 @@ def launch_config(
     H200 sweep) dequantizes the K tile in fp32 once and uses it for both dots.
     """
     block_h = 16 if num_heads <= 16 else (32 if num_heads <= 32 else 64)
-    hopper = capability // 10 == 9 and max_shared_mem >= HOPPER_SHARED_MEM
+    # Hopper's (and SM100's) shared memory holds two programs of up to 32 heads per SM
+    two_per_sm = max_shared_mem >= HOPPER_SHARED_MEM
+    if (block_h == 32 and two_per_sm and not kv_fp8
+            and _num_splits(num_tokens, num_heads, 32, topk, kv_lora_rank, 2 * num_sms) > 1):
+        # too few tokens to fill the GPU: 32 heads as two 16-head programs (the
+        # second reads the rows from L2), whose dots spill no registers. H200
+        # sweep: 19.0 vs 22.2 us at 8 tokens, 80.0 vs 96.5 us at 64. An fp8
+        # 16-head tile is slower there (128 vs 92 us at 64 tokens).
+        block_h = 16
+    hopper = capability // 10 == 9 and two_per_sm
     # Hopper runs 64-head tiles as wgmma dots with both operands in shared memory
     # and SM100 as tcgen05 dots; smaller tiles, and every tile elsewhere, are
     # mma.sync dots that take their operands through registers. Those read an
@@ -266,19 +275,10 @@ def launch_config(
             block_h, block_n, num_warps = 32, 16, 4
         elif max_shared_mem < _MEDIUM_SHARED_MEM:
             block_n = 16 if block_h == 64 else 32
-    # split-K to about one wave of programs; Hopper's (and SM100's) shared memory
-    # holds two programs of up to 32 heads per SM
-    waves = 2 if block_h <= 32 and max_shared_mem >= HOPPER_SHARED_MEM else 1
+    # split-K to about one wave of programs
+    waves = 2 if block_h <= 32 and two_per_sm else 1
     splits = _num_splits(num_tokens, num_heads, block_h, topk, kv_lora_rank,
                          waves * num_sms)
-    if splits > 1 and block_h == 32 and waves == 2 and not kv_fp8:
-        # too few tokens to fill the GPU: 32 heads as two 16-head programs (the
-        # second reads the rows from L2), whose dots spill no registers. H200
-        # sweep: 19.0 vs 22.2 us at 8 tokens, 80.0 vs 96.5 us at 64. An fp8
-        # 16-head tile is slower there (128 vs 92 us at 64 tokens).
-        block_h, block_n, num_warps, num_stages = 16, 64, 4, 2
-        splits = _num_splits(num_tokens, num_heads, block_h, topk, kv_lora_rank,
-                             waves * num_sms)
     return {"BLOCK_H": block_h, "BLOCK_N": block_n, "num_warps": num_warps,
             "num_stages": num_stages, "splits": splits, "V_SPLITS": 1,
             "V_RELOAD": v_reload, "K_DEQUANT": False}
