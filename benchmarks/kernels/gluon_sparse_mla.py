@@ -183,24 +183,14 @@ def sparse_mla_attention(q, kv_cache, slots, valid_counts, kv_lora_rank, scale, 
     assert cfg["BLOCK_H"] == 64 and not kv_fp8 and cfg.get("V_SPLITS", 1) == 1
     assert kv.stride(-1) == 1 and q.stride(-1) == 1 and slots.stride(-1) == 1
     splits = cfg["splits"]
-    split_len = triton.cdiv(triton.cdiv(slots.shape[1], splits), cfg["BLOCK_N"]) * cfg["BLOCK_N"]
     o = torch.empty(num_tokens, num_heads, kv_lora_rank, dtype=q.dtype, device=q.device)
-    if splits == 1:
-        out, lse, so, sl = o, o, (o.stride(0), o.stride(1), 0), (0, 0)
-    else:
-        out = torch.empty(num_tokens, num_heads, splits, kv_lora_rank, dtype=torch.float32,
-                          device=q.device)
-        lse = torch.empty(num_tokens, num_heads, splits, dtype=torch.float32, device=q.device)
-        so, sl = (out.stride(0), out.stride(1), out.stride(2)), (lse.stride(0), lse.stride(1))
+    split_len, out, lse, so, sl = tsm.split_k_outputs(o, slots.shape[1], splits,
+                                                      cfg["BLOCK_N"])
     grid = (triton.cdiv(num_heads, 64), num_tokens, splits)
     _sparse_mla_wgmma_kernel[grid](
         q, kv, slots, valid_counts, out, lse, scale,
         q.stride(0), q.stride(1), kv.stride(0), slots.stride(0), *so, *sl,
         num_heads, split_len, BLOCK_N=cfg["BLOCK_N"], D_V=kv_lora_rank,
         D_R=head_dim - kv_lora_rank, PARTIAL=splits > 1, num_warps=cfg["num_warps"])
-    if splits > 1:
-        tsm._sparse_mla_merge_kernel[(num_heads, num_tokens)](
-            out, lse, o, out.stride(0), out.stride(1), out.stride(2),
-            lse.stride(0), lse.stride(1), o.stride(0), o.stride(1),
-            NUM_SPLITS=splits, D_V=kv_lora_rank, num_warps=4)
+    tsm.merge_split_k(out, lse, o)
     return o

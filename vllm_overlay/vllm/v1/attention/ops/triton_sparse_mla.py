@@ -303,6 +303,36 @@ def device_launch_config(
                          device_shared_mem(index), kv_fp8, device_capability(index))
 
 
+def split_k_outputs(o: torch.Tensor, topk: int, splits: int, block_n: int):
+    """Where the attention kernel writes for `splits` splits of a token's top-k:
+    the slots per split (whole key blocks), the output (`o` itself, or fp32
+    partial rows [T, H, splits, D]), their log-sum-exps [T, H, splits] (unused
+    without splits) and the strides of both as the kernel takes them."""
+    split_len = triton.cdiv(triton.cdiv(topk, splits), block_n) * block_n
+    if splits == 1:
+        return split_len, o, o, (o.stride(0), o.stride(1), 0), (0, 0)
+    num_tokens, num_heads, d_v = o.shape
+    out = torch.empty(num_tokens, num_heads, splits, d_v, dtype=torch.float32,
+                      device=o.device)
+    lse = torch.empty(num_tokens, num_heads, splits, dtype=torch.float32, device=o.device)
+    return (split_len, out, lse, (out.stride(0), out.stride(1), out.stride(2)),
+            (lse.stride(0), lse.stride(1)))
+
+
+def merge_split_k(out: torch.Tensor, lse: torch.Tensor, o: torch.Tensor) -> None:
+    """Merge the partial rows of `split_k_outputs` into `o` by their log-sum-exps
+    (nothing to do without splits: the kernel wrote `o`)."""
+    if out is o:
+        return
+    num_tokens, num_heads, d_v = o.shape
+    _sparse_mla_merge_kernel[(num_heads, num_tokens)](
+        out, lse, o,
+        out.stride(0), out.stride(1), out.stride(2),
+        lse.stride(0), lse.stride(1), o.stride(0), o.stride(1),
+        NUM_SPLITS=out.shape[2], D_V=d_v, num_warps=4,
+    )
+
+
 def sparse_mla_attention(
     q: torch.Tensor,
     kv_cache: torch.Tensor,
@@ -337,21 +367,10 @@ def sparse_mla_attention(
     cfg = config or device_launch_config(q.device, num_tokens, num_heads, topk,
                                          kv_lora_rank, num_sms, kv_fp8)
     splits = cfg["splits"]
-    split_len = triton.cdiv(triton.cdiv(topk, splits), cfg["BLOCK_N"]) * cfg["BLOCK_N"]
+    split_len, out, lse, so, sl = split_k_outputs(o, topk, splits, cfg["BLOCK_N"])
     v_splits = cfg.get("V_SPLITS", 1)
     assert kv_lora_rank % v_splits == 0
     grid = (triton.cdiv(num_heads, cfg["BLOCK_H"]) * v_splits, num_tokens, splits)
-    if splits == 1:
-        out, lse = o, o  # lse unused
-        so = (o.stride(0), o.stride(1), 0)
-        sl = (0, 0)
-    else:
-        out = torch.empty(num_tokens, num_heads, splits, kv_lora_rank,
-                          dtype=torch.float32, device=q.device)
-        lse = torch.empty(num_tokens, num_heads, splits, dtype=torch.float32,
-                          device=q.device)
-        so = (out.stride(0), out.stride(1), out.stride(2))
-        sl = (lse.stride(0), lse.stride(1))
     _sparse_mla_kernel[grid](
         q, kv, slots, valid_counts, k_scale, out, lse, scale,
         q.stride(0), q.stride(1), kv.stride(0), slots.stride(0),
@@ -362,11 +381,5 @@ def sparse_mla_attention(
         V_RELOAD=cfg.get("V_RELOAD", False), K_DEQUANT=kv_fp8 and cfg.get("K_DEQUANT", False),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
-    if splits > 1:
-        _sparse_mla_merge_kernel[(num_heads, num_tokens)](
-            out, lse, o,
-            out.stride(0), out.stride(1), out.stride(2),
-            lse.stride(0), lse.stride(1), o.stride(0), o.stride(1),
-            NUM_SPLITS=splits, D_V=kv_lora_rank, num_warps=4,
-        )
+    merge_split_k(out, lse, o)
     return o
