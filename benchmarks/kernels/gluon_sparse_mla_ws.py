@@ -1,0 +1,276 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Work in progress, NOT RUN ON A GPU YET: a warp-specialized 64-head sparse MLA tile
+in Gluon for sm_90 (16-bit caches).
+
+Three partitions share a ring of STAGES shared-memory stages of rows:
+- a producer (4 warps, 40 registers) gathers the rows of the next tiles with async
+  copies, each thread's copies arriving on the stage's "full" mbarrier;
+- two consumers (4 warps each, 232 registers) each compute the whole score tile for
+  the 64 heads (the QK^T dot is done twice) and the PV dot for their half of the
+  output columns, then release the stage on its "empty" mbarrier.
+The consumers never meet at a CTA-wide barrier, and the gather's issue cost leaves
+them (the two stalls that Nsight Compute puts first in the Triton tile, see
+benchmarks/results/h200-sparse-mla-ncu.log).
+
+    python benchmarks/kernels/benchmark_triton_mla_sparse.py \
+        --ops-file benchmarks/kernels/gluon_sparse_mla_ws.py --heads 64 128 --kv bf16
+"""
+
+import torch
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    async_copy as cp,
+    fence_async_shared,
+    mbarrier,
+    warpgroup_mma,
+    warpgroup_mma_init,
+    warpgroup_mma_wait,
+)
+
+from vllm.triton_utils import triton
+from vllm.v1.attention.ops import triton_sparse_mla as tsm
+
+# the benchmark reads the Triton kernel's compile stats from here
+_sparse_mla_kernel = tsm._sparse_mla_kernel
+STAGES = 2  # two stages of 64 rows next to the queries: 217 KiB
+
+
+@gluon.jit
+def _producer(KV, Slots, t, stride_kv, stride_st, start, end, n_iters,
+              k_smem, r_smem, full_bars, empty_bars,
+              BLOCK_N: gl.constexpr, D_V: gl.constexpr, D_R: gl.constexpr):
+    STAGES: gl.constexpr = k_smem.type.shape[0]
+    ld_v: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [4, 1], [1, 0])
+    ld_r: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+    offs_v = gl.arange(0, D_V, gl.SliceLayout(0, ld_v))
+    offs_r = gl.arange(0, D_R, gl.SliceLayout(0, ld_r))
+    for it in range(n_iters):
+        stage = it % STAGES
+        phase = (it // STAGES) & 1
+        # the stage is free once both consumers' PV dots on it are done
+        mbarrier.wait(empty_bars.index(stage), phase ^ 1)
+        offs_n = start + it * BLOCK_N + gl.arange(0, BLOCK_N, gl.SliceLayout(1, ld_v))
+        mask_n = offs_n < end
+        slot = gl.load(Slots + t * stride_st + offs_n, mask=mask_n, other=0).to(gl.int64)
+        cp.async_copy_global_to_shared(k_smem.index(stage),
+                                       KV + slot[:, None] * stride_kv + offs_v[None, :],
+                                       mask=mask_n[:, None])
+        slot_r = gl.convert_layout(slot, gl.SliceLayout(1, ld_r))
+        mask_r = gl.convert_layout(mask_n, gl.SliceLayout(1, ld_r))
+        cp.async_copy_global_to_shared(r_smem.index(stage),
+                                       KV + slot_r[:, None] * stride_kv + D_V + offs_r[None, :],
+                                       mask=mask_r[:, None])
+        # each thread's copies arrive on the stage's barrier when they land
+        cp.mbarrier_arrive(full_bars.index(stage), increment_count=False)
+
+
+@gluon.jit
+def _consumer(q_smem, qr_smem, k_smem, r_smem, full_bars, empty_bars,
+              O, Lse, t, s, hb, start, end, n_iters, qk_scale, num_heads,
+              stride_ot, stride_oh, stride_os, stride_lt, stride_lh,
+              COL0: gl.constexpr, BLOCK_N: gl.constexpr, D_O: gl.constexpr,
+              PARTIAL: gl.constexpr, WRITE_LSE: gl.constexpr):
+    BLOCK_H: gl.constexpr = 64
+    STAGES: gl.constexpr = k_smem.type.shape[0]
+    dtype: gl.constexpr = k_smem.dtype
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, D_O, 16])
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+
+    m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
+    l_i = gl.zeros([BLOCK_H], gl.float32, gl.SliceLayout(1, s_layout))
+    acc = warpgroup_mma_init(gl.zeros([BLOCK_H, D_O], gl.float32, o_layout))
+    s_zero = gl.zeros([BLOCK_H, BLOCK_N], gl.float32, s_layout)
+    offs_ns = gl.arange(0, BLOCK_N, gl.SliceLayout(0, s_layout))
+    for it in range(n_iters):
+        stage = it % STAGES
+        mbarrier.wait(full_bars.index(stage), (it // STAGES) & 1)
+        k_cur = k_smem.index(stage)
+        qk = warpgroup_mma(q_smem, k_cur.permute([1, 0]), s_zero, use_acc=False)
+        qk = warpgroup_mma(qr_smem, r_smem.index(stage).permute([1, 0]), qk)
+        # the previous tile's PV dot is done: release its stage
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+        mbarrier.arrive(empty_bars.index((it + STAGES - 1) % STAGES), pred=it > 0)
+        mask_n = (start + it * BLOCK_N + offs_ns) < end
+        qk = gl.where(mask_n[None, :], qk * qk_scale, float("-inf"))
+        m_new = gl.maximum(m_i, gl.max(qk, 1))
+        p = gl.exp2(qk - m_new[:, None])
+        alpha = gl.exp2(m_i - m_new)
+        l_i = l_i * alpha + gl.sum(p, 1)
+        m_i = m_new
+        acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
+        p_op = gl.convert_layout(p.to(dtype), p_layout)
+        acc = warpgroup_mma(p_op, k_cur.slice(COL0, D_O, dim=1), acc, is_async=True)
+    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+    mbarrier.arrive(empty_bars.index((n_iters + STAGES - 1) % STAGES), pred=n_iters > 0)
+
+    l_safe = gl.where(l_i > 0.0, l_i, 1.0)
+    out = acc / gl.convert_layout(l_safe, gl.SliceLayout(1, o_layout))[:, None]
+    offs_ho = hb * BLOCK_H + gl.arange(0, BLOCK_H, gl.SliceLayout(1, o_layout))
+    offs_o = COL0 + gl.arange(0, D_O, gl.SliceLayout(0, o_layout))
+    o_ptr = O + t * stride_ot + s * stride_os + offs_ho[:, None] * stride_oh + offs_o[None, :]
+    gl.store(o_ptr, out.to(O.dtype.element_ty), mask=(offs_ho < num_heads)[:, None])
+    if PARTIAL and WRITE_LSE:
+        lse = gl.where(l_i > 0.0, m_i + gl.log2(l_safe), float("-inf"))
+        offs_hl = hb * BLOCK_H + gl.arange(0, BLOCK_H, gl.SliceLayout(1, s_layout))
+        gl.store(Lse + t * stride_lt + offs_hl * stride_lh + s, lse, mask=offs_hl < num_heads)
+
+
+@gluon.jit
+def _consumer0(q_smem, qr_smem, k_smem, r_smem, full_bars, empty_bars, O, Lse, t, s, hb,
+               start, end, n_iters, qk_scale, num_heads, stride_ot, stride_oh, stride_os,
+               stride_lt, stride_lh, BLOCK_N: gl.constexpr, D_V: gl.constexpr,
+               PARTIAL: gl.constexpr):
+    _consumer(q_smem, qr_smem, k_smem, r_smem, full_bars, empty_bars, O, Lse, t, s, hb,
+              start, end, n_iters, qk_scale, num_heads, stride_ot, stride_oh, stride_os,
+              stride_lt, stride_lh, 0, BLOCK_N, D_V // 2, PARTIAL, True)
+
+
+@gluon.jit
+def _workers(q_smem, qr_smem, k_smem, r_smem, full_bars, empty_bars, O, Lse, KV, Slots,
+             t, s, hb, start, end, n_iters, qk_scale, num_heads, stride_kv, stride_st,
+             stride_ot, stride_oh, stride_os, stride_lt, stride_lh,
+             BLOCK_N: gl.constexpr, D_V: gl.constexpr, D_R: gl.constexpr,
+             PARTIAL: gl.constexpr, ROLE: gl.constexpr):
+    if ROLE == 0:
+        _consumer(q_smem, qr_smem, k_smem, r_smem, full_bars, empty_bars, O, Lse, t, s, hb,
+                  start, end, n_iters, qk_scale, num_heads, stride_ot, stride_oh, stride_os,
+                  stride_lt, stride_lh, D_V // 2, BLOCK_N, D_V // 2, PARTIAL, False)
+    else:
+        _producer(KV, Slots, t, stride_kv, stride_st, start, end, n_iters, k_smem, r_smem,
+                  full_bars, empty_bars, BLOCK_N, D_V, D_R)
+
+
+@gluon.jit
+def _consumer1(q_smem, qr_smem, k_smem, r_smem, full_bars, empty_bars, O, Lse, KV, Slots,
+               t, s, hb, start, end, n_iters, qk_scale, num_heads, stride_kv, stride_st,
+               stride_ot, stride_oh, stride_os, stride_lt, stride_lh,
+               BLOCK_N: gl.constexpr, D_V: gl.constexpr, D_R: gl.constexpr,
+               PARTIAL: gl.constexpr):
+    _workers(q_smem, qr_smem, k_smem, r_smem, full_bars, empty_bars, O, Lse, KV, Slots,
+             t, s, hb, start, end, n_iters, qk_scale, num_heads, stride_kv, stride_st,
+             stride_ot, stride_oh, stride_os, stride_lt, stride_lh, BLOCK_N, D_V, D_R,
+             PARTIAL, 0)
+
+
+@gluon.jit
+def _producer_w(q_smem, qr_smem, k_smem, r_smem, full_bars, empty_bars, O, Lse, KV, Slots,
+                t, s, hb, start, end, n_iters, qk_scale, num_heads, stride_kv, stride_st,
+                stride_ot, stride_oh, stride_os, stride_lt, stride_lh,
+                BLOCK_N: gl.constexpr, D_V: gl.constexpr, D_R: gl.constexpr,
+                PARTIAL: gl.constexpr):
+    _workers(q_smem, qr_smem, k_smem, r_smem, full_bars, empty_bars, O, Lse, KV, Slots,
+             t, s, hb, start, end, n_iters, qk_scale, num_heads, stride_kv, stride_st,
+             stride_ot, stride_oh, stride_os, stride_lt, stride_lh, BLOCK_N, D_V, D_R,
+             PARTIAL, 1)
+
+
+@gluon.jit
+def _sparse_mla_ws_kernel(
+    Q, KV, Slots, Counts, O, Lse, sm_scale,
+    stride_qt, stride_qh, stride_kv, stride_st, stride_ot, stride_oh, stride_os,
+    stride_lt, stride_lh, num_heads, split_len,
+    BLOCK_N: gl.constexpr, STAGES: gl.constexpr, D_V: gl.constexpr, D_R: gl.constexpr,
+    PARTIAL: gl.constexpr, num_warps: gl.constexpr,
+):
+    BLOCK_H: gl.constexpr = 64
+    dtype: gl.constexpr = Q.dtype.element_ty
+    ld_v: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [num_warps, 1], [1, 0])
+    ld_r: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1], [1, 0])
+    sl: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+    hb = gl.program_id(0)
+    t = gl.program_id(1).to(gl.int64)
+    s = gl.program_id(2)
+
+    offs_hq = hb * BLOCK_H + gl.arange(0, BLOCK_H, gl.SliceLayout(1, ld_v))
+    offs_v = gl.arange(0, D_V, gl.SliceLayout(0, ld_v))
+    q_nope = gl.load(Q + t * stride_qt + offs_hq[:, None] * stride_qh + offs_v[None, :],
+                     mask=(offs_hq < num_heads)[:, None], other=0.0)
+    offs_hr = hb * BLOCK_H + gl.arange(0, BLOCK_H, gl.SliceLayout(1, ld_r))
+    offs_r = gl.arange(0, D_R, gl.SliceLayout(0, ld_r))
+    q_rope = gl.load(Q + t * stride_qt + offs_hr[:, None] * stride_qh + D_V + offs_r[None, :],
+                     mask=(offs_hr < num_heads)[:, None], other=0.0)
+    q_smem = gl.allocate_shared_memory(dtype, [BLOCK_H, D_V], sl, q_nope)
+    qr_smem = gl.allocate_shared_memory(dtype, [BLOCK_H, D_R], sl, q_rope)
+    k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D_V], sl)
+    r_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D_R], sl)
+    full_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(full_bars.index(i), count=128)  # the producer's threads
+        mbarrier.init(empty_bars.index(i), count=2)  # the two consumers
+    fence_async_shared()
+
+    count = gl.load(Counts + t)
+    start = s * split_len
+    end = gl.minimum(start + split_len, count)
+    n_iters = gl.maximum(gl.cdiv(end - start, BLOCK_N), 0)
+    qk_scale = sm_scale * 1.4426950408889634
+    gl.warp_specialize([
+        (_consumer0, (q_smem, qr_smem, k_smem, r_smem, full_bars, empty_bars, O, Lse, t, s, hb,
+                      start, end, n_iters, qk_scale, num_heads, stride_ot, stride_oh, stride_os,
+                      stride_lt, stride_lh, BLOCK_N, D_V, PARTIAL)),
+        (_consumer1, (q_smem, qr_smem, k_smem, r_smem, full_bars, empty_bars, O, Lse, KV, Slots,
+                      t, s, hb, start, end, n_iters, qk_scale, num_heads, stride_kv, stride_st,
+                      stride_ot, stride_oh, stride_os, stride_lt, stride_lh, BLOCK_N, D_V, D_R,
+                      PARTIAL)),
+        (_producer_w, (q_smem, qr_smem, k_smem, r_smem, full_bars, empty_bars, O, Lse, KV, Slots,
+                       t, s, hb, start, end, n_iters, qk_scale, num_heads, stride_kv, stride_st,
+                       stride_ot, stride_oh, stride_os, stride_lt, stride_lh, BLOCK_N, D_V, D_R,
+                       PARTIAL)),
+    ], [4, 4], [232, 40])
+
+def device_launch_config(device: torch.device, num_tokens: int, num_heads: int, topk: int,
+                         kv_lora_rank: int, num_sms: int, kv_fp8: bool) -> dict:
+    """The launch table's configuration; "GLUON" marks the tiles this kernel takes
+    (64 heads of a 16-bit cache on Hopper)."""
+    cfg = tsm.device_launch_config(device, num_tokens, num_heads, topk, kv_lora_rank,
+                                   num_sms, kv_fp8)
+    hopper = False
+    if device.type == "cuda":
+        index = torch.cuda.current_device() if device.index is None else device.index
+        hopper = (tsm.device_capability(index) // 10 == 9
+                  and tsm.device_shared_mem(index) >= tsm.HOPPER_SHARED_MEM)
+    cfg["GLUON"] = hopper and cfg["BLOCK_H"] == 64 and not kv_fp8 and cfg["V_SPLITS"] == 1
+    return cfg
+
+
+def sparse_mla_attention(q, kv_cache, slots, valid_counts, kv_lora_rank, scale, k_scale,
+                         num_sms, config=None):
+    """`triton_sparse_mla.sparse_mla_attention`, with the warp-specialized kernel for the tiles
+    `device_launch_config` marks."""
+    num_tokens, num_heads, head_dim = q.shape
+    kv = kv_cache.view(-1, kv_cache.shape[-1])
+    kv_fp8 = kv.dtype in (torch.float8_e4m3fn, torch.float8_e5m2, torch.uint8)
+    cfg = config or device_launch_config(q.device, num_tokens, num_heads, slots.shape[1],
+                                         kv_lora_rank, num_sms, kv_fp8)
+    if not cfg.get("GLUON") or num_tokens == 0:
+        return tsm.sparse_mla_attention(q, kv_cache, slots, valid_counts, kv_lora_rank,
+                                        scale, k_scale, num_sms, config=cfg)
+    assert cfg["BLOCK_H"] == 64 and not kv_fp8 and cfg.get("V_SPLITS", 1) == 1
+    assert kv.stride(-1) == 1 and q.stride(-1) == 1 and slots.stride(-1) == 1
+    splits = cfg["splits"]
+    split_len = triton.cdiv(triton.cdiv(slots.shape[1], splits), cfg["BLOCK_N"]) * cfg["BLOCK_N"]
+    o = torch.empty(num_tokens, num_heads, kv_lora_rank, dtype=q.dtype, device=q.device)
+    if splits == 1:
+        out, lse, so, sl = o, o, (o.stride(0), o.stride(1), 0), (0, 0)
+    else:
+        out = torch.empty(num_tokens, num_heads, splits, kv_lora_rank, dtype=torch.float32,
+                          device=q.device)
+        lse = torch.empty(num_tokens, num_heads, splits, dtype=torch.float32, device=q.device)
+        so, sl = (out.stride(0), out.stride(1), out.stride(2)), (lse.stride(0), lse.stride(1))
+    grid = (triton.cdiv(num_heads, 64), num_tokens, splits)
+    _sparse_mla_ws_kernel[grid](
+        q, kv, slots, valid_counts, out, lse, scale,
+        q.stride(0), q.stride(1), kv.stride(0), slots.stride(0), *so, *sl,
+        num_heads, split_len, BLOCK_N=cfg["BLOCK_N"], STAGES=STAGES, D_V=kv_lora_rank,
+        D_R=head_dim - kv_lora_rank, PARTIAL=splits > 1, num_warps=4, maxnreg=168)
+    if splits > 1:
+        tsm._sparse_mla_merge_kernel[(num_heads, num_tokens)](
+            out, lse, o, out.stride(0), out.stride(1), out.stride(2),
+            lse.stride(0), lse.stride(1), o.stride(0), o.stride(1),
+            NUM_SPLITS=splits, D_V=kv_lora_rank, num_warps=4)
+    return o

@@ -1,0 +1,116 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The warp-specialized Gluon tile (benchmarks/kernels/gluon_sparse_mla_ws.py, work in
+progress): on the CPU, that it compiles for sm_90 within Hopper's shared memory into a
+producer that gathers with async copies and two consumers of 64 x 64 score tiles; on
+a GPU (not run yet), its results against float64 and the Triton kernel."""
+
+import importlib.util
+import json
+import math
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+MODULE = ROOT / "benchmarks" / "kernels" / "gluon_sparse_mla_ws.py"
+
+
+def load_module():
+    spec = importlib.util.spec_from_file_location("gluon_sparse_mla_ws", MODULE)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def compile_for_sm90(block_n: int, partial: bool) -> dict:
+    """Run in a plain process (no GPU needed): shared bytes and the main loop's PTX."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    fn = load_module()._sparse_mla_ws_kernel
+    sig = {"Q": "*bf16", "KV": "*bf16", "Slots": "*i32", "Counts": "*i32",
+           "O": "*fp32" if partial else "*bf16", "Lse": "*fp32", "sm_scale": "fp32"}
+    ints = ["stride_qt", "stride_qh", "stride_kv", "stride_st", "stride_ot", "stride_oh",
+            "stride_os", "stride_lt", "stride_lh", "num_heads", "split_len"]
+    sig.update({name: "i32" for name in ints})
+    consts = {"BLOCK_N": block_n, "STAGES": 2, "D_V": 512, "D_R": 64, "PARTIAL": partial,
+              "num_warps": 4}
+    sig.update({name: "constexpr" for name in consts})
+    aligned = [k for k, v in sig.items() if v.startswith("*")] + ints[:7] + ["split_len"]
+    src = GluonASTSource(
+        fn, sig, constexprs={(fn.arg_names.index(k),): v for k, v in consts.items()},
+        attrs={(fn.arg_names.index(k),): [["tt.divisibility", 16]] for k in aligned})
+    kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                            options={"num_warps": 4, "maxnreg": 168})
+    ptx = kernel.asm["ptx"]
+    return {"shared": kernel.metadata.shared,
+            "setmaxnreg": re.findall(r"setmaxnreg\.(?:inc|dec)\.sync\.aligned\.u32\s+(\d+)", ptx),
+            "copy_arrives": len(re.findall(r"cp\.async\.mbarrier\.arrive\.noinc", ptx)),
+            "cta_barriers": len(re.findall(r"bar\.sync\s+\d+;", ptx)),
+            "score_wgmma": len(re.findall(r"wgmma\.mma_async\S*m64n64k16", ptx)),
+            "pv_wgmma": len(re.findall(r"wgmma\.mma_async\S*m64n256k16", ptx))}
+
+
+@pytest.mark.parametrize("partial", [False, True])
+def test_compiles_for_sm90_as_producer_and_two_consumers(partial):
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["CUDA_VISIBLE_DEVICES"] = ""
+    proc = subprocess.run([sys.executable, __file__, str(int(partial))], env=env,
+                          capture_output=True, text=True, timeout=600, check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert got["shared"] <= 227 * 1024
+    # the consumers' and the producer's register budgets; copies that arrive on the
+    # stages' barriers; no barrier over the whole CTA (named barriers of 128 threads only)
+    assert {"232", "40"} <= set(got["setmaxnreg"])
+    assert got["copy_arrives"] >= 1
+    assert got["cta_barriers"] == 0
+    # per consumer: 32 + 4 score dots of 64 x 64 (nope and rope), 4 PV dots of 64 x 256
+    assert got["score_wgmma"] == 2 * 36 and got["pv_wgmma"] == 2 * 4
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available()
+                    or torch.cuda.get_device_capability()[0] != 9, reason="sm_90 only")
+@pytest.mark.parametrize("T,H,dtype", [(1, 64, torch.bfloat16), (8, 64, torch.bfloat16),
+                                       (64, 64, torch.bfloat16), (300, 64, torch.bfloat16),
+                                       (5, 128, torch.bfloat16), (8, 64, torch.float16),
+                                       (3, 40, torch.bfloat16)])
+def test_matches_float64_and_the_triton_kernel(T, H, dtype):
+    from vllm.v1.attention.ops import triton_sparse_mla as tsm
+
+    gl_ops = load_module()
+    dev, pool, topk, d = "cuda", 65536, 2048, 576
+    g = torch.Generator(device=dev).manual_seed(T * 1000 + H)
+    cache = (torch.randn(pool // 64, 64, d, device=dev, generator=g) * 0.5).to(dtype)
+    q = (torch.randn(T, H, d, device=dev, generator=g) * 0.5).to(dtype)
+    slots = torch.stack([torch.randperm(pool, device=dev, generator=g)[:topk]
+                         for _ in range(T)]).int()
+    counts = torch.randint(1, topk + 1, (T,), device=dev, dtype=torch.int32, generator=g)
+    counts[0] = topk
+    scale, one = 1 / math.sqrt(256), torch.ones(1, device=dev)
+    cfg = gl_ops.device_launch_config(torch.device(dev), T, H, topk, 512, 132, False)
+    assert cfg["GLUON"]
+    outs = [gl_ops.sparse_mla_attention(q, cache, slots, counts, 512, scale, one, 132,
+                                        config=c).double()
+            for c in (cfg, dict(cfg, splits=1))]
+    ref_kernel = tsm.sparse_mla_attention(q, cache, slots, counts, 512, scale, one, 132).double()
+    kv = cache.view(-1, d).double()
+    for i in range(min(T, 16)):
+        rows = kv[slots[i, :int(counts[i])].long()]
+        ref = torch.softmax((q[i].double() @ rows.T) * scale, -1) @ rows[:, :512]
+        err_triton = (ref_kernel[i] - ref).abs().max().item()
+        for out in outs:
+            assert (out[i] - ref).abs().max().item() <= max(2 * err_triton, 1e-2)
+    for out in outs:
+        torch.testing.assert_close(out, ref_kernel, rtol=2e-2, atol=2e-2)
+
+
+if __name__ == "__main__":
+    print(json.dumps(compile_for_sm90(64, bool(int(sys.argv[1])))))
