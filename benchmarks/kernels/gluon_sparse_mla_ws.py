@@ -45,19 +45,22 @@ def _producer(KV, Slots, t, stride_kv, stride_st, start, end, n_iters,
     ld_r: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
     offs_v = gl.arange(0, D_V, gl.SliceLayout(0, ld_v))
     offs_r = gl.arange(0, D_R, gl.SliceLayout(0, ld_r))
+    offs_b = gl.arange(0, BLOCK_N, gl.SliceLayout(1, ld_v))
+    offs_br = gl.arange(0, BLOCK_N, gl.SliceLayout(1, ld_r))
+    base = Slots + t * stride_st + start
     for it in range(n_iters):
         stage = it % STAGES
-        phase = (it // STAGES) & 1
         # the stage is free once both consumers' PV dots on it are done
-        mbarrier.wait(empty_bars.index(stage), phase ^ 1)
-        offs_n = start + it * BLOCK_N + gl.arange(0, BLOCK_N, gl.SliceLayout(1, ld_v))
-        mask_n = offs_n < end
-        slot = gl.load(Slots + t * stride_st + offs_n, mask=mask_n, other=0).to(gl.int64)
+        mbarrier.wait(empty_bars.index(stage), ((it // STAGES) & 1) ^ 1)
+        n0 = it * BLOCK_N
+        mask_n = (n0 + offs_b) < end - start
+        mask_r = (n0 + offs_br) < end - start
+        # the slot ids in both copy layouts, read twice rather than moved through shared memory
+        slot = gl.load(base + n0 + offs_b, mask=mask_n, other=0).to(gl.int64)
+        slot_r = gl.load(base + n0 + offs_br, mask=mask_r, other=0).to(gl.int64)
         cp.async_copy_global_to_shared(k_smem.index(stage),
                                        KV + slot[:, None] * stride_kv + offs_v[None, :],
                                        mask=mask_n[:, None])
-        slot_r = gl.convert_layout(slot, gl.SliceLayout(1, ld_r))
-        mask_r = gl.convert_layout(mask_n, gl.SliceLayout(1, ld_r))
         cp.async_copy_global_to_shared(r_smem.index(stage),
                                        KV + slot_r[:, None] * stride_kv + D_V + offs_r[None, :],
                                        mask=mask_r[:, None])
@@ -66,106 +69,135 @@ def _producer(KV, Slots, t, stride_kv, stride_st, start, end, n_iters,
 
 
 @gluon.jit
-def _consumer(q_smem, qr_smem, k_smem, r_smem, full_bars, empty_bars,
+def _consumer(q_smem, qr_smem, k_smem, r_smem, p_smem, m_smem, full_bars, empty_bars, x_bars,
               O, Lse, t, s, hb, start, end, n_iters, qk_scale, num_heads,
               stride_ot, stride_oh, stride_os, stride_lt, stride_lh,
-              COL0: gl.constexpr, BLOCK_N: gl.constexpr, D_O: gl.constexpr,
-              PARTIAL: gl.constexpr, WRITE_LSE: gl.constexpr):
+              C: gl.constexpr, BLOCK_N: gl.constexpr, D_V: gl.constexpr,
+              PARTIAL: gl.constexpr):
+    """Consumer C of two: the scores of rows [C * BLOCK_N / 2, (C + 1) * BLOCK_N / 2) of
+    each tile, and output columns [C * D_V / 2, (C + 1) * D_V / 2) from both halves' P."""
     BLOCK_H: gl.constexpr = 64
+    HALF_N: gl.constexpr = BLOCK_N // 2
+    D_O: gl.constexpr = D_V // 2
     STAGES: gl.constexpr = k_smem.type.shape[0]
     dtype: gl.constexpr = k_smem.dtype
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16])
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HALF_N, 16])
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, D_O, 16])
-    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
+    row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
 
-    m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
-    l_i = gl.zeros([BLOCK_H], gl.float32, gl.SliceLayout(1, s_layout))
+    m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, row_s)
+    l_i = gl.zeros([BLOCK_H], gl.float32, row_s)  # over this consumer's rows only
     acc = warpgroup_mma_init(gl.zeros([BLOCK_H, D_O], gl.float32, o_layout))
-    s_zero = gl.zeros([BLOCK_H, BLOCK_N], gl.float32, s_layout)
-    offs_ns = gl.arange(0, BLOCK_N, gl.SliceLayout(0, s_layout))
+    s_zero = gl.zeros([BLOCK_H, HALF_N], gl.float32, s_layout)
+    offs_ns = C * HALF_N + gl.arange(0, HALF_N, gl.SliceLayout(0, s_layout))
     for it in range(n_iters):
         stage = it % STAGES
+        phase = it & 1
         mbarrier.wait(full_bars.index(stage), (it // STAGES) & 1)
         k_cur = k_smem.index(stage)
-        qk = warpgroup_mma(q_smem, k_cur.permute([1, 0]), s_zero, use_acc=False)
-        qk = warpgroup_mma(qr_smem, r_smem.index(stage).permute([1, 0]), qk)
-        # the previous tile's PV dot is done: release its stage
+        k_half = k_cur.slice(C * HALF_N, HALF_N, dim=0)
+        qk = warpgroup_mma(q_smem, k_half.permute([1, 0]), s_zero, use_acc=False)
+        qk = warpgroup_mma(qr_smem, r_smem.index(stage).slice(C * HALF_N, HALF_N, dim=0)
+                           .permute([1, 0]), qk)
+        # the dots above waited for this consumer's previous PV dots: release their stage
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
         mbarrier.arrive(empty_bars.index((it + STAGES - 1) % STAGES), pred=it > 0)
         mask_n = (start + it * BLOCK_N + offs_ns) < end
         qk = gl.where(mask_n[None, :], qk * qk_scale, float("-inf"))
-        m_new = gl.maximum(m_i, gl.max(qk, 1))
+        # both halves' row maxima: exchanged through shared memory
+        m_smem.index(C).store(gl.max(qk, 1))
+        mbarrier.arrive(x_bars.index(0))
+        mbarrier.wait(x_bars.index(0), phase)
+        m_new = gl.maximum(m_i, gl.maximum(m_smem.index(0).load(row_s),
+                                           m_smem.index(1).load(row_s)))
         p = gl.exp2(qk - m_new[:, None])
         alpha = gl.exp2(m_i - m_new)
         l_i = l_i * alpha + gl.sum(p, 1)
         m_i = m_new
-        acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
-        p_op = gl.convert_layout(p.to(dtype), p_layout)
-        acc = warpgroup_mma(p_op, k_cur.slice(COL0, D_O, dim=1), acc, is_async=True)
+        # this half's P for both consumers' PV dots (A operands in shared memory)
+        p_smem.index(C).store(p.to(dtype))
+        fence_async_shared()
+        mbarrier.arrive(x_bars.index(1))
+        acc = acc * gl.convert_layout(alpha, row_o)[:, None]
+        mbarrier.wait(x_bars.index(1), phase)
+        v = k_cur.slice(C * D_O, D_O, dim=1)
+        acc = warpgroup_mma(p_smem.index(0), v.slice(0, HALF_N, dim=0), acc, is_async=True)
+        acc = warpgroup_mma(p_smem.index(1), v.slice(HALF_N, HALF_N, dim=0), acc,
+                            is_async=True)
     acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
     mbarrier.arrive(empty_bars.index((n_iters + STAGES - 1) % STAGES), pred=n_iters > 0)
 
-    l_safe = gl.where(l_i > 0.0, l_i, 1.0)
-    out = acc / gl.convert_layout(l_safe, gl.SliceLayout(1, o_layout))[:, None]
-    offs_ho = hb * BLOCK_H + gl.arange(0, BLOCK_H, gl.SliceLayout(1, o_layout))
-    offs_o = COL0 + gl.arange(0, D_O, gl.SliceLayout(0, o_layout))
+    # the row sums of both halves (the maxima are already shared)
+    m_smem.index(C).store(l_i)
+    mbarrier.arrive(x_bars.index(0))
+    mbarrier.wait(x_bars.index(0), n_iters & 1)
+    l_tot = m_smem.index(0).load(row_s) + m_smem.index(1).load(row_s)
+    l_safe = gl.where(l_tot > 0.0, l_tot, 1.0)
+    out = acc / gl.convert_layout(l_safe, row_o)[:, None]
+    offs_ho = hb * BLOCK_H + gl.arange(0, BLOCK_H, row_o)
+    offs_o = C * D_O + gl.arange(0, D_O, gl.SliceLayout(0, o_layout))
     o_ptr = O + t * stride_ot + s * stride_os + offs_ho[:, None] * stride_oh + offs_o[None, :]
     gl.store(o_ptr, out.to(O.dtype.element_ty), mask=(offs_ho < num_heads)[:, None])
-    if PARTIAL and WRITE_LSE:
-        lse = gl.where(l_i > 0.0, m_i + gl.log2(l_safe), float("-inf"))
-        offs_hl = hb * BLOCK_H + gl.arange(0, BLOCK_H, gl.SliceLayout(1, s_layout))
+    if PARTIAL and C == 0:
+        lse = gl.where(l_tot > 0.0, m_i + gl.log2(l_safe), float("-inf"))
+        offs_hl = hb * BLOCK_H + gl.arange(0, BLOCK_H, row_s)
         gl.store(Lse + t * stride_lt + offs_hl * stride_lh + s, lse, mask=offs_hl < num_heads)
 
 
+# gl.warp_specialize hands every worker partition the same arguments: one function per
+# role, dispatching on a constexpr
 @gluon.jit
-def _consumer0(q_smem, qr_smem, k_smem, r_smem, full_bars, empty_bars, O, Lse, t, s, hb,
-               start, end, n_iters, qk_scale, num_heads, stride_ot, stride_oh, stride_os,
-               stride_lt, stride_lh, BLOCK_N: gl.constexpr, D_V: gl.constexpr,
+def _consumer0(q_smem, qr_smem, k_smem, r_smem, p_smem, m_smem, full_bars, empty_bars,
+               x_bars, O, Lse, KV, Slots, t, s, hb, start, end, n_iters, qk_scale, num_heads,
+               stride_kv, stride_st, stride_ot, stride_oh, stride_os, stride_lt, stride_lh,
+               BLOCK_N: gl.constexpr, D_V: gl.constexpr, D_R: gl.constexpr,
                PARTIAL: gl.constexpr):
-    _consumer(q_smem, qr_smem, k_smem, r_smem, full_bars, empty_bars, O, Lse, t, s, hb,
-              start, end, n_iters, qk_scale, num_heads, stride_ot, stride_oh, stride_os,
-              stride_lt, stride_lh, 0, BLOCK_N, D_V // 2, PARTIAL, True)
+    _consumer(q_smem, qr_smem, k_smem, r_smem, p_smem, m_smem, full_bars, empty_bars, x_bars,
+              O, Lse, t, s, hb, start, end, n_iters, qk_scale, num_heads,
+              stride_ot, stride_oh, stride_os, stride_lt, stride_lh, 0, BLOCK_N, D_V, PARTIAL)
 
 
 @gluon.jit
-def _workers(q_smem, qr_smem, k_smem, r_smem, full_bars, empty_bars, O, Lse, KV, Slots,
-             t, s, hb, start, end, n_iters, qk_scale, num_heads, stride_kv, stride_st,
-             stride_ot, stride_oh, stride_os, stride_lt, stride_lh,
-             BLOCK_N: gl.constexpr, D_V: gl.constexpr, D_R: gl.constexpr,
-             PARTIAL: gl.constexpr, ROLE: gl.constexpr):
+def _worker(q_smem, qr_smem, k_smem, r_smem, p_smem, m_smem, full_bars, empty_bars, x_bars,
+            O, Lse, KV, Slots, t, s, hb, start, end, n_iters, qk_scale, num_heads,
+            stride_kv, stride_st, stride_ot, stride_oh, stride_os, stride_lt, stride_lh,
+            BLOCK_N: gl.constexpr, D_V: gl.constexpr, D_R: gl.constexpr,
+            PARTIAL: gl.constexpr, ROLE: gl.constexpr):
     if ROLE == 0:
-        _consumer(q_smem, qr_smem, k_smem, r_smem, full_bars, empty_bars, O, Lse, t, s, hb,
-                  start, end, n_iters, qk_scale, num_heads, stride_ot, stride_oh, stride_os,
-                  stride_lt, stride_lh, D_V // 2, BLOCK_N, D_V // 2, PARTIAL, False)
+        _consumer(q_smem, qr_smem, k_smem, r_smem, p_smem, m_smem, full_bars, empty_bars,
+                  x_bars, O, Lse, t, s, hb, start, end, n_iters, qk_scale, num_heads,
+                  stride_ot, stride_oh, stride_os, stride_lt, stride_lh, 1, BLOCK_N, D_V,
+                  PARTIAL)
     else:
         _producer(KV, Slots, t, stride_kv, stride_st, start, end, n_iters, k_smem, r_smem,
                   full_bars, empty_bars, BLOCK_N, D_V, D_R)
 
 
 @gluon.jit
-def _consumer1(q_smem, qr_smem, k_smem, r_smem, full_bars, empty_bars, O, Lse, KV, Slots,
-               t, s, hb, start, end, n_iters, qk_scale, num_heads, stride_kv, stride_st,
-               stride_ot, stride_oh, stride_os, stride_lt, stride_lh,
+def _consumer1(q_smem, qr_smem, k_smem, r_smem, p_smem, m_smem, full_bars, empty_bars,
+               x_bars, O, Lse, KV, Slots, t, s, hb, start, end, n_iters, qk_scale, num_heads,
+               stride_kv, stride_st, stride_ot, stride_oh, stride_os, stride_lt, stride_lh,
                BLOCK_N: gl.constexpr, D_V: gl.constexpr, D_R: gl.constexpr,
                PARTIAL: gl.constexpr):
-    _workers(q_smem, qr_smem, k_smem, r_smem, full_bars, empty_bars, O, Lse, KV, Slots,
-             t, s, hb, start, end, n_iters, qk_scale, num_heads, stride_kv, stride_st,
-             stride_ot, stride_oh, stride_os, stride_lt, stride_lh, BLOCK_N, D_V, D_R,
-             PARTIAL, 0)
+    _worker(q_smem, qr_smem, k_smem, r_smem, p_smem, m_smem, full_bars, empty_bars, x_bars,
+            O, Lse, KV, Slots, t, s, hb, start, end, n_iters, qk_scale, num_heads,
+            stride_kv, stride_st, stride_ot, stride_oh, stride_os, stride_lt, stride_lh,
+            BLOCK_N, D_V, D_R, PARTIAL, 0)
 
 
 @gluon.jit
-def _producer_w(q_smem, qr_smem, k_smem, r_smem, full_bars, empty_bars, O, Lse, KV, Slots,
-                t, s, hb, start, end, n_iters, qk_scale, num_heads, stride_kv, stride_st,
-                stride_ot, stride_oh, stride_os, stride_lt, stride_lh,
+def _producer_w(q_smem, qr_smem, k_smem, r_smem, p_smem, m_smem, full_bars, empty_bars,
+                x_bars, O, Lse, KV, Slots, t, s, hb, start, end, n_iters, qk_scale, num_heads,
+                stride_kv, stride_st, stride_ot, stride_oh, stride_os, stride_lt, stride_lh,
                 BLOCK_N: gl.constexpr, D_V: gl.constexpr, D_R: gl.constexpr,
                 PARTIAL: gl.constexpr):
-    _workers(q_smem, qr_smem, k_smem, r_smem, full_bars, empty_bars, O, Lse, KV, Slots,
-             t, s, hb, start, end, n_iters, qk_scale, num_heads, stride_kv, stride_st,
-             stride_ot, stride_oh, stride_os, stride_lt, stride_lh, BLOCK_N, D_V, D_R,
-             PARTIAL, 1)
+    _worker(q_smem, qr_smem, k_smem, r_smem, p_smem, m_smem, full_bars, empty_bars, x_bars,
+            O, Lse, KV, Slots, t, s, hb, start, end, n_iters, qk_scale, num_heads,
+            stride_kv, stride_st, stride_ot, stride_oh, stride_os, stride_lt, stride_lh,
+            BLOCK_N, D_V, D_R, PARTIAL, 1)
 
 
 @gluon.jit
@@ -181,6 +213,9 @@ def _sparse_mla_ws_kernel(
     ld_v: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [num_warps, 1], [1, 0])
     ld_r: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1], [1, 0])
     sl: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+    sl_p: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=BLOCK_N, element_bitwidth=16,
+                                              rank=2)
+    sl_m: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
     hb = gl.program_id(0)
     t = gl.program_id(1).to(gl.int64)
     s = gl.program_id(2)
@@ -197,11 +232,16 @@ def _sparse_mla_ws_kernel(
     qr_smem = gl.allocate_shared_memory(dtype, [BLOCK_H, D_R], sl, q_rope)
     k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D_V], sl)
     r_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D_R], sl)
+    p_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_H, BLOCK_N // 2], sl_p)
+    m_smem = gl.allocate_shared_memory(gl.float32, [2, BLOCK_H], sl_m)
     full_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    x_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(STAGES):
         mbarrier.init(full_bars.index(i), count=128)  # the producer's threads
         mbarrier.init(empty_bars.index(i), count=2)  # the two consumers
+    for i in gl.static_range(2):
+        mbarrier.init(x_bars.index(i), count=2)  # the consumers' exchanges (maxima, P)
     fence_async_shared()
 
     count = gl.load(Counts + t)
@@ -209,19 +249,23 @@ def _sparse_mla_ws_kernel(
     end = gl.minimum(start + split_len, count)
     n_iters = gl.maximum(gl.cdiv(end - start, BLOCK_N), 0)
     qk_scale = sm_scale * 1.4426950408889634
+    # (a tuple built once and passed three times loses the constexprs)
     gl.warp_specialize([
-        (_consumer0, (q_smem, qr_smem, k_smem, r_smem, full_bars, empty_bars, O, Lse, t, s, hb,
-                      start, end, n_iters, qk_scale, num_heads, stride_ot, stride_oh, stride_os,
-                      stride_lt, stride_lh, BLOCK_N, D_V, PARTIAL)),
-        (_consumer1, (q_smem, qr_smem, k_smem, r_smem, full_bars, empty_bars, O, Lse, KV, Slots,
-                      t, s, hb, start, end, n_iters, qk_scale, num_heads, stride_kv, stride_st,
-                      stride_ot, stride_oh, stride_os, stride_lt, stride_lh, BLOCK_N, D_V, D_R,
-                      PARTIAL)),
-        (_producer_w, (q_smem, qr_smem, k_smem, r_smem, full_bars, empty_bars, O, Lse, KV, Slots,
-                       t, s, hb, start, end, n_iters, qk_scale, num_heads, stride_kv, stride_st,
-                       stride_ot, stride_oh, stride_os, stride_lt, stride_lh, BLOCK_N, D_V, D_R,
-                       PARTIAL)),
-    ], [4, 4], [232, 40])
+        (_consumer0, (q_smem, qr_smem, k_smem, r_smem, p_smem, m_smem, full_bars, empty_bars, x_bars,
+             O, Lse, KV, Slots, t, s, hb, start, end, n_iters, qk_scale, num_heads,
+             stride_kv, stride_st, stride_ot, stride_oh, stride_os, stride_lt, stride_lh,
+             BLOCK_N, D_V, D_R, PARTIAL)),
+        (_consumer1, (q_smem, qr_smem, k_smem, r_smem, p_smem, m_smem, full_bars, empty_bars, x_bars,
+             O, Lse, KV, Slots, t, s, hb, start, end, n_iters, qk_scale, num_heads,
+             stride_kv, stride_st, stride_ot, stride_oh, stride_os, stride_lt, stride_lh,
+             BLOCK_N, D_V, D_R, PARTIAL)),
+        (_producer_w, (q_smem, qr_smem, k_smem, r_smem, p_smem, m_smem, full_bars, empty_bars, x_bars,
+             O, Lse, KV, Slots, t, s, hb, start, end, n_iters, qk_scale, num_heads,
+             stride_kv, stride_st, stride_ot, stride_oh, stride_os, stride_lt, stride_lh,
+             BLOCK_N, D_V, D_R, PARTIAL)),
+    ],
+                       [4, 4], [232, 40])
+
 
 def device_launch_config(device: torch.device, num_tokens: int, num_heads: int, topk: int,
                          kv_lora_rank: int, num_sms: int, kv_fp8: bool) -> dict:
@@ -253,24 +297,14 @@ def sparse_mla_attention(q, kv_cache, slots, valid_counts, kv_lora_rank, scale, 
     assert cfg["BLOCK_H"] == 64 and not kv_fp8 and cfg.get("V_SPLITS", 1) == 1
     assert kv.stride(-1) == 1 and q.stride(-1) == 1 and slots.stride(-1) == 1
     splits = cfg["splits"]
-    split_len = triton.cdiv(triton.cdiv(slots.shape[1], splits), cfg["BLOCK_N"]) * cfg["BLOCK_N"]
     o = torch.empty(num_tokens, num_heads, kv_lora_rank, dtype=q.dtype, device=q.device)
-    if splits == 1:
-        out, lse, so, sl = o, o, (o.stride(0), o.stride(1), 0), (0, 0)
-    else:
-        out = torch.empty(num_tokens, num_heads, splits, kv_lora_rank, dtype=torch.float32,
-                          device=q.device)
-        lse = torch.empty(num_tokens, num_heads, splits, dtype=torch.float32, device=q.device)
-        so, sl = (out.stride(0), out.stride(1), out.stride(2)), (lse.stride(0), lse.stride(1))
+    split_len, out, lse, so, sl = tsm.split_k_outputs(o, slots.shape[1], splits,
+                                                      cfg["BLOCK_N"])
     grid = (triton.cdiv(num_heads, 64), num_tokens, splits)
     _sparse_mla_ws_kernel[grid](
         q, kv, slots, valid_counts, out, lse, scale,
         q.stride(0), q.stride(1), kv.stride(0), slots.stride(0), *so, *sl,
         num_heads, split_len, BLOCK_N=cfg["BLOCK_N"], STAGES=STAGES, D_V=kv_lora_rank,
         D_R=head_dim - kv_lora_rank, PARTIAL=splits > 1, num_warps=4, maxnreg=168)
-    if splits > 1:
-        tsm._sparse_mla_merge_kernel[(num_heads, num_tokens)](
-            out, lse, o, out.stride(0), out.stride(1), out.stride(2),
-            lse.stride(0), lse.stride(1), o.stride(0), o.stride(1),
-            NUM_SPLITS=splits, D_V=kv_lora_rank, num_warps=4)
+    tsm.merge_split_k(out, lse, o)
     return o

@@ -53,7 +53,7 @@ def compile_for_sm90(block_n: int, partial: bool) -> dict:
             "setmaxnreg": re.findall(r"setmaxnreg\.(?:inc|dec)\.sync\.aligned\.u32\s+(\d+)", ptx),
             "copy_arrives": len(re.findall(r"cp\.async\.mbarrier\.arrive\.noinc", ptx)),
             "cta_barriers": len(re.findall(r"bar\.sync\s+\d+;", ptx)),
-            "score_wgmma": len(re.findall(r"wgmma\.mma_async\S*m64n64k16", ptx)),
+            "score_wgmma": len(re.findall(r"wgmma\.mma_async\S*m64n32k16", ptx)),
             "pv_wgmma": len(re.findall(r"wgmma\.mma_async\S*m64n256k16", ptx))}
 
 
@@ -71,7 +71,8 @@ def test_compiles_for_sm90_as_producer_and_two_consumers(partial):
     assert {"232", "40"} <= set(got["setmaxnreg"])
     assert got["copy_arrives"] >= 1
     assert got["cta_barriers"] == 0
-    # per consumer: 32 + 4 score dots of 64 x 64 (nope and rope), 4 PV dots of 64 x 256
+    # per consumer: 32 + 4 score dots of 64 heads x 32 rows (nope and rope; each consumer
+    # scores its half of the tile's rows), 4 PV dots of 64 x 256 (both halves' P)
     assert got["score_wgmma"] == 2 * 36 and got["pv_wgmma"] == 2 * 4
 
 
