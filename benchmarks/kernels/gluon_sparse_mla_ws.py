@@ -41,29 +41,30 @@ def _producer(KV, Slots, t, stride_kv, stride_st, start, end, n_iters,
               k_smem, r_smem, full_bars, empty_bars,
               BLOCK_N: gl.constexpr, D_V: gl.constexpr, D_R: gl.constexpr):
     STAGES: gl.constexpr = k_smem.type.shape[0]
-    ld_v: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [4, 1], [1, 0])
-    ld_r: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
-    offs_v = gl.arange(0, D_V, gl.SliceLayout(0, ld_v))
-    offs_r = gl.arange(0, D_R, gl.SliceLayout(0, ld_r))
-    offs_b = gl.arange(0, BLOCK_N, gl.SliceLayout(1, ld_v))
-    offs_br = gl.arange(0, BLOCK_N, gl.SliceLayout(1, ld_r))
+    # a warp copies 4 rows x 128 bytes per instruction: whole 128-byte lines, and a thread
+    # needs the slots of BLOCK_N / 16 rows only (the same ones for the latent and rope parts)
+    ld: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+    offs_v = gl.arange(0, D_V, gl.SliceLayout(0, ld))
+    offs_r = gl.arange(0, D_R, gl.SliceLayout(0, ld))
+    offs_b = gl.arange(0, BLOCK_N, gl.SliceLayout(1, ld))
     base = Slots + t * stride_st + start
+    count = end - start
+    nxt = gl.load(base + offs_b, mask=offs_b < count, other=0)
     for it in range(n_iters):
         stage = it % STAGES
+        n0 = it * BLOCK_N
+        mask_n = (n0 + offs_b) < count
+        slot = nxt.to(gl.int64)
+        # the next tile's slot ids load while this one waits for its stage
+        nxt = gl.load(base + n0 + BLOCK_N + offs_b, mask=(n0 + BLOCK_N + offs_b) < count,
+                      other=0)
         # the stage is free once both consumers' PV dots on it are done
         mbarrier.wait(empty_bars.index(stage), ((it // STAGES) & 1) ^ 1)
-        n0 = it * BLOCK_N
-        mask_n = (n0 + offs_b) < end - start
-        mask_r = (n0 + offs_br) < end - start
-        # the slot ids in both copy layouts, read twice rather than moved through shared memory
-        slot = gl.load(base + n0 + offs_b, mask=mask_n, other=0).to(gl.int64)
-        slot_r = gl.load(base + n0 + offs_br, mask=mask_r, other=0).to(gl.int64)
-        cp.async_copy_global_to_shared(k_smem.index(stage),
-                                       KV + slot[:, None] * stride_kv + offs_v[None, :],
+        row = KV + slot[:, None] * stride_kv
+        cp.async_copy_global_to_shared(k_smem.index(stage), row + offs_v[None, :],
                                        mask=mask_n[:, None])
-        cp.async_copy_global_to_shared(r_smem.index(stage),
-                                       KV + slot_r[:, None] * stride_kv + D_V + offs_r[None, :],
-                                       mask=mask_r[:, None])
+        cp.async_copy_global_to_shared(r_smem.index(stage), row + D_V + offs_r[None, :],
+                                       mask=mask_n[:, None])
         # each thread's copies arrive on the stage's barrier when they land
         cp.mbarrier_arrive(full_bars.index(stage), increment_count=False)
 
@@ -87,6 +88,7 @@ def _consumer(q_smem, qr_smem, k_smem, r_smem, p_smem, m_smem, full_bars, empty_
         version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, D_O, 16])
     row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
     row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
 
     m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, row_s)
     l_i = gl.zeros([BLOCK_H], gl.float32, row_s)  # over this consumer's rows only
@@ -117,15 +119,18 @@ def _consumer(q_smem, qr_smem, k_smem, r_smem, p_smem, m_smem, full_bars, empty_
         alpha = gl.exp2(m_i - m_new)
         l_i = l_i * alpha + gl.sum(p, 1)
         m_i = m_new
-        # this half's P for both consumers' PV dots (A operands in shared memory)
-        p_smem.index(C).store(p.to(dtype))
+        # this half's P goes to the other consumer through shared memory; this consumer's
+        # PV dot on it (from registers) runs while the other half's P arrives
+        p16 = p.to(dtype)
+        p_smem.index(C).store(p16)
         fence_async_shared()
         mbarrier.arrive(x_bars.index(1))
         acc = acc * gl.convert_layout(alpha, row_o)[:, None]
-        mbarrier.wait(x_bars.index(1), phase)
         v = k_cur.slice(C * D_O, D_O, dim=1)
-        acc = warpgroup_mma(p_smem.index(0), v.slice(0, HALF_N, dim=0), acc, is_async=True)
-        acc = warpgroup_mma(p_smem.index(1), v.slice(HALF_N, HALF_N, dim=0), acc,
+        acc = warpgroup_mma(gl.convert_layout(p16, p_layout), v.slice(C * HALF_N, HALF_N, dim=0),
+                            acc, is_async=True)
+        mbarrier.wait(x_bars.index(1), phase)
+        acc = warpgroup_mma(p_smem.index(1 - C), v.slice((1 - C) * HALF_N, HALF_N, dim=0), acc,
                             is_async=True)
     acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
     mbarrier.arrive(empty_bars.index((n_iters + STAGES - 1) % STAGES), pred=n_iters > 0)
