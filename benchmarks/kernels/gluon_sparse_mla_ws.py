@@ -92,7 +92,7 @@ def _consumer(q_smem, qr_smem, k_smem, r_smem, p_smem, m_smem, full_bars, empty_
 
     m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, row_s)
     l_i = gl.zeros([BLOCK_H], gl.float32, row_s)  # over this consumer's rows only
-    acc = warpgroup_mma_init(gl.zeros([BLOCK_H, D_O], gl.float32, o_layout))
+    acc = gl.zeros([BLOCK_H, D_O], gl.float32, o_layout)
     s_zero = gl.zeros([BLOCK_H, HALF_N], gl.float32, s_layout)
     offs_ns = C * HALF_N + gl.arange(0, HALF_N, gl.SliceLayout(0, s_layout))
     for it in range(n_iters):
@@ -104,9 +104,6 @@ def _consumer(q_smem, qr_smem, k_smem, r_smem, p_smem, m_smem, full_bars, empty_
         qk = warpgroup_mma(q_smem, k_half.permute([1, 0]), s_zero, use_acc=False)
         qk = warpgroup_mma(qr_smem, r_smem.index(stage).slice(C * HALF_N, HALF_N, dim=0)
                            .permute([1, 0]), qk)
-        # the dots above waited for this consumer's previous PV dots: release their stage
-        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-        mbarrier.arrive(empty_bars.index((it + STAGES - 1) % STAGES), pred=it > 0)
         mask_n = (start + it * BLOCK_N + offs_ns) < end
         qk = gl.where(mask_n[None, :], qk * qk_scale, float("-inf"))
         # both halves' row maxima: exchanged through shared memory
@@ -132,8 +129,11 @@ def _consumer(q_smem, qr_smem, k_smem, r_smem, p_smem, m_smem, full_bars, empty_
         mbarrier.wait(x_bars.index(1), phase)
         acc = warpgroup_mma(p_smem.index(1 - C), v.slice((1 - C) * HALF_N, HALF_N, dim=0), acc,
                             is_async=True)
-    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-    mbarrier.arrive(empty_bars.index((n_iters + STAGES - 1) % STAGES), pred=n_iters > 0)
+        # Waited here, not after the next tile's QK^T: a dot in flight across the loop's
+        # back edge makes ptxas serialize every wgmma of the kernel (C7515: the loop-carried
+        # accumulator is copied while the dot runs).
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+        mbarrier.arrive(empty_bars.index(stage))
 
     # the row sums of both halves (the maxima are already shared)
     m_smem.index(C).store(l_i)
