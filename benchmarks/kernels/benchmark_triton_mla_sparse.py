@@ -12,7 +12,10 @@ page-size-1 block table), and, for bf16 KV on SM90/SM100, FlashMLA's
 `flash_mla_sparse_fwd` on the same inputs (heads padded to 64/128 as
 FLASHMLA_SPARSE does). `--sweep` also times alternative launch parameters of the
 gather kernel and reports each candidate and the best per shape (to tune
-`launch_config`). Each gather row also reports what Triton compiled for it:
+`launch_config`; the candidates are Triton tiles). Where the gather step runs
+Hopper's warp-specialized Gluon tile (64 heads of a 16-bit cache on SM90), the
+row also times the Triton tile it falls back to. Each gather row also reports
+what Triton compiled for its Triton tile:
 registers and spills per thread, shared memory, and counts of TTGIR ops (async
 copies into shared memory, register-to-shared stores, wgmma dots) that show
 whether the KV loads were pipelined. `--ops-file PATH` takes the gather kernel
@@ -177,7 +180,7 @@ def sweep_configs(base, kv="bf16"):
                        num_stages=stages, splits=n_splits,
                        V_SPLITS=2 if variant == "vsplit" else 1,
                        V_RELOAD=variant == "reload",
-                       K_DEQUANT=variant == "dequant")
+                       K_DEQUANT=variant == "dequant", WARP_SPECIALIZED=False)
 
 
 def _compile_jobs(ops_file: str | None, jobs: list) -> int:
@@ -243,9 +246,15 @@ def bench_case(num_tokens, num_heads, kv, topk, pool, l2_bytes, sms, flashmla, s
 
     cfg = ops.device_launch_config(torch.device(dev), num_tokens, num_heads, topk, KV_LORA,
                                    sms, kv == "fp8")
-    key = compile_key(cfg, kv, q_dtype)
-    compiled.record(key, gather(sets[0]))
+    # Hopper's 64-head tiles of a 16-bit cache: the warp-specialized Gluon kernel, and
+    # the Triton tile (its fallback) timed next to it
+    ws_ops = getattr(ops, "_warp_specialized_ops", lambda *a: None)
+    warp_specialized = ws_ops(cfg, q, cache.view(-1, HEAD), KV_LORA) is not None
+    triton_cfg = dict(cfg, WARP_SPECIALIZED=False)
+    key = compile_key(triton_cfg, kv, q_dtype)
+    compiled.record(key, gather(sets[0], triton_cfg))
     t_gather = graph_us([gather(s) for s in sets])
+    t_triton = graph_us([gather(s, triton_cfg) for s in sets]) if warp_specialized else None
     t_decode = graph_us([decode(s) for s in sets])
     it = {"i": 0}
 
@@ -257,8 +266,10 @@ def bench_case(num_tokens, num_heads, kv, topk, pool, l2_bytes, sms, flashmla, s
     row = {
         "tokens": num_tokens, "heads": num_heads, "kv": "fp8" if kv == "fp8" else q_dtype,
         "q": q_dtype, "topk": topk,
-        "gather_config": cfg, "gather_compiled": compiled.get(key),
-        "gather_us": t_gather, "gather_eager_us": t_eager,
+        "gather_config": cfg,
+        "gather_kernel": "warp_specialized" if warp_specialized else "triton",
+        "gather_compiled": compiled.get(key),  # the Triton tile's binary
+        "gather_us": t_gather, "gather_eager_us": t_eager, "triton_tile_us": t_triton,
         "gather_TBps": bytes_read / (t_gather * 1e-6) / 1e12,
         "decode_num_kv_splits": num_kv_splits_for(num_tokens, num_heads, topk, sms),
         "decode_us": t_decode, "decode_TBps": bytes_read / (t_decode * 1e-6) / 1e12,
@@ -354,18 +365,25 @@ def main():
     print(f"topk {args.topk}, KV pool {args.pool} tokens, {args.q_dtype} queries, "
           "bytes = T x topk x 576 x elem")
     print("GPU time per call from CUDA-graph replay; eager_us adds Python launch overhead")
-    print("|    T |   H | kv   | gather_us | TB/s | % copy bw | eager_us | decode_us "
-          "| flashmla_us | gather/flashmla | fp8/16-bit |" + (" sweep best |" if args.sweep else ""))
-    print("|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|" + ("---:|" if args.sweep else ""))
+    print("gather kernel: ws = warp-specialized Gluon tile (triton_us: the Triton tile at "
+          "the same shape), tri = Triton tile")
+    print("|    T |   H | kv   | kernel | gather_us | TB/s | % copy bw | eager_us | triton_us "
+          "| decode_us | flashmla_us | gather/flashmla | fp8/16-bit |"
+          + (" sweep best |" if args.sweep else ""))
+    print("|---:|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
+          + ("---:|" if args.sweep else ""))
     for r in rows:
         fm = (f"{r['flashmla_us']:11.1f} | {r['gather_vs_flashmla']:15.2f}"
               if "flashmla_us" in r else f"{'-':>11} | {'-':>15}")
         f8 = f"{r['fp8_time_vs_16bit']:8.2f}" if "fp8_time_vs_16bit" in r else f"{'-':>8}"
         sw = f" {r['sweep_best_us']:9.1f} |" if "sweep_best_us" in r else ""
-        print(f"| {r['tokens']:4d} | {r['heads']:3d} | {r['kv']:4} | {r['gather_us']:9.1f} "
+        ws = r["gather_kernel"] == "warp_specialized"
+        tri = f"{r['triton_tile_us']:9.1f}" if ws else f"{'-':>9}"
+        print(f"| {r['tokens']:4d} | {r['heads']:3d} | {r['kv']:4} | {'ws' if ws else 'tri':6} "
+              f"| {r['gather_us']:9.1f} "
               f"| {r['gather_TBps']:4.2f} | {100 * r['gather_fraction_of_copy_bw']:8.1f}% "
-              f"| {r['gather_eager_us']:8.1f} | {r['decode_us']:9.1f} | {fm} | {f8} |{sw}")
-    print("compiled gather kernels (table configs): regs/thread, spills, shared bytes, "
+              f"| {r['gather_eager_us']:8.1f} | {tri} | {r['decode_us']:9.1f} | {fm} | {f8} |{sw}")
+    print("compiled Triton gather tiles (table configs): regs/thread, spills, shared bytes, "
           "TTGIR async copies / local stores / wgmma / copy groups in flight at the loop's wait")
     for r in rows:
         c = r["gather_compiled"]

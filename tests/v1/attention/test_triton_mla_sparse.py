@@ -366,31 +366,33 @@ def test_glm5_shapes_small_shared_memory(monkeypatch, num_heads, kv):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("num_heads", [16, 64])  # 64: Hopper's warp-specialized tile
 @pytest.mark.parametrize("kernel", KERNELS)
-def test_memory_safety_edges(kernel):
+def test_memory_safety_edges(kernel, num_heads):
     # Slots in the very last cache block, all -1 rows, topk larger than context.
     bs, topk = 64, 2048
-    case = make_case([2, 1], [100, 64], 16, topk, bs, torch.bfloat16, torch.bfloat16, 4)
+    case = make_case([2, 1], [100, 64], num_heads, topk, bs, torch.bfloat16, torch.bfloat16,
+                     4)
     nb = case.cache.shape[0]
     case.block_table[1, 0] = nb - 1  # the second request lives in the last block
     case.indices[2] = -1
     case.indices[2, :64] = torch.arange(64, dtype=torch.int32)  # all of it
     case.indices[1] = -1  # a row without any valid entry
-    o = check(case, 16, 2e-2, kernel=kernel)
+    o = check(case, num_heads, 2e-2, kernel=kernel)
     assert (o[1] == 0).all()
     # A cache that ends exactly at the last block: an out-of-bounds read would
     # fault or bring NaN from a poisoned neighbour, which is placed right after.
     big = torch.full((nb + 1, bs, HEAD), float("nan"), dtype=torch.bfloat16, device="cuda")
     big[:nb] = case.cache
     case.cache = big[:nb]
-    check(case, 16, 2e-2, kernel=kernel)
+    check(case, num_heads, 2e-2, kernel=kernel)
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("num_heads", [16, 64])
 @pytest.mark.parametrize("kernel", KERNELS)
-def test_cuda_graph_capture_and_replay(kernel):
+def test_cuda_graph_capture_and_replay(kernel, num_heads):
     # UNIFORM_BATCH capture: the same launch replayed on new data gives eager results.
-    num_heads = 16
     case = make_case([1] * 4, [3000, 500, 70, 2048], num_heads, 2048, 64,
                      torch.bfloat16, torch.bfloat16, seed=5)
     eager, _ = run_backend(case, num_heads, kernel=kernel)

@@ -25,7 +25,10 @@ import functools
 import torch
 
 import vllm.envs as envs
+from vllm.logger import init_logger
 from vllm.triton_utils import tl, triton
+
+logger = init_logger(__name__)
 
 # Upper bound for the split-K partial results (fp32 [T, H, splits, D_V]).
 _MAX_PARTIAL_BYTES = 32 * 1024 * 1024
@@ -235,6 +238,9 @@ def launch_config(
     the rows a second time for the PV dot instead of reusing the converted K tile;
     K_DEQUANT (fp8 caches; not chosen by the table: 1.6x V_RELOAD's time in the
     H200 sweep) dequantizes the K tile in fp32 once and uses it for both dots.
+    WARP_SPECIALIZED (Hopper, 64-head tiles of a 16-bit cache) runs the tile as
+    `gluon_sparse_mla`'s warp-specialized kernel instead of `_sparse_mla_kernel`
+    (the Triton parameters above stay its fallback).
     """
     block_h = 16 if num_heads <= 16 else (32 if num_heads <= 32 else 64)
     # Hopper's (and SM100's) shared memory holds two programs of up to 32 heads per SM
@@ -279,9 +285,14 @@ def launch_config(
     waves = 2 if block_h <= 32 and two_per_sm else 1
     splits = _num_splits(num_tokens, num_heads, block_h, topk, kv_lora_rank,
                          waves * num_sms)
+    # H200: the warp-specialized tile takes 0.6x the Triton tile's time at 64 and
+    # 128 heads from 64 tokens on, and 0.85-0.95x at 1-8 tokens
+    # (benchmarks/results/h200-sparse-mla-gather.json)
+    warp_specialized = hopper and block_h == 64 and not kv_fp8
     return {"BLOCK_H": block_h, "BLOCK_N": block_n, "num_warps": num_warps,
             "num_stages": num_stages, "splits": splits, "V_SPLITS": 1,
-            "V_RELOAD": v_reload, "K_DEQUANT": False}
+            "V_RELOAD": v_reload, "K_DEQUANT": False,
+            "WARP_SPECIALIZED": warp_specialized}
 
 
 def device_launch_config(
@@ -301,6 +312,32 @@ def device_launch_config(
     index = torch.cuda.current_device() if device.index is None else device.index
     return launch_config(num_tokens, num_heads, topk, kv_lora_rank, num_sms,
                          device_shared_mem(index), kv_fp8, device_capability(index))
+
+
+@functools.cache
+def _gluon_sparse_mla():
+    """The warp-specialized Hopper tile's module; None where this Triton has no
+    Gluon (the Triton tile runs instead)."""
+    try:
+        from vllm.v1.attention.ops import gluon_sparse_mla
+    except ImportError as e:
+        logger.warning("Sparse MLA: the warp-specialized Hopper kernel is unavailable "
+                       "(%s); using the Triton kernel.", e)
+        return None
+    return gluon_sparse_mla
+
+
+def _warp_specialized_ops(cfg: dict, q: torch.Tensor, kv: torch.Tensor, kv_lora_rank: int):
+    """`gluon_sparse_mla` where the launch table chose its tile and it takes these
+    tensors (a GPU, not the interpreter; a 16-bit cache in q's dtype), else None."""
+    if not (cfg.get("WARP_SPECIALIZED") and q.is_cuda and cfg.get("V_SPLITS", 1) == 1
+            and kv.dtype == q.dtype):
+        return None
+    ops = _gluon_sparse_mla()
+    if ops is None or not ops.supports(cfg["BLOCK_H"], kv_lora_rank,
+                                       q.shape[-1] - kv_lora_rank, q.dtype):
+        return None
+    return ops
 
 
 def split_k_outputs(o: torch.Tensor, topk: int, splits: int, block_n: int):
@@ -367,8 +404,15 @@ def sparse_mla_attention(
     cfg = config or device_launch_config(q.device, num_tokens, num_heads, topk,
                                          kv_lora_rank, num_sms, kv_fp8)
     splits = cfg["splits"]
-    split_len, out, lse, so, sl = split_k_outputs(o, topk, splits, cfg["BLOCK_N"])
     v_splits = cfg.get("V_SPLITS", 1)
+    gluon_ops = _warp_specialized_ops(cfg, q, kv, kv_lora_rank)
+    if gluon_ops is not None:
+        split_len, out, lse, so, sl = split_k_outputs(o, topk, splits, gluon_ops.TILE_ROWS)
+        gluon_ops.sparse_mla_attention_ws(q, kv, slots, valid_counts, out, lse, so, sl,
+                                          scale, split_len, splits)
+        merge_split_k(out, lse, o)
+        return o
+    split_len, out, lse, so, sl = split_k_outputs(o, topk, splits, cfg["BLOCK_N"])
     assert kv_lora_rank % v_splits == 0
     grid = (triton.cdiv(num_heads, cfg["BLOCK_H"]) * v_splits, num_tokens, splits)
     _sparse_mla_kernel[grid](

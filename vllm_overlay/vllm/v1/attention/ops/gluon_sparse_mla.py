@@ -1,19 +1,26 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Work in progress, NOT RUN ON A GPU YET: a warp-specialized 64-head sparse MLA tile
-in Gluon for sm_90 (16-bit caches).
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""Sparse MLA attention for Hopper: a warp-specialized 64-head tile in Gluon.
 
-Three partitions share a ring of STAGES shared-memory stages of rows:
-- a producer (4 warps, 40 registers) gathers the rows of the next tiles with async
-  copies, each thread's copies arriving on the stage's "full" mbarrier;
-- two consumers (4 warps each, 232 registers) each compute the whole score tile for
-  the 64 heads (the QK^T dot is done twice) and the PV dot for their half of the
-  output columns, then release the stage on its "empty" mbarrier.
-The consumers never meet at a CTA-wide barrier, and the gather's issue cost leaves
-them (the two stalls that Nsight Compute puts first in the Triton tile, see
-benchmarks/results/h200-sparse-mla-ncu.log).
+The tile `triton_sparse_mla` launches for 64 heads of a 16-bit cache on SM90
+(`launch_config(...)["WARP_SPECIALIZED"]`), with the same split-K partial
+outputs and merge. One program per (64-head block, token, split), three
+partitions over two shared-memory stages of 64 gathered rows:
 
-    python benchmarks/kernels/benchmark_triton_mla_sparse.py \
-        --ops-file benchmarks/kernels/gluon_sparse_mla_ws.py --heads 64 128 --kv bf16
+- a producer (4 warps, 40 registers) copies each tile's rows by slot with async
+  copies that arrive on the stage's "full" mbarrier, loading the next tile's
+  slot ids while it waits for a free stage;
+- two consumers (4 warps, 232 registers each). Consumer C scores rows
+  [32 C, 32 C + 32) of the tile for all 64 heads (wgmma, queries and rows in
+  shared memory). The consumers exchange their row maxima and their halves of P
+  through shared memory (two mbarriers per tile), and each accumulates output
+  columns [256 C, 256 C + 256) from both halves. Each releases the stage on its
+  "empty" mbarrier once its PV dots are done.
+
+H200, 64 heads, top-k 2048: 3.2 TB/s at 256-4096 tokens, 1.6x the Triton tile
+(benchmarks/results/h200-sparse-mla-gather.json). Triton 3.6's own
+`warp_specialize` loop option does not partition this loop for sm_90, hence
+Gluon.
 """
 
 import torch
@@ -21,19 +28,21 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
     async_copy as cp,
+)
+from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared,
     mbarrier,
     warpgroup_mma,
-    warpgroup_mma_init,
     warpgroup_mma_wait,
 )
 
 from vllm.triton_utils import triton
-from vllm.v1.attention.ops import triton_sparse_mla as tsm
 
-# the benchmark reads the Triton kernel's compile stats from here
-_sparse_mla_kernel = tsm._sparse_mla_kernel
-STAGES = 2  # two stages of 64 rows next to the queries: 217 KiB
+TILE_HEADS = 64
+TILE_ROWS = 64
+NUM_STAGES = 2  # two stages of 64 rows next to the 64-head queries: 225 KiB
+KV_LORA_RANK = 512
+ROPE_DIM = 64
 
 
 @gluon.jit
@@ -256,60 +265,51 @@ def _sparse_mla_ws_kernel(
     qk_scale = sm_scale * 1.4426950408889634
     # (a tuple built once and passed three times loses the constexprs)
     gl.warp_specialize([
-        (_consumer0, (q_smem, qr_smem, k_smem, r_smem, p_smem, m_smem, full_bars, empty_bars, x_bars,
-             O, Lse, KV, Slots, t, s, hb, start, end, n_iters, qk_scale, num_heads,
-             stride_kv, stride_st, stride_ot, stride_oh, stride_os, stride_lt, stride_lh,
-             BLOCK_N, D_V, D_R, PARTIAL)),
-        (_consumer1, (q_smem, qr_smem, k_smem, r_smem, p_smem, m_smem, full_bars, empty_bars, x_bars,
-             O, Lse, KV, Slots, t, s, hb, start, end, n_iters, qk_scale, num_heads,
-             stride_kv, stride_st, stride_ot, stride_oh, stride_os, stride_lt, stride_lh,
-             BLOCK_N, D_V, D_R, PARTIAL)),
-        (_producer_w, (q_smem, qr_smem, k_smem, r_smem, p_smem, m_smem, full_bars, empty_bars, x_bars,
-             O, Lse, KV, Slots, t, s, hb, start, end, n_iters, qk_scale, num_heads,
-             stride_kv, stride_st, stride_ot, stride_oh, stride_os, stride_lt, stride_lh,
-             BLOCK_N, D_V, D_R, PARTIAL)),
-    ],
-                       [4, 4], [232, 40])
+        (_consumer0, (q_smem, qr_smem, k_smem, r_smem, p_smem, m_smem, full_bars,
+                      empty_bars, x_bars, O, Lse, KV, Slots, t, s, hb, start, end, n_iters,
+                      qk_scale, num_heads, stride_kv, stride_st, stride_ot, stride_oh,
+                      stride_os, stride_lt, stride_lh, BLOCK_N, D_V, D_R, PARTIAL)),
+        (_consumer1, (q_smem, qr_smem, k_smem, r_smem, p_smem, m_smem, full_bars,
+                      empty_bars, x_bars, O, Lse, KV, Slots, t, s, hb, start, end, n_iters,
+                      qk_scale, num_heads, stride_kv, stride_st, stride_ot, stride_oh,
+                      stride_os, stride_lt, stride_lh, BLOCK_N, D_V, D_R, PARTIAL)),
+        (_producer_w, (q_smem, qr_smem, k_smem, r_smem, p_smem, m_smem, full_bars,
+                       empty_bars, x_bars, O, Lse, KV, Slots, t, s, hb, start, end, n_iters,
+                       qk_scale, num_heads, stride_kv, stride_st, stride_ot, stride_oh,
+                       stride_os, stride_lt, stride_lh, BLOCK_N, D_V, D_R, PARTIAL)),
+    ], [4, 4], [232, 40])
 
 
-def device_launch_config(device: torch.device, num_tokens: int, num_heads: int, topk: int,
-                         kv_lora_rank: int, num_sms: int, kv_fp8: bool) -> dict:
-    """The launch table's configuration; "GLUON" marks the tiles this kernel takes
-    (64 heads of a 16-bit cache on Hopper)."""
-    cfg = tsm.device_launch_config(device, num_tokens, num_heads, topk, kv_lora_rank,
-                                   num_sms, kv_fp8)
-    hopper = False
-    if device.type == "cuda":
-        index = torch.cuda.current_device() if device.index is None else device.index
-        hopper = (tsm.device_capability(index) // 10 == 9
-                  and tsm.device_shared_mem(index) >= tsm.HOPPER_SHARED_MEM)
-    cfg["GLUON"] = hopper and cfg["BLOCK_H"] == 64 and not kv_fp8 and cfg["V_SPLITS"] == 1
-    return cfg
+def supports(num_heads_per_tile: int, kv_lora_rank: int, rope_dim: int,
+             dtype: torch.dtype) -> bool:
+    """The shapes this tile takes (GLM-5 / DeepSeek-V3.2 MLA, 16-bit caches)."""
+    return (num_heads_per_tile == TILE_HEADS and kv_lora_rank == KV_LORA_RANK
+            and rope_dim == ROPE_DIM and dtype in (torch.bfloat16, torch.float16))
 
 
-def sparse_mla_attention(q, kv_cache, slots, valid_counts, kv_lora_rank, scale, k_scale,
-                         num_sms, config=None):
-    """`triton_sparse_mla.sparse_mla_attention`, with the warp-specialized kernel for the tiles
-    `device_launch_config` marks."""
-    num_tokens, num_heads, head_dim = q.shape
-    kv = kv_cache.view(-1, kv_cache.shape[-1])
-    kv_fp8 = kv.dtype in (torch.float8_e4m3fn, torch.float8_e5m2, torch.uint8)
-    cfg = config or device_launch_config(q.device, num_tokens, num_heads, slots.shape[1],
-                                         kv_lora_rank, num_sms, kv_fp8)
-    if not cfg.get("GLUON") or num_tokens == 0:
-        return tsm.sparse_mla_attention(q, kv_cache, slots, valid_counts, kv_lora_rank,
-                                        scale, k_scale, num_sms, config=cfg)
-    assert cfg["BLOCK_H"] == 64 and not kv_fp8 and cfg.get("V_SPLITS", 1) == 1
-    assert kv.stride(-1) == 1 and q.stride(-1) == 1 and slots.stride(-1) == 1
-    splits = cfg["splits"]
-    o = torch.empty(num_tokens, num_heads, kv_lora_rank, dtype=q.dtype, device=q.device)
-    split_len, out, lse, so, sl = tsm.split_k_outputs(o, slots.shape[1], splits,
-                                                      cfg["BLOCK_N"])
-    grid = (triton.cdiv(num_heads, 64), num_tokens, splits)
+def sparse_mla_attention_ws(
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    slots: torch.Tensor,
+    valid_counts: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    out_strides: tuple,
+    lse_strides: tuple,
+    scale: float,
+    split_len: int,
+    splits: int,
+) -> None:
+    """Launch the tile over q [T, H, 576] and kv [slots, 576] (both bf16 or both
+    fp16): into `out` (q's dtype, [T, H, 512]) without splits, else fp32 partial
+    rows and their log-sum-exps for `triton_sparse_mla.merge_split_k` (the
+    outputs and strides of `triton_sparse_mla.split_k_outputs`)."""
+    num_tokens, num_heads, _ = q.shape
+    grid = (triton.cdiv(num_heads, TILE_HEADS), num_tokens, splits)
     _sparse_mla_ws_kernel[grid](
         q, kv, slots, valid_counts, out, lse, scale,
-        q.stride(0), q.stride(1), kv.stride(0), slots.stride(0), *so, *sl,
-        num_heads, split_len, BLOCK_N=cfg["BLOCK_N"], STAGES=STAGES, D_V=kv_lora_rank,
-        D_R=head_dim - kv_lora_rank, PARTIAL=splits > 1, num_warps=4, maxnreg=168)
-    tsm.merge_split_k(out, lse, o)
-    return o
+        q.stride(0), q.stride(1), kv.stride(0), slots.stride(0), *out_strides,
+        *lse_strides, num_heads, split_len,
+        BLOCK_N=TILE_ROWS, STAGES=NUM_STAGES, D_V=KV_LORA_RANK, D_R=ROPE_DIM,
+        PARTIAL=splits > 1,
+        num_warps=4, maxnreg=168)

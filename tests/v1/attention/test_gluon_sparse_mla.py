@@ -1,0 +1,262 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The warp-specialized Hopper tile of sparse MLA (`gluon_sparse_mla`).
+
+CPU: which tiles the launch table gives it, and that it compiles for sm_90 into a
+producer and two consumers within Hopper's shared memory, with pipelined wgmma
+dots (ptxas serializes every wgmma of a kernel when it cannot prove them
+independent, at about 1.6x the time on the H200). GPU (`gpu` marker, SM90):
+through `triton_sparse_mla.sparse_mla_attention`, against float64 and the Triton
+tile, at split-K and edge shapes, and under CUDA-graph capture.
+"""
+
+import json
+import math
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from vllm.v1.attention.ops import triton_sparse_mla as tsm
+
+KV_LORA, ROPE = 512, 64
+HEAD = KV_LORA + ROPE
+HOPPER_GPU = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
+
+
+def compile_for_sm90(partial: bool) -> dict:
+    """Run in a plain process (no GPU needed): what ptxas makes of the tile."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    from vllm.v1.attention.ops import gluon_sparse_mla as gsm
+
+    fn = gsm._sparse_mla_ws_kernel
+    sig = {"Q": "*bf16", "KV": "*bf16", "Slots": "*i32", "Counts": "*i32",
+           "O": "*fp32" if partial else "*bf16", "Lse": "*fp32", "sm_scale": "fp32"}
+    ints = ["stride_qt", "stride_qh", "stride_kv", "stride_st", "stride_ot", "stride_oh",
+            "stride_os", "stride_lt", "stride_lh", "num_heads", "split_len"]
+    sig.update({name: "i32" for name in ints})
+    consts = {"BLOCK_N": gsm.TILE_ROWS, "STAGES": gsm.NUM_STAGES, "D_V": KV_LORA,
+              "D_R": ROPE, "PARTIAL": partial, "num_warps": 4}
+    sig.update({name: "constexpr" for name in consts})
+    # what the JIT sees at GLM-5 shapes: 16-byte aligned pointers and strides
+    aligned = [k for k, v in sig.items() if v.startswith("*")] + ints[:7] + ["split_len"]
+    src = GluonASTSource(
+        fn, sig, constexprs={(fn.arg_names.index(k),): v for k, v in consts.items()},
+        attrs={(fn.arg_names.index(k),): [["tt.divisibility", 16]] for k in aligned})
+    kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                            options={"num_warps": 4, "maxnreg": 168})
+    ptx = kernel.asm["ptx"]
+    bin_dir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+    ptx_path = os.path.join(os.environ.get("TMPDIR", "/tmp"), f"gsm-{os.getpid()}.ptx")
+    with open(ptx_path, "w") as f:
+        f.write(ptx)
+    try:
+        ptxas = subprocess.run(
+            [os.path.join(bin_dir, "ptxas"), "-v", "--gpu-name=sm_90a", ptx_path,
+             "-o", ptx_path + ".cubin"], capture_output=True, text=True, check=True).stderr
+        sass = subprocess.run([os.path.join(bin_dir, "cuobjdump"), "-sass",
+                               ptx_path + ".cubin"], capture_output=True, text=True,
+                              check=True).stdout
+    finally:
+        for path in (ptx_path, ptx_path + ".cubin"):
+            if os.path.exists(path):
+                os.remove(path)
+    return {"shared": kernel.metadata.shared,
+            "setmaxnreg": re.findall(r"setmaxnreg\.(?:inc|dec)\.sync\.aligned\.u32\s+(\d+)", ptx),
+            "copy_arrives": len(re.findall(r"cp\.async\.mbarrier\.arrive\.noinc", ptx)),
+            "cta_barriers": len(re.findall(r"bar\.sync\s+\d+;", ptx)),
+            "score_wgmma": len(re.findall(r"wgmma\.mma_async\S*m64n32k16", ptx)),
+            "pv_wgmma": len(re.findall(r"wgmma\.mma_async\S*m64n256k16", ptx)),
+            "ptxas_warnings": sorted(set(re.findall(r"\((C\d+)\) Potential Performance Loss",
+                                                   ptxas))),
+            "hgmma": sass.count("HGMMA."),
+            "wgmma_waits": sass.count("WARPGROUP.DEPBAR")}
+
+
+@pytest.mark.parametrize("partial", [False, True])
+def test_compiles_for_sm90_as_producer_and_two_consumers(partial):
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["CUDA_VISIBLE_DEVICES"] = ""
+    proc = subprocess.run([sys.executable, __file__, str(int(partial))], env=env,
+                          capture_output=True, text=True, timeout=900, check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert got["shared"] <= tsm.HOPPER_SHARED_MEM
+    # the consumers' and the producer's register budgets; copies that arrive on the
+    # stages' barriers; no barrier over the whole CTA (named barriers of 128 threads)
+    assert {"232", "40"} <= set(got["setmaxnreg"])
+    assert got["copy_arrives"] >= 1
+    assert got["cta_barriers"] == 0
+    # per consumer: 32 + 4 score dots of 64 heads x 32 rows (its half of the tile's
+    # rows; latent and rope parts) and 4 PV dots of 64 x 256 (both halves' P)
+    assert got["score_wgmma"] == 2 * 36 and got["pv_wgmma"] == 2 * 4
+    # pipelined dots: no serialization warning, and a few waits for 80 dots
+    # (one per dot when ptxas serializes them)
+    assert got["ptxas_warnings"] == []
+    assert got["hgmma"] == 80 and got["wgmma_waits"] <= 8
+
+
+def test_launch_table_takes_hopper_64_head_16_bit_tiles():
+    def ws(heads, kv_fp8=False, smem=tsm.HOPPER_SHARED_MEM, cap=90, tokens=8):
+        return tsm.launch_config(tokens, heads, 2048, KV_LORA, 132, smem, kv_fp8,
+                                 cap)["WARP_SPECIALIZED"]
+
+    assert ws(64) and ws(128) and ws(40) and ws(64, tokens=4096)
+    assert not ws(32) and not ws(16) and not ws(8)
+    assert not ws(64, kv_fp8=True)
+    assert not ws(64, cap=100) and not ws(64, cap=120, smem=99 * 1024)
+    assert not ws(64, cap=89, smem=99 * 1024) and not ws(64, cap=80, smem=163 * 1024)
+    assert not ws(64, smem=99 * 1024)  # an SM90 part without 227 KiB
+
+
+def test_dispatch_needs_a_gpu_tensor_and_the_glm5_shapes():
+    cfg = tsm.launch_config(8, 64, 2048, KV_LORA, 132)
+    q = torch.empty(8, 64, HEAD, dtype=torch.bfloat16)
+    kv = torch.empty(64, HEAD, dtype=torch.bfloat16)
+    # the Triton interpreter (CPU tensors) runs the Triton tile
+    assert tsm._warp_specialized_ops(cfg, q, kv, KV_LORA) is None
+    if not torch.cuda.is_available():
+        return
+    q, kv = q.cuda(), kv.cuda()
+    assert tsm._warp_specialized_ops(cfg, q, kv, KV_LORA) is not None
+    assert tsm._warp_specialized_ops(dict(cfg, WARP_SPECIALIZED=False), q, kv, KV_LORA) is None
+    assert tsm._warp_specialized_ops(dict(cfg, V_SPLITS=2), q, kv, KV_LORA) is None
+    assert tsm._warp_specialized_ops(cfg, q, kv.to(torch.float8_e4m3fn), KV_LORA) is None
+    assert tsm._warp_specialized_ops(cfg, q[..., :-32], kv[:, :-32], KV_LORA) is None
+
+
+def sparse_case(num_tokens, num_heads, dtype, seed, pool=65536, topk=2048):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    cache = (torch.randn(pool // 64, 64, HEAD, device="cuda", generator=g) * 0.5).to(dtype)
+    q = (torch.randn(num_tokens, num_heads, HEAD, device="cuda", generator=g) * 0.5).to(dtype)
+    slots = torch.stack([torch.randperm(pool, device="cuda", generator=g)[:topk]
+                         for _ in range(num_tokens)]).int()
+    counts = torch.randint(1, topk + 1, (num_tokens,), device="cuda", dtype=torch.int32,
+                           generator=g)
+    # a full top-k, no valid slot, fewer slots than a tile, part of a last tile
+    for t, n in enumerate((topk, 0, 37, 64 * 5 + 3)[:num_tokens]):
+        counts[t] = n
+    return q, cache, slots, counts
+
+
+def reference(q, cache, slots, counts, scale, tokens):
+    kv = cache.view(-1, HEAD).double()
+    out = {}
+    for t in tokens:
+        n = int(counts[t])
+        if n == 0:
+            out[t] = torch.zeros(q.shape[1], KV_LORA, dtype=torch.float64, device=q.device)
+            continue
+        rows = kv[slots[t, :n].long()]
+        out[t] = torch.softmax((q[t].double() @ rows.T) * scale, -1) @ rows[:, :KV_LORA]
+    return out
+
+
+@pytest.fixture
+def launches(monkeypatch):
+    """Counts the warp-specialized tile's launches."""
+    from vllm.v1.attention.ops import gluon_sparse_mla as gsm
+
+    calls = []
+    launch = gsm.sparse_mla_attention_ws
+
+    def counted(*args, **kwargs):
+        calls.append(args[-1])  # splits
+        return launch(*args, **kwargs)
+
+    monkeypatch.setattr(gsm, "sparse_mla_attention_ws", counted)
+    return calls
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HOPPER_GPU, reason="SM90 only")
+@pytest.mark.parametrize("num_tokens,num_heads,dtype", [
+    (1, 64, torch.bfloat16), (8, 64, torch.bfloat16), (64, 64, torch.bfloat16),
+    (300, 64, torch.bfloat16), (5, 128, torch.bfloat16), (8, 64, torch.float16),
+    (3, 40, torch.bfloat16), (4, 96, torch.float16)])
+def test_matches_float64_and_the_triton_tile(launches, num_tokens, num_heads, dtype):
+    q, cache, slots, counts = sparse_case(num_tokens, num_heads, dtype,
+                                          seed=num_tokens * 1000 + num_heads)
+    scale, one, sms = 1 / math.sqrt(192 + ROPE), torch.ones(1, device="cuda"), 132
+    cfg = tsm.device_launch_config(q.device, num_tokens, num_heads, 2048, KV_LORA, sms,
+                                   False)
+    assert cfg["WARP_SPECIALIZED"]
+    outs = [tsm.sparse_mla_attention(q, cache, slots, counts, KV_LORA, scale, one, sms,
+                                     config=c).double()
+            for c in (cfg, dict(cfg, splits=1))]
+    assert launches == [cfg["splits"], 1]
+    triton_tile = tsm.sparse_mla_attention(q, cache, slots, counts, KV_LORA, scale, one, sms,
+                                           config=dict(cfg, WARP_SPECIALIZED=False)).double()
+    assert len(launches) == 2
+    tokens = sorted(set(range(min(num_tokens, 4))) | {num_tokens - 1})
+    ref = reference(q, cache, slots, counts, scale, tokens)
+    for t in tokens:
+        err_triton = (triton_tile[t] - ref[t]).abs().max().item()
+        for out in outs:
+            assert (out[t] - ref[t]).abs().max().item() <= max(2 * err_triton, 1e-2)
+            if int(counts[t]) == 0:
+                assert (out[t] == 0).all()
+    for out in outs:
+        assert torch.isfinite(out).all()
+        torch.testing.assert_close(out, triton_tile, rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HOPPER_GPU, reason="SM90 only")
+def test_reads_no_row_past_a_tokens_count(launches):
+    # NaN in every slot after each token's valid ones and in the rest of the cache:
+    # a masked row that were read would make the output NaN
+    num_tokens, num_heads = 4, 64
+    q, cache, slots, counts = sparse_case(num_tokens, num_heads, torch.bfloat16, seed=11,
+                                          pool=16384)
+    used = torch.zeros(cache.shape[0] * 64, dtype=torch.bool, device="cuda")
+    for t in range(num_tokens):
+        used[slots[t, :int(counts[t])].long()] = True
+    cache.view(-1, HEAD)[~used] = float("nan")
+    scale, one = 1 / math.sqrt(192 + ROPE), torch.ones(1, device="cuda")
+    out = tsm.sparse_mla_attention(q, cache, slots, counts, KV_LORA, scale, one, 132)
+    assert launches
+    assert torch.isfinite(out).all()
+    ref = reference(q, cache, slots, counts, scale, range(num_tokens))
+    for t in range(num_tokens):
+        torch.testing.assert_close(out[t].double(), ref[t], rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HOPPER_GPU, reason="SM90 only")
+@pytest.mark.parametrize("num_tokens", [2, 64])  # with and without split-K
+def test_cuda_graph_capture_and_replay(launches, num_tokens):
+    q, cache, slots, counts = sparse_case(num_tokens, 64, torch.bfloat16, seed=21)
+    scale, one = 1 / math.sqrt(192 + ROPE), torch.ones(1, device="cuda")
+
+    def run():
+        return tsm.sparse_mla_attention(q, cache, slots, counts, KV_LORA, scale, one, 132)
+
+    eager = run()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        run()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        graphed = run()
+    graph.replay()
+    torch.testing.assert_close(graphed, eager, rtol=0, atol=0)
+    q2, cache2, slots2, counts2 = sparse_case(num_tokens, 64, torch.bfloat16, seed=22)
+    q.copy_(q2)
+    cache.copy_(cache2)
+    slots.copy_(slots2)
+    counts.copy_(counts2)
+    graph.replay()
+    torch.testing.assert_close(graphed, run(), rtol=0, atol=0)
+    assert launches
+
+
+if __name__ == "__main__":
+    print(json.dumps(compile_for_sm90(bool(int(sys.argv[1])))))
