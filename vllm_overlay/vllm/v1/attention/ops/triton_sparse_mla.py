@@ -286,7 +286,7 @@ def launch_config(
     splits = _num_splits(num_tokens, num_heads, block_h, topk, kv_lora_rank,
                          waves * num_sms)
     # H200: the warp-specialized tile takes 0.6x the Triton tile's time at 64 and
-    # 128 heads from 64 tokens on, and 0.85-0.95x at 1-8 tokens
+    # 128 heads from 64 tokens on, and 0.75-0.93x at 1-8 tokens
     # (benchmarks/results/h200-sparse-mla-gather.json)
     warp_specialized = hopper and block_h == 64 and not kv_fp8
     return {"BLOCK_H": block_h, "BLOCK_N": block_n, "num_warps": num_warps,
