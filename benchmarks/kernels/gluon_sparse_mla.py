@@ -14,7 +14,8 @@ H200 result (benchmarks/results/h200-sparse-mla-gluon.json, against the Triton
 kernel's bench of the same day): as exact as the Triton kernel against float64,
 5-17% faster at 1-8 tokens, 2-6% slower from 64 tokens (4096 tokens x 64 heads: 4950
 vs 4792 us). Hiding the copy does not speed the tile up at scale, so the launch
-table does not use it; it is a starting point for a warp-specialized kernel.
+table does not use it. The warp-specialized tile that grew from it, and that the
+table uses on Hopper, is `vllm/v1/attention/ops/gluon_sparse_mla.py`.
 
     python benchmarks/kernels/benchmark_triton_mla_sparse.py \
         --ops-file benchmarks/kernels/gluon_sparse_mla.py --heads 64 128 --kv bf16

@@ -2,7 +2,8 @@
 """The Gluon 64-head tile experiment (benchmarks/kernels/gluon_sparse_mla.py): on the
 CPU, that it compiles for sm_90 within Hopper's shared memory with the next tile's
 copy issued before the wait for the current one; on a GPU, its results against
-float64 and the Triton kernel."""
+float64 and `triton_sparse_mla.sparse_mla_attention` (on Hopper, since the
+warp-specialized tile landed, that tile)."""
 
 import importlib.util
 import json
