@@ -159,57 +159,22 @@ def _consumer(q_smem, qr_smem, k_smem, r_smem, p_smem, m_smem, full_bars, empty_
         gl.store(Lse + t * stride_lt + offs_hl * stride_lh + s, lse, mask=offs_hl < num_heads)
 
 
-# gl.warp_specialize hands every worker partition the same arguments: one function per
-# role, dispatching on a constexpr
+# one function for the three partitions, each launched with its ROLE: consumer 0 (the
+# default partition), consumer 1, the producer
 @gluon.jit
-def _consumer0(q_smem, qr_smem, k_smem, r_smem, p_smem, m_smem, full_bars, empty_bars,
+def _partition(q_smem, qr_smem, k_smem, r_smem, p_smem, m_smem, full_bars, empty_bars,
                x_bars, O, Lse, KV, Slots, t, s, hb, start, end, n_iters, qk_scale, num_heads,
                stride_kv, stride_st, stride_ot, stride_oh, stride_os, stride_lt, stride_lh,
                BLOCK_N: gl.constexpr, D_V: gl.constexpr, D_R: gl.constexpr,
-               PARTIAL: gl.constexpr):
-    _consumer(q_smem, qr_smem, k_smem, r_smem, p_smem, m_smem, full_bars, empty_bars, x_bars,
-              O, Lse, t, s, hb, start, end, n_iters, qk_scale, num_heads,
-              stride_ot, stride_oh, stride_os, stride_lt, stride_lh, 0, BLOCK_N, D_V, PARTIAL)
-
-
-@gluon.jit
-def _worker(q_smem, qr_smem, k_smem, r_smem, p_smem, m_smem, full_bars, empty_bars, x_bars,
-            O, Lse, KV, Slots, t, s, hb, start, end, n_iters, qk_scale, num_heads,
-            stride_kv, stride_st, stride_ot, stride_oh, stride_os, stride_lt, stride_lh,
-            BLOCK_N: gl.constexpr, D_V: gl.constexpr, D_R: gl.constexpr,
-            PARTIAL: gl.constexpr, ROLE: gl.constexpr):
-    if ROLE == 0:
+               PARTIAL: gl.constexpr, ROLE: gl.constexpr):
+    if ROLE < 2:
         _consumer(q_smem, qr_smem, k_smem, r_smem, p_smem, m_smem, full_bars, empty_bars,
                   x_bars, O, Lse, t, s, hb, start, end, n_iters, qk_scale, num_heads,
-                  stride_ot, stride_oh, stride_os, stride_lt, stride_lh, 1, BLOCK_N, D_V,
+                  stride_ot, stride_oh, stride_os, stride_lt, stride_lh, ROLE, BLOCK_N, D_V,
                   PARTIAL)
     else:
         _producer(KV, Slots, t, stride_kv, stride_st, start, end, n_iters, k_smem, r_smem,
                   full_bars, empty_bars, BLOCK_N, D_V, D_R)
-
-
-@gluon.jit
-def _consumer1(q_smem, qr_smem, k_smem, r_smem, p_smem, m_smem, full_bars, empty_bars,
-               x_bars, O, Lse, KV, Slots, t, s, hb, start, end, n_iters, qk_scale, num_heads,
-               stride_kv, stride_st, stride_ot, stride_oh, stride_os, stride_lt, stride_lh,
-               BLOCK_N: gl.constexpr, D_V: gl.constexpr, D_R: gl.constexpr,
-               PARTIAL: gl.constexpr):
-    _worker(q_smem, qr_smem, k_smem, r_smem, p_smem, m_smem, full_bars, empty_bars, x_bars,
-            O, Lse, KV, Slots, t, s, hb, start, end, n_iters, qk_scale, num_heads,
-            stride_kv, stride_st, stride_ot, stride_oh, stride_os, stride_lt, stride_lh,
-            BLOCK_N, D_V, D_R, PARTIAL, 0)
-
-
-@gluon.jit
-def _producer_w(q_smem, qr_smem, k_smem, r_smem, p_smem, m_smem, full_bars, empty_bars,
-                x_bars, O, Lse, KV, Slots, t, s, hb, start, end, n_iters, qk_scale, num_heads,
-                stride_kv, stride_st, stride_ot, stride_oh, stride_os, stride_lt, stride_lh,
-                BLOCK_N: gl.constexpr, D_V: gl.constexpr, D_R: gl.constexpr,
-                PARTIAL: gl.constexpr):
-    _worker(q_smem, qr_smem, k_smem, r_smem, p_smem, m_smem, full_bars, empty_bars, x_bars,
-            O, Lse, KV, Slots, t, s, hb, start, end, n_iters, qk_scale, num_heads,
-            stride_kv, stride_st, stride_ot, stride_oh, stride_os, stride_lt, stride_lh,
-            BLOCK_N, D_V, D_R, PARTIAL, 1)
 
 
 @gluon.jit
@@ -263,18 +228,18 @@ def _sparse_mla_ws_kernel(
     qk_scale = sm_scale * 1.4426950408889634
     # (a tuple built once and passed three times loses the constexprs)
     gl.warp_specialize([
-        (_consumer0, (q_smem, qr_smem, k_smem, r_smem, p_smem, m_smem, full_bars,
+        (_partition, (q_smem, qr_smem, k_smem, r_smem, p_smem, m_smem, full_bars,
                       empty_bars, x_bars, O, Lse, KV, Slots, t, s, hb, start, end, n_iters,
                       qk_scale, num_heads, stride_kv, stride_st, stride_ot, stride_oh,
-                      stride_os, stride_lt, stride_lh, BLOCK_N, D_V, D_R, PARTIAL)),
-        (_consumer1, (q_smem, qr_smem, k_smem, r_smem, p_smem, m_smem, full_bars,
+                      stride_os, stride_lt, stride_lh, BLOCK_N, D_V, D_R, PARTIAL, 0)),
+        (_partition, (q_smem, qr_smem, k_smem, r_smem, p_smem, m_smem, full_bars,
                       empty_bars, x_bars, O, Lse, KV, Slots, t, s, hb, start, end, n_iters,
                       qk_scale, num_heads, stride_kv, stride_st, stride_ot, stride_oh,
-                      stride_os, stride_lt, stride_lh, BLOCK_N, D_V, D_R, PARTIAL)),
-        (_producer_w, (q_smem, qr_smem, k_smem, r_smem, p_smem, m_smem, full_bars,
-                       empty_bars, x_bars, O, Lse, KV, Slots, t, s, hb, start, end, n_iters,
-                       qk_scale, num_heads, stride_kv, stride_st, stride_ot, stride_oh,
-                       stride_os, stride_lt, stride_lh, BLOCK_N, D_V, D_R, PARTIAL)),
+                      stride_os, stride_lt, stride_lh, BLOCK_N, D_V, D_R, PARTIAL, 1)),
+        (_partition, (q_smem, qr_smem, k_smem, r_smem, p_smem, m_smem, full_bars,
+                      empty_bars, x_bars, O, Lse, KV, Slots, t, s, hb, start, end, n_iters,
+                      qk_scale, num_heads, stride_kv, stride_st, stride_ot, stride_oh,
+                      stride_os, stride_lt, stride_lh, BLOCK_N, D_V, D_R, PARTIAL, 2)),
     ], [4, 4], [232, 40])
 
 
