@@ -160,12 +160,10 @@ def device_launch_config(device: torch.device, num_tokens: int, num_heads: int, 
     (64 heads of a 16-bit cache on Hopper)."""
     cfg = tsm.device_launch_config(device, num_tokens, num_heads, topk, kv_lora_rank,
                                    num_sms, kv_fp8)
-    hopper = False
-    if device.type == "cuda":
-        index = torch.cuda.current_device() if device.index is None else device.index
-        hopper = (tsm.device_capability(index) // 10 == 9
-                  and tsm.device_shared_mem(index) >= tsm.HOPPER_SHARED_MEM)
-    cfg["GLUON"] = hopper and cfg["BLOCK_H"] == 64 and not kv_fp8 and cfg["V_SPLITS"] == 1
+    # the table's warp-specialized tiles are exactly these (a CPU device gets Hopper's
+    # table, for the interpreter, which runs no Gluon)
+    cfg["GLUON"] = (device.type == "cuda" and cfg["WARP_SPECIALIZED"]
+                    and cfg["V_SPLITS"] == 1)
     return cfg
 
 
