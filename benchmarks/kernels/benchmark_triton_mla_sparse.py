@@ -84,10 +84,10 @@ def load_ops(path: str | None):
 
 
 def compile_key(cfg: dict, kv: str, q_dtype: str = "bf16") -> tuple:
-    # the constexprs, launch options and dtypes that make a distinct Triton binary
-    return (cfg["BLOCK_H"], cfg["BLOCK_N"], cfg.get("V_SPLITS", 1), cfg.get("V_RELOAD", False),
-            cfg.get("K_DEQUANT", False), cfg["splits"] > 1, cfg["num_warps"],
-            cfg["num_stages"], kv, q_dtype)
+    # the kernel, constexprs, launch options and dtypes that make a distinct binary
+    return (cfg.get("WARP_SPECIALIZED", False), cfg["BLOCK_H"], cfg["BLOCK_N"],
+            cfg.get("V_SPLITS", 1), cfg.get("V_RELOAD", False), cfg.get("K_DEQUANT", False),
+            cfg["splits"] > 1, cfg["num_warps"], cfg["num_stages"], kv, q_dtype)
 
 
 class CompiledStats:
@@ -212,7 +212,9 @@ def warm_compile_cache(cases, topk, sms, sweep, ops_file, workers: int,
     for t, h, kv in cases:
         cfg = ops.device_launch_config(torch.device("cuda"), t, h, topk, KV_LORA, sms,
                                        kv == "fp8")
-        for c in [cfg, *(sweep_configs(cfg, kv) if sweep else [])]:
+        # a warp-specialized row also times the Triton tile it falls back to
+        triton_cfg = dict(cfg, WARP_SPECIALIZED=False)
+        for c in [cfg, triton_cfg, *(sweep_configs(cfg, kv) if sweep else [])]:
             jobs.setdefault(compile_key(c, kv, q_dtype), (c, kv, h, topk, q_dtype))
     jobs = list(jobs.values())
     ctx = multiprocessing.get_context("spawn")
