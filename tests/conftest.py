@@ -42,6 +42,26 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+@pytest.fixture(scope="session")
+def run_without_gpu():
+    """Run a test module as a script in a plain process: no GPU and no Triton
+    interpreter, which cannot compile (Triton compiles for any target without a
+    GPU). Returns what the script prints as JSON on its last line."""
+    import json
+    import subprocess
+    import sys
+
+    def run(script, *args, timeout: int = 600):
+        env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+        env["CUDA_VISIBLE_DEVICES"] = ""
+        proc = subprocess.run([sys.executable, str(script), *map(str, args)], env=env,
+                              capture_output=True, text=True, timeout=timeout, check=False)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        return json.loads(proc.stdout.strip().splitlines()[-1])
+
+    return run
+
+
 @pytest.fixture
 def default_vllm_config():
     """A default VllmConfig for code that calls get_current_vllm_config() outside

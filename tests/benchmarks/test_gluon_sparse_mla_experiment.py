@@ -8,9 +8,7 @@ warp-specialized tile landed, that tile)."""
 import importlib.util
 import json
 import math
-import os
 import re
-import subprocess
 import sys
 from pathlib import Path
 
@@ -55,13 +53,8 @@ def compile_for_sm90(block_n: int, partial: bool) -> dict:
 
 
 @pytest.mark.parametrize("partial", [False, True])
-def test_compiles_for_sm90_with_the_copy_ahead(partial):
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["CUDA_VISIBLE_DEVICES"] = ""
-    proc = subprocess.run([sys.executable, __file__, str(int(partial))], env=env,
-                          capture_output=True, text=True, timeout=600, check=False)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    got = json.loads(proc.stdout.strip().splitlines()[-1])
+def test_compiles_for_sm90_with_the_copy_ahead(run_without_gpu, partial):
+    got = run_without_gpu(__file__, int(partial), timeout=600)
     assert got["shared"] <= 227 * 1024
     ops = got["loop_ops"]
     # in the loop: the next tile's copies, then the wait that leaves them in flight,

@@ -79,13 +79,8 @@ def compile_for_sm90(partial: bool) -> dict:
 
 
 @pytest.mark.parametrize("partial", [False, True])
-def test_compiles_for_sm90_as_producer_and_two_consumers(partial):
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["CUDA_VISIBLE_DEVICES"] = ""
-    proc = subprocess.run([sys.executable, __file__, str(int(partial))], env=env,
-                          capture_output=True, text=True, timeout=900, check=False)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    got = json.loads(proc.stdout.strip().splitlines()[-1])
+def test_compiles_for_sm90_as_producer_and_two_consumers(run_without_gpu, partial):
+    got = run_without_gpu(__file__, int(partial), timeout=900)
     assert got["shared"] <= tsm.HOPPER_SHARED_MEM
     # the consumers' and the producer's register budgets; copies that arrive on the
     # stages' barriers; no barrier over the whole CTA (named barriers of 128 threads)

@@ -18,9 +18,7 @@ mode, which cannot compile.
 """
 
 import json
-import os
 import re
-import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
 
@@ -149,25 +147,19 @@ def compile_indexer(arch: int) -> list[dict]:
     return out
 
 
-def run_compiles(arch: int, binaries: list[dict] | None) -> list:
-    """compile_shared_bytes (binaries given) or compile_indexer (None) in a subprocess."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["CUDA_VISIBLE_DEVICES"] = ""
-    proc = subprocess.run(
-        [sys.executable, __file__, str(arch), json.dumps(binaries)],
-        env=env, capture_output=True, text=True, timeout=1200, check=False,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+def run_compiles(run_without_gpu, arch: int, binaries: list[dict] | None) -> list:
+    """compile_shared_bytes (binaries given) or compile_indexer (None), run as this
+    module's script."""
+    return run_without_gpu(__file__, arch, json.dumps(binaries), timeout=1200)
 
 
 @pytest.fixture(scope="module")
-def compiled():
+def compiled(run_without_gpu):
     # two processes at a time (the CI machine has two cores)
     archs = sorted(SHARED_MEM)
     with ThreadPoolExecutor(2) as pool:
         tables = {arch: table_binaries(arch) for arch in archs}
-        results = pool.map(lambda a: run_compiles(a, tables[a]), archs)
+        results = pool.map(lambda a: run_compiles(run_without_gpu, a, tables[a]), archs)
         return {arch: list(zip(tables[arch], shared))
                 for arch, shared in zip(archs, results)}
 
@@ -189,13 +181,13 @@ def test_launch_table_pipelines_row_loads(compiled, arch):
     assert not sync, f"sm_{arch}: these launch configs load KV rows synchronously: {sync}"
 
 
-def test_sync_row_load_check_sees_fp8_reuse():
+def test_sync_row_load_check_sees_fp8_reuse(run_without_gpu):
     # the check itself: an fp8 tile shared by both dots through a conversion
     # (V_RELOAD off) compiles to a synchronous load on an mma.sync tile
     binary = {"BLOCK_H": 16, "BLOCK_N": 16, "num_warps": 4, "num_stages": 3,
               "V_SPLITS": 1, "kv": "fp8", "PARTIAL": False}
-    reused, reloaded = run_compiles(90, [dict(binary, V_RELOAD=False),
-                                         dict(binary, V_RELOAD=True)])
+    reused, reloaded = run_compiles(run_without_gpu, 90, [dict(binary, V_RELOAD=False),
+                                                          dict(binary, V_RELOAD=True)])
     assert reused[1] > 0 and reloaded[1] == 0
 
 
@@ -217,9 +209,9 @@ def test_key_blocks_by_shared_memory():
 
 
 @pytest.mark.parametrize("arch", [89, 120])
-def test_indexer_kernels_compile_with_fp8_dots(arch):
+def test_indexer_kernels_compile_with_fp8_dots(run_without_gpu, arch):
     # the GPUs the portable indexer is for: fp8 tensor-core dots, little shared memory
-    kernels = run_compiles(arch, None)
+    kernels = run_compiles(run_without_gpu, arch, None)
     assert [k["kernel"] for k in kernels] == ["prefill", "decode"]
     for k in kernels:
         assert k["fp8_dot"], k
