@@ -26,7 +26,7 @@ HEAD = KV_LORA + ROPE
 HOPPER_GPU = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
 
 
-def compile_for_sm90(partial: bool) -> dict:
+def compile_for_sm90(partial: bool, kv_fp8: bool = False) -> dict:
     """Run in a plain process (no GPU needed): what ptxas makes of the tile."""
     import triton
     from triton.backends.compiler import GPUTarget
@@ -35,8 +35,9 @@ def compile_for_sm90(partial: bool) -> dict:
     from vllm.v1.attention.ops import gluon_sparse_mla as gsm
 
     fn = gsm._sparse_mla_ws_kernel
-    sig = {"Q": "*bf16", "KV": "*bf16", "Slots": "*i32", "Counts": "*i32",
-           "O": "*fp32" if partial else "*bf16", "Lse": "*fp32", "sm_scale": "fp32"}
+    sig = {"Q": "*bf16", "KV": "*fp8e4nv" if kv_fp8 else "*bf16", "Slots": "*i32",
+           "Counts": "*i32", "KScale": "*fp32", "O": "*fp32" if partial else "*bf16",
+           "Lse": "*fp32", "sm_scale": "fp32"}
     ints = ["stride_qt", "stride_qh", "stride_kv", "stride_st", "stride_ot", "stride_oh",
             "stride_os", "stride_lt", "stride_lh", "num_heads", "split_len"]
     sig.update({name: "i32" for name in ints})
@@ -78,14 +79,16 @@ def compile_for_sm90(partial: bool) -> dict:
             "wgmma_waits": sass.count("WARPGROUP.DEPBAR")}
 
 
+@pytest.mark.parametrize("kv_fp8", [False, True], ids=["bf16", "fp8"])
 @pytest.mark.parametrize("partial", [False, True])
-def test_compiles_for_sm90_as_producer_and_two_consumers(run_without_gpu, partial):
-    got = run_without_gpu(__file__, int(partial), timeout=900)
+def test_compiles_for_sm90_as_producer_and_two_consumers(run_without_gpu, partial, kv_fp8):
+    got = run_without_gpu(__file__, int(partial), int(kv_fp8), timeout=900)
     assert got["shared"] <= tsm.HOPPER_SHARED_MEM
-    # the consumers' and the producer's register budgets; copies that arrive on the
-    # stages' barriers; no barrier over the whole CTA (named barriers of 128 threads)
-    assert {"232", "40"} <= set(got["setmaxnreg"])
-    assert got["copy_arrives"] >= 1
+    # the consumers' and the producer's register budgets (the fp8 producer converts
+    # rows); the 16-bit producer's copies arrive on the stages' barriers; no barrier
+    # over the whole CTA (named barriers of 128 threads)
+    assert ({"224", "56"} if kv_fp8 else {"232", "40"}) <= set(got["setmaxnreg"])
+    assert got["copy_arrives"] == 0 if kv_fp8 else got["copy_arrives"] >= 1
     assert got["cta_barriers"] == 0
     # per consumer: 32 + 4 score dots of 64 heads x 32 rows (its half of the tile's
     # rows; latent and rope parts) and 4 PV dots of 64 x 256 (both halves' P)
@@ -121,13 +124,16 @@ def test_dispatch_needs_a_gpu_tensor_and_the_glm5_shapes():
     assert tsm._warp_specialized_ops(cfg, q, kv, KV_LORA) is not None
     assert tsm._warp_specialized_ops(dict(cfg, WARP_SPECIALIZED=False), q, kv, KV_LORA) is None
     assert tsm._warp_specialized_ops(dict(cfg, V_SPLITS=2), q, kv, KV_LORA) is None
-    assert tsm._warp_specialized_ops(cfg, q, kv.to(torch.float8_e4m3fn), KV_LORA) is None
+    assert tsm._warp_specialized_ops(cfg, q, kv.to(torch.float8_e4m3fn), KV_LORA) is not None
+    assert tsm._warp_specialized_ops(cfg, q, kv.to(torch.float8_e5m2), KV_LORA) is None
+    assert tsm._warp_specialized_ops(cfg, q.half(), kv, KV_LORA) is None  # bf16 cache
     assert tsm._warp_specialized_ops(cfg, q[..., :-32], kv[:, :-32], KV_LORA) is None
 
 
-def sparse_case(num_tokens, num_heads, dtype, seed, pool=65536, topk=2048):
+def sparse_case(num_tokens, num_heads, dtype, seed, pool=65536, topk=2048, kv_dtype=None):
     g = torch.Generator(device="cuda").manual_seed(seed)
-    cache = (torch.randn(pool // 64, 64, HEAD, device="cuda", generator=g) * 0.5).to(dtype)
+    cache = (torch.randn(pool // 64, 64, HEAD, device="cuda", generator=g) * 0.5).to(
+        kv_dtype or dtype)
     q = (torch.randn(num_tokens, num_heads, HEAD, device="cuda", generator=g) * 0.5).to(dtype)
     slots = torch.stack([torch.randperm(pool, device="cuda", generator=g)[:topk]
                          for _ in range(num_tokens)]).int()
@@ -139,8 +145,8 @@ def sparse_case(num_tokens, num_heads, dtype, seed, pool=65536, topk=2048):
     return q, cache, slots, counts
 
 
-def reference(q, cache, slots, counts, scale, tokens):
-    kv = cache.view(-1, HEAD).double()
+def reference(q, cache, slots, counts, scale, tokens, k_scale=1.0):
+    kv = cache.view(-1, HEAD).double() * k_scale
     out = {}
     for t in tokens:
         n = int(counts[t])
@@ -203,6 +209,36 @@ def test_matches_float64_and_the_triton_tile(launches, num_tokens, num_heads, dt
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not HOPPER_GPU, reason="SM90 only")
+@pytest.mark.parametrize("num_tokens,num_heads,dtype", [
+    (1, 64, torch.bfloat16), (8, 64, torch.bfloat16), (300, 64, torch.bfloat16),
+    (5, 128, torch.bfloat16), (8, 64, torch.float16), (3, 40, torch.bfloat16)])
+def test_fp8_cache_matches_float64_and_the_triton_tile(launches, num_tokens, num_heads, dtype):
+    # an fp8 e4m3 cache with a per-tensor scale: the producer converts the rows
+    q, cache, slots, counts = sparse_case(num_tokens, num_heads, dtype, seed=num_tokens + 7,
+                                          kv_dtype=torch.float8_e4m3fn)
+    scale, sms = 1 / math.sqrt(192 + ROPE), 132
+    k_scale = torch.full((1,), 0.5, device="cuda")
+    cfg = dict(tsm.device_launch_config(q.device, num_tokens, num_heads, 2048, KV_LORA, sms,
+                                        True), WARP_SPECIALIZED=True)
+    outs = [tsm.sparse_mla_attention(q, cache, slots, counts, KV_LORA, scale, k_scale, sms,
+                                     config=c).double()
+            for c in (cfg, dict(cfg, splits=1))]
+    assert launches == [cfg["splits"], 1]
+    triton_tile = tsm.sparse_mla_attention(q, cache, slots, counts, KV_LORA, scale, k_scale,
+                                           sms, config=dict(cfg, WARP_SPECIALIZED=False)).double()
+    tokens = sorted(set(range(min(num_tokens, 4))) | {num_tokens - 1})
+    ref = reference(q, cache, slots, counts, scale, tokens, k_scale=0.5)
+    for t in tokens:
+        err_triton = (triton_tile[t] - ref[t]).abs().max().item()
+        for out in outs:
+            assert (out[t] - ref[t]).abs().max().item() <= max(2 * err_triton, 1e-2)
+    for out in outs:
+        assert torch.isfinite(out).all()
+        torch.testing.assert_close(out, triton_tile, rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HOPPER_GPU, reason="SM90 only")
 def test_reads_no_row_past_a_tokens_count(launches):
     # NaN in every slot after each token's valid ones and in the rest of the cache:
     # a masked row that were read would make the output NaN
@@ -254,4 +290,4 @@ def test_cuda_graph_capture_and_replay(launches, num_tokens):
 
 
 if __name__ == "__main__":
-    print(json.dumps(compile_for_sm90(bool(int(sys.argv[1])))))
+    print(json.dumps(compile_for_sm90(bool(int(sys.argv[1])), bool(int(sys.argv[2])))))

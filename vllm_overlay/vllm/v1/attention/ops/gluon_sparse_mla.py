@@ -77,8 +77,69 @@ def _producer(KV, Slots, t, stride_kv, stride_st, start, end, n_iters,
 
 
 @gluon.jit
+def _producer_fp8(KV, Slots, t, stride_kv, stride_st, start, end, n_iters,
+                  k_smem, r_smem, full_bars, empty_bars,
+                  BLOCK_N: gl.constexpr, D_V: gl.constexpr, D_R: gl.constexpr):
+    """The producer for an fp8 cache. A free stage's second half receives the tile's fp8
+    rows by async copies (the whole tile in flight); they are then converted in place
+    to the queries' dtype, one 64-column block at a time. The NVMMA layout stores a
+    block of 64 16-bit columns (8 KiB) after the other, so the first four blocks
+    land below the fp8 copy, and block j >= 4 overwrites fp8 blocks 2j - 8 and
+    2j - 7, which blocks <= j have already read. The per-tensor scale goes on the
+    scores and the output."""
+    STAGES: gl.constexpr = k_smem.type.shape[0]
+    dtype: gl.constexpr = k_smem.dtype
+    COLS: gl.constexpr = 64
+    # a warp copies 2 rows x 256 bytes of latent and 8 rows x 64 bytes of rope per
+    # instruction (16 bytes a thread)
+    ld: gl.constexpr = gl.BlockedLayout([1, 16], [2, 16], [4, 1], [1, 0])
+    ld_r: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [4, 1], [1, 0])
+    cvt: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [4, 1], [1, 0])
+    # fp8 copies: 64-byte swizzled blocks of 64 columns, 4 KiB each, in the upper half of
+    # the stage (and of its rope part)
+    sl8: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=64, element_bitwidth=8,
+                                             rank=2)
+    offs_v = gl.arange(0, D_V, gl.SliceLayout(0, ld))
+    offs_r = gl.arange(0, D_R, gl.SliceLayout(0, ld_r))
+    offs_b = gl.arange(0, BLOCK_N, gl.SliceLayout(1, ld))
+    offs_br = gl.arange(0, BLOCK_N, gl.SliceLayout(1, ld_r))
+    base = Slots + t * stride_st + start
+    count = end - start
+    for it in range(n_iters):
+        stage = it % STAGES
+        n0 = it * BLOCK_N
+        mask_n = (n0 + offs_b) < count
+        mask_r = (n0 + offs_br) < count
+        slot = gl.load(base + n0 + offs_b, mask=mask_n, other=0).to(gl.int64)
+        slot_r = gl.load(base + n0 + offs_br, mask=mask_r, other=0).to(gl.int64)
+        mbarrier.wait(empty_bars.index(stage), ((it // STAGES) & 1) ^ 1)
+        k_stage = k_smem.index(stage)
+        r_stage = r_smem.index(stage)
+        k8 = k_stage._reinterpret(KV.dtype.element_ty, [2, BLOCK_N, D_V], sl8).index(1)
+        r8 = r_stage._reinterpret(KV.dtype.element_ty, [2, BLOCK_N, D_R], sl8).index(1)
+        cp.async_copy_global_to_shared(k8, KV + slot[:, None] * stride_kv + offs_v[None, :],
+                                       mask=mask_n[:, None])
+        cp.async_copy_global_to_shared(r8, KV + slot_r[:, None] * stride_kv + D_V
+                                       + offs_r[None, :], mask=mask_r[:, None])
+        cp.commit_group()
+        cp.wait_group(0)
+        gl.thread_barrier()  # every thread's copies have landed
+        for j in gl.static_range(D_V // COLS):
+            x = k8.slice(j * COLS, COLS, dim=1).load(cvt)
+            if j >= D_V // COLS // 2:
+                gl.thread_barrier()  # the fp8 blocks this store overwrites were read
+            k_stage.slice(j * COLS, COLS, dim=1).store(x.to(dtype))
+        xr = r8.load(cvt)
+        gl.thread_barrier()
+        r_stage.store(xr.to(dtype))
+        # the consumers' wgmma dots read the stage through the async proxy
+        fence_async_shared()
+        mbarrier.arrive(full_bars.index(stage))
+
+
+@gluon.jit
 def _consumer(q_smem, qr_smem, k_smem, r_smem, p_smem, m_smem, full_bars, empty_bars, x_bars,
-              O, Lse, t, s, hb, start, end, n_iters, qk_scale, num_heads,
+              O, Lse, t, s, hb, start, end, n_iters, qk_scale, v_scale, num_heads,
               stride_ot, stride_oh, stride_os, stride_lt, stride_lh,
               C: gl.constexpr, BLOCK_N: gl.constexpr, D_V: gl.constexpr,
               PARTIAL: gl.constexpr):
@@ -148,7 +209,7 @@ def _consumer(q_smem, qr_smem, k_smem, r_smem, p_smem, m_smem, full_bars, empty_
     mbarrier.wait(x_bars.index(0), n_iters & 1)
     l_tot = m_smem.index(0).load(row_s) + m_smem.index(1).load(row_s)
     l_safe = gl.where(l_tot > 0.0, l_tot, 1.0)
-    out = acc / gl.convert_layout(l_safe, row_o)[:, None]
+    out = acc * gl.convert_layout(v_scale / l_safe, row_o)[:, None]
     offs_ho = hb * BLOCK_H + gl.arange(0, BLOCK_H, row_o)
     offs_o = C * D_O + gl.arange(0, D_O, gl.SliceLayout(0, o_layout))
     o_ptr = O + t * stride_ot + s * stride_os + offs_ho[:, None] * stride_oh + offs_o[None, :]
@@ -163,15 +224,18 @@ def _consumer(q_smem, qr_smem, k_smem, r_smem, p_smem, m_smem, full_bars, empty_
 # default partition), consumer 1, the producer
 @gluon.jit
 def _partition(q_smem, qr_smem, k_smem, r_smem, p_smem, m_smem, full_bars, empty_bars,
-               x_bars, O, Lse, KV, Slots, t, s, hb, start, end, n_iters, qk_scale, num_heads,
-               stride_kv, stride_st, stride_ot, stride_oh, stride_os, stride_lt, stride_lh,
+               x_bars, O, Lse, KV, Slots, t, s, hb, start, end, n_iters, qk_scale, v_scale,
+               num_heads, stride_kv, stride_st, stride_ot, stride_oh, stride_os, stride_lt, stride_lh,
                BLOCK_N: gl.constexpr, D_V: gl.constexpr, D_R: gl.constexpr,
                PARTIAL: gl.constexpr, ROLE: gl.constexpr):
     if ROLE < 2:
         _consumer(q_smem, qr_smem, k_smem, r_smem, p_smem, m_smem, full_bars, empty_bars,
-                  x_bars, O, Lse, t, s, hb, start, end, n_iters, qk_scale, num_heads,
-                  stride_ot, stride_oh, stride_os, stride_lt, stride_lh, ROLE, BLOCK_N, D_V,
-                  PARTIAL)
+                  x_bars, O, Lse, t, s, hb, start, end, n_iters, qk_scale, v_scale,
+                  num_heads, stride_ot, stride_oh, stride_os, stride_lt, stride_lh, ROLE,
+                  BLOCK_N, D_V, PARTIAL)
+    elif KV.dtype.element_ty.is_fp8():
+        _producer_fp8(KV, Slots, t, stride_kv, stride_st, start, end, n_iters, k_smem,
+                      r_smem, full_bars, empty_bars, BLOCK_N, D_V, D_R)
     else:
         _producer(KV, Slots, t, stride_kv, stride_st, start, end, n_iters, k_smem, r_smem,
                   full_bars, empty_bars, BLOCK_N, D_V, D_R)
@@ -179,7 +243,7 @@ def _partition(q_smem, qr_smem, k_smem, r_smem, p_smem, m_smem, full_bars, empty
 
 @gluon.jit
 def _sparse_mla_ws_kernel(
-    Q, KV, Slots, Counts, O, Lse, sm_scale,
+    Q, KV, Slots, Counts, KScale, O, Lse, sm_scale,
     stride_qt, stride_qh, stride_kv, stride_st, stride_ot, stride_oh, stride_os,
     stride_lt, stride_lh, num_heads, split_len,
     BLOCK_N: gl.constexpr, STAGES: gl.constexpr, D_V: gl.constexpr, D_R: gl.constexpr,
@@ -215,7 +279,8 @@ def _sparse_mla_ws_kernel(
     empty_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     x_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(STAGES):
-        mbarrier.init(full_bars.index(i), count=128)  # the producer's threads
+        # the producer's threads' async copies, or its one arrive for an fp8 cache
+        mbarrier.init(full_bars.index(i), count=1 if KV.dtype.element_ty.is_fp8() else 128)
         mbarrier.init(empty_bars.index(i), count=2)  # the two consumers
     for i in gl.static_range(2):
         mbarrier.init(x_bars.index(i), count=2)  # the consumers' exchanges (maxima, P)
@@ -225,22 +290,32 @@ def _sparse_mla_ws_kernel(
     start = s * split_len
     end = gl.minimum(start + split_len, count)
     n_iters = gl.maximum(gl.cdiv(end - start, BLOCK_N), 0)
-    qk_scale = sm_scale * 1.4426950408889634
+    # an fp8 cache's per-tensor scale goes on the scores and the output
+    FP8: gl.constexpr = KV.dtype.element_ty.is_fp8()
+    if FP8:
+        v_scale = gl.load(KScale)
+    else:
+        v_scale = gl.to_tensor(1.0)
+    qk_scale = sm_scale * 1.4426950408889634 * v_scale
+    # registers per thread (of 168 x 384 at launch): the fp8 producer holds and converts
+    # rows, the 16-bit one only issues copies
+    CONSUMER_REGS: gl.constexpr = 224 if FP8 else 232
+    PRODUCER_REGS: gl.constexpr = 56 if FP8 else 40
     # (a tuple built once and passed three times loses the constexprs)
     gl.warp_specialize([
         (_partition, (q_smem, qr_smem, k_smem, r_smem, p_smem, m_smem, full_bars,
                       empty_bars, x_bars, O, Lse, KV, Slots, t, s, hb, start, end, n_iters,
-                      qk_scale, num_heads, stride_kv, stride_st, stride_ot, stride_oh,
+                      qk_scale, v_scale, num_heads, stride_kv, stride_st, stride_ot, stride_oh,
                       stride_os, stride_lt, stride_lh, BLOCK_N, D_V, D_R, PARTIAL, 0)),
         (_partition, (q_smem, qr_smem, k_smem, r_smem, p_smem, m_smem, full_bars,
                       empty_bars, x_bars, O, Lse, KV, Slots, t, s, hb, start, end, n_iters,
-                      qk_scale, num_heads, stride_kv, stride_st, stride_ot, stride_oh,
+                      qk_scale, v_scale, num_heads, stride_kv, stride_st, stride_ot, stride_oh,
                       stride_os, stride_lt, stride_lh, BLOCK_N, D_V, D_R, PARTIAL, 1)),
         (_partition, (q_smem, qr_smem, k_smem, r_smem, p_smem, m_smem, full_bars,
                       empty_bars, x_bars, O, Lse, KV, Slots, t, s, hb, start, end, n_iters,
-                      qk_scale, num_heads, stride_kv, stride_st, stride_ot, stride_oh,
+                      qk_scale, v_scale, num_heads, stride_kv, stride_st, stride_ot, stride_oh,
                       stride_os, stride_lt, stride_lh, BLOCK_N, D_V, D_R, PARTIAL, 2)),
-    ], [4, 4], [232, 40])
+    ], [4, 4], [CONSUMER_REGS, PRODUCER_REGS])
 
 
 def supports(num_heads_per_tile: int, kv_lora_rank: int, rope_dim: int,
@@ -255,6 +330,7 @@ def sparse_mla_attention_ws(
     kv: torch.Tensor,
     slots: torch.Tensor,
     valid_counts: torch.Tensor,
+    k_scale: torch.Tensor,
     out: torch.Tensor,
     lse: torch.Tensor,
     out_strides: tuple,
@@ -270,7 +346,7 @@ def sparse_mla_attention_ws(
     num_tokens, num_heads, _ = q.shape
     grid = (triton.cdiv(num_heads, TILE_HEADS), num_tokens, splits)
     _sparse_mla_ws_kernel[grid](
-        q, kv, slots, valid_counts, out, lse, scale,
+        q, kv, slots, valid_counts, k_scale, out, lse, scale,
         q.stride(0), q.stride(1), kv.stride(0), slots.stride(0), *out_strides,
         *lse_strides, num_heads, split_len,
         BLOCK_N=TILE_ROWS, STAGES=NUM_STAGES, D_V=KV_LORA_RANK, D_R=ROPE_DIM,

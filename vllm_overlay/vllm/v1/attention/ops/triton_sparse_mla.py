@@ -329,9 +329,9 @@ def _gluon_sparse_mla():
 
 def _warp_specialized_ops(cfg: dict, q: torch.Tensor, kv: torch.Tensor, kv_lora_rank: int):
     """`gluon_sparse_mla` where the launch table chose its tile and it takes these
-    tensors (a GPU, not the interpreter; a 16-bit cache in q's dtype), else None."""
+    tensors (a GPU, not the interpreter; a cache in q's dtype or fp8 e4m3), else None."""
     if not (cfg.get("WARP_SPECIALIZED") and q.is_cuda and cfg.get("V_SPLITS", 1) == 1
-            and kv.dtype == q.dtype):
+            and kv.dtype in (q.dtype, torch.float8_e4m3fn)):
         return None
     ops = _gluon_sparse_mla()
     if ops is None or not ops.supports(cfg["BLOCK_H"], kv_lora_rank,
@@ -408,8 +408,8 @@ def sparse_mla_attention(
     gluon_ops = _warp_specialized_ops(cfg, q, kv, kv_lora_rank)
     if gluon_ops is not None:
         split_len, out, lse, so, sl = split_k_outputs(o, topk, splits, gluon_ops.TILE_ROWS)
-        gluon_ops.sparse_mla_attention_ws(q, kv, slots, valid_counts, out, lse, so, sl,
-                                          scale, split_len, splits)
+        gluon_ops.sparse_mla_attention_ws(q, kv, slots, valid_counts, k_scale, out, lse, so,
+                                          sl, scale, split_len, splits)
         merge_split_k(out, lse, o)
         return o
     split_len, out, lse, so, sl = split_k_outputs(o, topk, splits, cfg["BLOCK_N"])
