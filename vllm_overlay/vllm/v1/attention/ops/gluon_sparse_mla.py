@@ -2,14 +2,17 @@
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """Sparse MLA attention for Hopper: a warp-specialized 64-head tile in Gluon.
 
-The tile `triton_sparse_mla` launches for 64 heads of a 16-bit cache on SM90
-(`launch_config(...)["WARP_SPECIALIZED"]`), with the same split-K partial
-outputs and merge. One program per (64-head block, token, split), three
+The tile `triton_sparse_mla` launches for 64 heads of a 16-bit or fp8 e4m3
+cache on SM90 (`launch_config(...)["WARP_SPECIALIZED"]`), with the same split-K
+partial outputs and merge. One program per (64-head block, token, split), three
 partitions over two shared-memory stages of 64 gathered rows:
 
-- a producer (4 warps, 40 registers) copies each tile's rows by slot with async
-  copies that arrive on the stage's "full" mbarrier, loading the next tile's
-  slot ids while it waits for a free stage;
+- a producer (4 warps, 40 registers) first copies the queries, which arrive on
+  their own mbarrier while the first rows are gathered, then copies each tile's
+  rows by slot with async copies that arrive on the stage's "full" mbarrier,
+  loading the next tile's slot ids while it waits for a free stage. For an fp8
+  cache (56 registers) it lands a tile's rows in the upper half of the free
+  stage and converts them there to the queries' dtype (`_producer_fp8`);
 - two consumers (4 warps, 232 registers each). Consumer C scores rows
   [32 C, 32 C + 32) of the tile for all 64 heads (wgmma, queries and rows in
   shared memory). The consumers exchange their row maxima and their halves of P
@@ -17,8 +20,8 @@ partitions over two shared-memory stages of 64 gathered rows:
   columns [256 C, 256 C + 256) from both halves. Each releases the stage on its
   "empty" mbarrier once its PV dots are done.
 
-H200, 64 heads, top-k 2048: 3.2 TB/s at 256-4096 tokens, 1.6x the Triton tile
-(benchmarks/results/h200-sparse-mla-gather.json). Triton 3.6's own
+H200, 64 heads, top-k 2048: 3.2 TB/s at 256-4096 tokens, 1.6x the Triton tile;
+fp8, 0.7x the Triton fp8 tile (benchmarks/results/h200-sparse-mla-gather.json). Triton 3.6's own
 `warp_specialize` loop option does not partition this loop for sm_90, hence
 Gluon.
 """
@@ -44,9 +47,27 @@ ROPE_DIM = 64
 
 
 @gluon.jit
-def _producer(KV, Slots, t, stride_kv, stride_st, start, end, n_iters,
-              k_smem, r_smem, full_bars, empty_bars,
-              BLOCK_N: gl.constexpr, D_V: gl.constexpr, D_R: gl.constexpr):
+def _copy_queries(Q, t, hb, stride_qt, stride_qh, num_heads, q_smem, qr_smem, q_bar):
+    """The producer's first copies: the tile's queries, which arrive on `q_bar` while
+    the first rows are gathered (heads past `num_heads` are zero-filled)."""
+    BLOCK_H: gl.constexpr = q_smem.type.shape[0]
+    D_V: gl.constexpr = q_smem.type.shape[1]
+    D_R: gl.constexpr = qr_smem.type.shape[1]
+    ld: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+    offs_h = hb * BLOCK_H + gl.arange(0, BLOCK_H, gl.SliceLayout(1, ld))
+    row = Q + t * stride_qt + offs_h[:, None] * stride_qh
+    mask = (offs_h < num_heads)[:, None]
+    cp.async_copy_global_to_shared(
+        q_smem, row + gl.arange(0, D_V, gl.SliceLayout(0, ld))[None, :], mask=mask)
+    cp.async_copy_global_to_shared(
+        qr_smem, row + D_V + gl.arange(0, D_R, gl.SliceLayout(0, ld))[None, :], mask=mask)
+    cp.mbarrier_arrive(q_bar, increment_count=False)
+
+
+@gluon.jit
+def _producer(Q, KV, Slots, t, hb, stride_qt, stride_qh, num_heads, stride_kv, stride_st,
+              start, end, n_iters, q_smem, qr_smem, k_smem, r_smem, q_bar, full_bars,
+              empty_bars, BLOCK_N: gl.constexpr, D_V: gl.constexpr, D_R: gl.constexpr):
     STAGES: gl.constexpr = k_smem.type.shape[0]
     # a warp copies 4 rows x 128 bytes per instruction: whole 128-byte lines, and a thread
     # needs the slots of BLOCK_N / 16 rows only (the same ones for the latent and rope parts)
@@ -57,6 +78,7 @@ def _producer(KV, Slots, t, stride_kv, stride_st, start, end, n_iters,
     base = Slots + t * stride_st + start
     count = end - start
     nxt = gl.load(base + offs_b, mask=offs_b < count, other=0)
+    _copy_queries(Q, t, hb, stride_qt, stride_qh, num_heads, q_smem, qr_smem, q_bar)
     for it in range(n_iters):
         stage = it % STAGES
         n0 = it * BLOCK_N
@@ -77,9 +99,9 @@ def _producer(KV, Slots, t, stride_kv, stride_st, start, end, n_iters,
 
 
 @gluon.jit
-def _producer_fp8(KV, Slots, t, stride_kv, stride_st, start, end, n_iters,
-                  k_smem, r_smem, full_bars, empty_bars,
-                  BLOCK_N: gl.constexpr, D_V: gl.constexpr, D_R: gl.constexpr):
+def _producer_fp8(Q, KV, Slots, t, hb, stride_qt, stride_qh, num_heads, stride_kv,
+                  stride_st, start, end, n_iters, q_smem, qr_smem, k_smem, r_smem, q_bar,
+                  full_bars, empty_bars, BLOCK_N: gl.constexpr, D_V: gl.constexpr, D_R: gl.constexpr):
     """The producer for an fp8 cache. A free stage's second half receives the tile's fp8
     rows by async copies (the whole tile in flight); they are then converted in place
     to the queries' dtype, one 64-column block at a time. The NVMMA layout stores a
@@ -105,13 +127,21 @@ def _producer_fp8(KV, Slots, t, stride_kv, stride_st, start, end, n_iters,
     offs_br = gl.arange(0, BLOCK_N, gl.SliceLayout(1, ld_r))
     base = Slots + t * stride_st + start
     count = end - start
+    nxt = gl.load(base + offs_b, mask=offs_b < count, other=0)
+    nxt_r = gl.load(base + offs_br, mask=offs_br < count, other=0)
+    _copy_queries(Q, t, hb, stride_qt, stride_qh, num_heads, q_smem, qr_smem, q_bar)
     for it in range(n_iters):
         stage = it % STAGES
         n0 = it * BLOCK_N
         mask_n = (n0 + offs_b) < count
         mask_r = (n0 + offs_br) < count
-        slot = gl.load(base + n0 + offs_b, mask=mask_n, other=0).to(gl.int64)
-        slot_r = gl.load(base + n0 + offs_br, mask=mask_r, other=0).to(gl.int64)
+        slot = nxt.to(gl.int64)
+        slot_r = nxt_r.to(gl.int64)
+        # the next tile's slot ids load while this one's rows are copied and converted
+        nxt = gl.load(base + n0 + BLOCK_N + offs_b, mask=(n0 + BLOCK_N + offs_b) < count,
+                      other=0)
+        nxt_r = gl.load(base + n0 + BLOCK_N + offs_br, mask=(n0 + BLOCK_N + offs_br) < count,
+                        other=0)
         mbarrier.wait(empty_bars.index(stage), ((it // STAGES) & 1) ^ 1)
         k_stage = k_smem.index(stage)
         r_stage = r_smem.index(stage)
@@ -138,7 +168,8 @@ def _producer_fp8(KV, Slots, t, stride_kv, stride_st, start, end, n_iters,
 
 
 @gluon.jit
-def _consumer(q_smem, qr_smem, k_smem, r_smem, p_smem, m_smem, full_bars, empty_bars, x_bars,
+def _consumer(q_smem, qr_smem, k_smem, r_smem, p_smem, m_smem, q_bar, full_bars, empty_bars,
+              x_bars,
               O, Lse, t, s, hb, start, end, n_iters, qk_scale, v_scale, num_heads,
               stride_ot, stride_oh, stride_os, stride_lt, stride_lh,
               C: gl.constexpr, BLOCK_N: gl.constexpr, D_V: gl.constexpr,
@@ -163,6 +194,7 @@ def _consumer(q_smem, qr_smem, k_smem, r_smem, p_smem, m_smem, full_bars, empty_
     acc = gl.zeros([BLOCK_H, D_O], gl.float32, o_layout)
     s_zero = gl.zeros([BLOCK_H, HALF_N], gl.float32, s_layout)
     offs_ns = C * HALF_N + gl.arange(0, HALF_N, gl.SliceLayout(0, s_layout))
+    mbarrier.wait(q_bar, 0)
     for it in range(n_iters):
         stage = it % STAGES
         phase = it & 1
@@ -223,22 +255,25 @@ def _consumer(q_smem, qr_smem, k_smem, r_smem, p_smem, m_smem, full_bars, empty_
 # one function for the three partitions, each launched with its ROLE: consumer 0 (the
 # default partition), consumer 1, the producer
 @gluon.jit
-def _partition(q_smem, qr_smem, k_smem, r_smem, p_smem, m_smem, full_bars, empty_bars,
-               x_bars, O, Lse, KV, Slots, t, s, hb, start, end, n_iters, qk_scale, v_scale,
-               num_heads, stride_kv, stride_st, stride_ot, stride_oh, stride_os, stride_lt, stride_lh,
+def _partition(q_smem, qr_smem, k_smem, r_smem, p_smem, m_smem, q_bar, full_bars, empty_bars,
+               x_bars, Q, O, Lse, KV, Slots, t, s, hb, start, end, n_iters, qk_scale, v_scale,
+               num_heads, stride_qt, stride_qh, stride_kv, stride_st, stride_ot, stride_oh,
+               stride_os, stride_lt, stride_lh,
                BLOCK_N: gl.constexpr, D_V: gl.constexpr, D_R: gl.constexpr,
                PARTIAL: gl.constexpr, ROLE: gl.constexpr):
     if ROLE < 2:
-        _consumer(q_smem, qr_smem, k_smem, r_smem, p_smem, m_smem, full_bars, empty_bars,
-                  x_bars, O, Lse, t, s, hb, start, end, n_iters, qk_scale, v_scale,
-                  num_heads, stride_ot, stride_oh, stride_os, stride_lt, stride_lh, ROLE,
-                  BLOCK_N, D_V, PARTIAL)
+        _consumer(q_smem, qr_smem, k_smem, r_smem, p_smem, m_smem, q_bar, full_bars,
+                  empty_bars, x_bars, O, Lse, t, s, hb, start, end, n_iters, qk_scale,
+                  v_scale, num_heads, stride_ot, stride_oh, stride_os, stride_lt, stride_lh,
+                  ROLE, BLOCK_N, D_V, PARTIAL)
     elif KV.dtype.element_ty.is_fp8():
-        _producer_fp8(KV, Slots, t, stride_kv, stride_st, start, end, n_iters, k_smem,
-                      r_smem, full_bars, empty_bars, BLOCK_N, D_V, D_R)
+        _producer_fp8(Q, KV, Slots, t, hb, stride_qt, stride_qh, num_heads, stride_kv,
+                      stride_st, start, end, n_iters, q_smem, qr_smem, k_smem, r_smem, q_bar,
+                      full_bars, empty_bars, BLOCK_N, D_V, D_R)
     else:
-        _producer(KV, Slots, t, stride_kv, stride_st, start, end, n_iters, k_smem, r_smem,
-                  full_bars, empty_bars, BLOCK_N, D_V, D_R)
+        _producer(Q, KV, Slots, t, hb, stride_qt, stride_qh, num_heads, stride_kv, stride_st,
+                  start, end, n_iters, q_smem, qr_smem, k_smem, r_smem, q_bar, full_bars,
+                  empty_bars, BLOCK_N, D_V, D_R)
 
 
 @gluon.jit
@@ -251,8 +286,6 @@ def _sparse_mla_ws_kernel(
 ):
     BLOCK_H: gl.constexpr = 64
     dtype: gl.constexpr = Q.dtype.element_ty
-    ld_v: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [num_warps, 1], [1, 0])
-    ld_r: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1], [1, 0])
     sl: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
     sl_p: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=BLOCK_N, element_bitwidth=16,
                                               rank=2)
@@ -261,16 +294,9 @@ def _sparse_mla_ws_kernel(
     t = gl.program_id(1).to(gl.int64)
     s = gl.program_id(2)
 
-    offs_hq = hb * BLOCK_H + gl.arange(0, BLOCK_H, gl.SliceLayout(1, ld_v))
-    offs_v = gl.arange(0, D_V, gl.SliceLayout(0, ld_v))
-    q_nope = gl.load(Q + t * stride_qt + offs_hq[:, None] * stride_qh + offs_v[None, :],
-                     mask=(offs_hq < num_heads)[:, None], other=0.0)
-    offs_hr = hb * BLOCK_H + gl.arange(0, BLOCK_H, gl.SliceLayout(1, ld_r))
-    offs_r = gl.arange(0, D_R, gl.SliceLayout(0, ld_r))
-    q_rope = gl.load(Q + t * stride_qt + offs_hr[:, None] * stride_qh + D_V + offs_r[None, :],
-                     mask=(offs_hr < num_heads)[:, None], other=0.0)
-    q_smem = gl.allocate_shared_memory(dtype, [BLOCK_H, D_V], sl, q_nope)
-    qr_smem = gl.allocate_shared_memory(dtype, [BLOCK_H, D_R], sl, q_rope)
+    # the queries are the producer's first copies (`_copy_queries`)
+    q_smem = gl.allocate_shared_memory(dtype, [BLOCK_H, D_V], sl)
+    qr_smem = gl.allocate_shared_memory(dtype, [BLOCK_H, D_R], sl)
     k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D_V], sl)
     r_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D_R], sl)
     p_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_H, BLOCK_N // 2], sl_p)
@@ -278,6 +304,8 @@ def _sparse_mla_ws_kernel(
     full_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     x_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    mbarrier.init(q_bar, count=128)  # the producer's threads' query copies
     for i in gl.static_range(STAGES):
         # the producer's threads' async copies, or its one arrive for an fp8 cache
         mbarrier.init(full_bars.index(i), count=1 if KV.dtype.element_ty.is_fp8() else 128)
@@ -303,24 +331,27 @@ def _sparse_mla_ws_kernel(
     PRODUCER_REGS: gl.constexpr = 56 if FP8 else 40
     # (a tuple built once and passed three times loses the constexprs)
     gl.warp_specialize([
-        (_partition, (q_smem, qr_smem, k_smem, r_smem, p_smem, m_smem, full_bars,
-                      empty_bars, x_bars, O, Lse, KV, Slots, t, s, hb, start, end, n_iters,
-                      qk_scale, v_scale, num_heads, stride_kv, stride_st, stride_ot, stride_oh,
-                      stride_os, stride_lt, stride_lh, BLOCK_N, D_V, D_R, PARTIAL, 0)),
-        (_partition, (q_smem, qr_smem, k_smem, r_smem, p_smem, m_smem, full_bars,
-                      empty_bars, x_bars, O, Lse, KV, Slots, t, s, hb, start, end, n_iters,
-                      qk_scale, v_scale, num_heads, stride_kv, stride_st, stride_ot, stride_oh,
-                      stride_os, stride_lt, stride_lh, BLOCK_N, D_V, D_R, PARTIAL, 1)),
-        (_partition, (q_smem, qr_smem, k_smem, r_smem, p_smem, m_smem, full_bars,
-                      empty_bars, x_bars, O, Lse, KV, Slots, t, s, hb, start, end, n_iters,
-                      qk_scale, v_scale, num_heads, stride_kv, stride_st, stride_ot, stride_oh,
-                      stride_os, stride_lt, stride_lh, BLOCK_N, D_V, D_R, PARTIAL, 2)),
+        (_partition, (q_smem, qr_smem, k_smem, r_smem, p_smem, m_smem, q_bar, full_bars,
+                      empty_bars, x_bars, Q, O, Lse, KV, Slots, t, s, hb, start, end,
+                      n_iters, qk_scale, v_scale, num_heads, stride_qt, stride_qh, stride_kv,
+                      stride_st, stride_ot, stride_oh, stride_os, stride_lt, stride_lh,
+                      BLOCK_N, D_V, D_R, PARTIAL, 0)),
+        (_partition, (q_smem, qr_smem, k_smem, r_smem, p_smem, m_smem, q_bar, full_bars,
+                      empty_bars, x_bars, Q, O, Lse, KV, Slots, t, s, hb, start, end,
+                      n_iters, qk_scale, v_scale, num_heads, stride_qt, stride_qh, stride_kv,
+                      stride_st, stride_ot, stride_oh, stride_os, stride_lt, stride_lh,
+                      BLOCK_N, D_V, D_R, PARTIAL, 1)),
+        (_partition, (q_smem, qr_smem, k_smem, r_smem, p_smem, m_smem, q_bar, full_bars,
+                      empty_bars, x_bars, Q, O, Lse, KV, Slots, t, s, hb, start, end,
+                      n_iters, qk_scale, v_scale, num_heads, stride_qt, stride_qh, stride_kv,
+                      stride_st, stride_ot, stride_oh, stride_os, stride_lt, stride_lh,
+                      BLOCK_N, D_V, D_R, PARTIAL, 2)),
     ], [4, 4], [CONSUMER_REGS, PRODUCER_REGS])
 
 
 def supports(num_heads_per_tile: int, kv_lora_rank: int, rope_dim: int,
              dtype: torch.dtype) -> bool:
-    """The shapes this tile takes (GLM-5 / DeepSeek-V3.2 MLA, 16-bit caches)."""
+    """The shapes this tile takes (GLM-5 / DeepSeek-V3.2 MLA, 16-bit queries)."""
     return (num_heads_per_tile == TILE_HEADS and kv_lora_rank == KV_LORA_RANK
             and rope_dim == ROPE_DIM and dtype in (torch.bfloat16, torch.float16))
 
@@ -339,8 +370,9 @@ def sparse_mla_attention_ws(
     split_len: int,
     splits: int,
 ) -> None:
-    """Launch the tile over q [T, H, 576] and kv [slots, 576] (both bf16 or both
-    fp16): into `out` (q's dtype, [T, H, 512]) without splits, else fp32 partial
+    """Launch the tile over q [T, H, 576] (bf16 or fp16) and kv [slots, 576] (q's
+    dtype, or fp8 e4m3 with the per-tensor scale `k_scale`, a 1-element fp32
+    tensor): into `out` (q's dtype, [T, H, 512]) without splits, else fp32 partial
     rows and their log-sum-exps for `triton_sparse_mla.merge_split_k` (the
     outputs and strides of `triton_sparse_mla.split_k_outputs`)."""
     num_tokens, num_heads, _ = q.shape
