@@ -13,7 +13,7 @@ page-size-1 block table), and, for bf16 KV on SM90/SM100, FlashMLA's
 FLASHMLA_SPARSE does). `--sweep` also times alternative launch parameters of the
 gather kernel and reports each candidate and the best per shape (to tune
 `launch_config`; the candidates are Triton tiles). Where the gather step runs
-Hopper's warp-specialized Gluon tile (64 heads of a 16-bit cache on SM90), the
+Hopper's warp-specialized Gluon tile (64 heads on SM90; fp8 caches in e4m3), the
 row also times the Triton tile it falls back to. Each gather row also reports
 what Triton compiled for its Triton tile:
 registers and spills per thread, shared memory, and counts of TTGIR ops (async
@@ -248,8 +248,8 @@ def bench_case(num_tokens, num_heads, kv, topk, pool, l2_bytes, sms, flashmla, s
 
     cfg = ops.device_launch_config(torch.device(dev), num_tokens, num_heads, topk, KV_LORA,
                                    sms, kv == "fp8")
-    # Hopper's 64-head tiles of a 16-bit cache: the warp-specialized Gluon kernel, and
-    # the Triton tile (its fallback) timed next to it
+    # Hopper's 64-head tiles: the warp-specialized Gluon kernel, and the Triton tile
+    # (its fallback) timed next to it
     ws_ops = getattr(ops, "_warp_specialized_ops", lambda *a: None)
     warp_specialized = ws_ops(cfg, q, cache.view(-1, HEAD), KV_LORA) is not None
     triton_cfg = dict(cfg, WARP_SPECIALIZED=False)

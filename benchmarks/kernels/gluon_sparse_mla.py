@@ -160,9 +160,9 @@ def device_launch_config(device: torch.device, num_tokens: int, num_heads: int, 
     (64 heads of a 16-bit cache on Hopper)."""
     cfg = tsm.device_launch_config(device, num_tokens, num_heads, topk, kv_lora_rank,
                                    num_sms, kv_fp8)
-    # the table's warp-specialized tiles are exactly these (a CPU device gets Hopper's
-    # table, for the interpreter, which runs no Gluon)
-    cfg["GLUON"] = (device.type == "cuda" and cfg["WARP_SPECIALIZED"]
+    # the table's warp-specialized tiles of a 16-bit cache are exactly these (a CPU
+    # device gets Hopper's table, for the interpreter, which runs no Gluon)
+    cfg["GLUON"] = (device.type == "cuda" and cfg["WARP_SPECIALIZED"] and not kv_fp8
                     and cfg["V_SPLITS"] == 1)
     return cfg
 

@@ -5,8 +5,8 @@
         python benchmarks/kernels/sparse_mla_one_launch.py TOKENS HEADS {bf16,fp8}
 
 bf16 queries, topk 2048, a 262,144-token pool, random slots per token, the launch
-table's configuration for the device. On Hopper, 64-head tiles of a 16-bit cache run
-the warp-specialized kernel: profile it with `-k regex:_sparse_mla_ws_kernel`.
+table's configuration for the device. On Hopper, 64-head tiles run the
+warp-specialized kernel: profile it with `-k regex:_sparse_mla_ws_kernel`.
 """
 
 import math

@@ -238,7 +238,7 @@ def launch_config(
     the rows a second time for the PV dot instead of reusing the converted K tile;
     K_DEQUANT (fp8 caches; not chosen by the table: 1.6x V_RELOAD's time in the
     H200 sweep) dequantizes the K tile in fp32 once and uses it for both dots.
-    WARP_SPECIALIZED (Hopper, 64-head tiles of a 16-bit cache) runs the tile as
+    WARP_SPECIALIZED (Hopper, 64-head tiles; fp8 caches in e4m3) runs the tile as
     `gluon_sparse_mla`'s warp-specialized kernel instead of `_sparse_mla_kernel`
     (the Triton parameters above stay its fallback).
     """
@@ -286,9 +286,13 @@ def launch_config(
     splits = _num_splits(num_tokens, num_heads, block_h, topk, kv_lora_rank,
                          waves * num_sms)
     # H200: the warp-specialized tile takes 0.6x the Triton tile's time at 64 and
-    # 128 heads from 64 tokens on, and 0.75-0.93x at 1-8 tokens
-    # (benchmarks/results/h200-sparse-mla-gather.json)
-    warp_specialized = hopper and block_h == 64 and not kv_fp8
+    # 128 heads from 64 tokens on, and 0.75-0.93x at 1-8 tokens; with an fp8 cache,
+    # 0.7x the Triton fp8 tile's (benchmarks/results/h200-sparse-mla-gather.json)
+    warp_specialized = hopper and block_h == 64
+    if warp_specialized and num_tokens > 1:
+        # its splits of one 64-row tile cost more in partial rows (128 KiB a program)
+        # than they gain: H200, 4 tokens x 64 heads, 15.0 us at 16 splits, 17.9 at 32
+        splits = min(splits, max(1, triton.next_power_of_2(topk) // 128))
     return {"BLOCK_H": block_h, "BLOCK_N": block_n, "num_warps": num_warps,
             "num_stages": num_stages, "splits": splits, "V_SPLITS": 1,
             "V_RELOAD": v_reload, "K_DEQUANT": False,
