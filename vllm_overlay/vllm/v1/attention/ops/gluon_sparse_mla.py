@@ -101,7 +101,8 @@ def _producer(Q, KV, Slots, t, hb, stride_qt, stride_qh, num_heads, stride_kv, s
 @gluon.jit
 def _producer_fp8(Q, KV, Slots, t, hb, stride_qt, stride_qh, num_heads, stride_kv,
                   stride_st, start, end, n_iters, q_smem, qr_smem, k_smem, r_smem, q_bar,
-                  full_bars, empty_bars, BLOCK_N: gl.constexpr, D_V: gl.constexpr, D_R: gl.constexpr):
+                  full_bars, empty_bars, BLOCK_N: gl.constexpr, D_V: gl.constexpr,
+                  D_R: gl.constexpr):
     """The producer for an fp8 cache. A free stage's second half receives the tile's fp8
     rows by async copies (the whole tile in flight); they are then converted in place
     to the queries' dtype, one 64-column block at a time. The NVMMA layout stores a
