@@ -287,7 +287,7 @@ def launch_config(
                          waves * num_sms)
     # H200: the warp-specialized tile takes 0.6x the Triton tile's time at 64 and
     # 128 heads from 64 tokens on, and 0.75-0.93x at 1-8 tokens; with an fp8 cache,
-    # 0.7x the Triton fp8 tile's (benchmarks/results/h200-sparse-mla-gather.json)
+    # 0.7-0.8x the Triton fp8 tile's (benchmarks/results/h200-sparse-mla-gather.json)
     warp_specialized = hopper and block_h == 64
     if warp_specialized and num_tokens > 1:
         # its splits of one 64-row tile cost more in partial rows (128 KiB a program)
