@@ -170,8 +170,7 @@ def _producer_fp8(Q, KV, Slots, t, hb, stride_qt, stride_qh, num_heads, stride_k
 
 @gluon.jit
 def _consumer(q_smem, qr_smem, k_smem, r_smem, p_smem, m_smem, q_bar, full_bars, empty_bars,
-              x_bars,
-              O, Lse, t, s, hb, start, end, n_iters, qk_scale, v_scale, num_heads,
+              x_bars, O, Lse, t, s, hb, start, end, n_iters, qk_scale, v_scale, num_heads,
               stride_ot, stride_oh, stride_os, stride_lt, stride_lh,
               C: gl.constexpr, BLOCK_N: gl.constexpr, D_V: gl.constexpr,
               PARTIAL: gl.constexpr):
