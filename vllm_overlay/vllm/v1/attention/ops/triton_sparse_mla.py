@@ -200,10 +200,10 @@ def _sparse_mla_merge_kernel(
 
 
 def _num_splits(num_tokens: int, num_heads: int, block_h: int, topk: int,
-                kv_lora_rank: int, programs_per_wave: int) -> int:
+                kv_lora_rank: int, programs_per_wave: int, min_slots: int = 64) -> int:
     """Split-K count that brings the programs to about one wave (a power of two,
     rounded down; the H200 sweeps found more splits slower: each writes and reads
-    back its fp32 partial rows), with at least 64 slots per split."""
+    back its fp32 partial rows), with at least `min_slots` slots per split."""
     # batch-invariant mode: a token's result must not depend on the batch size
     if envs.VLLM_BATCH_INVARIANT:
         return 1
@@ -211,7 +211,7 @@ def _num_splits(num_tokens: int, num_heads: int, block_h: int, topk: int,
     if per_wave < 2:
         return 1
     splits = 1 << (per_wave.bit_length() - 1)
-    splits = min(splits, max(1, triton.next_power_of_2(topk) // 64))
+    splits = min(splits, max(1, triton.next_power_of_2(topk) // min_slots))
     per_split = num_tokens * num_heads * kv_lora_rank * 4  # fp32 partial rows
     while splits > 1 and splits * per_split > _MAX_PARTIAL_BYTES:
         splits //= 2
@@ -281,18 +281,18 @@ def launch_config(
             block_h, block_n, num_warps = 32, 16, 4
         elif max_shared_mem < _MEDIUM_SHARED_MEM:
             block_n = 16 if block_h == 64 else 32
-    # split-K to about one wave of programs
-    waves = 2 if block_h <= 32 and two_per_sm else 1
-    splits = _num_splits(num_tokens, num_heads, block_h, topk, kv_lora_rank,
-                         waves * num_sms)
     # H200: the warp-specialized tile takes 0.6x the Triton tile's time at 64 and
     # 128 heads from 64 tokens on, and 0.75-0.93x at 1-8 tokens; with an fp8 cache,
     # 0.7-0.8x the Triton fp8 tile's (benchmarks/results/h200-sparse-mla-gather.json)
     warp_specialized = hopper and block_h == 64
-    if warp_specialized and num_tokens > 1:
-        # its splits of one 64-row tile cost more in partial rows (128 KiB a program)
-        # than they gain: H200, 4 tokens x 64 heads, 15.0 us at 16 splits, 17.9 at 32
-        splits = min(splits, max(1, triton.next_power_of_2(topk) // 128))
+    # split-K to about one wave of programs. The warp-specialized tile takes two
+    # 64-row tiles per split from two tokens on: splits of one tile cost more in
+    # partial rows (128 KiB a program) than they gain (H200, 4 tokens x 64 heads:
+    # 15.0 us at 16 splits, 17.9 at 32)
+    waves = 2 if block_h <= 32 and two_per_sm else 1
+    min_slots = 128 if warp_specialized and num_tokens > 1 else 64
+    splits = _num_splits(num_tokens, num_heads, block_h, topk, kv_lora_rank,
+                         waves * num_sms, min_slots)
     return {"BLOCK_H": block_h, "BLOCK_N": block_n, "num_warps": num_warps,
             "num_stages": num_stages, "splits": splits, "V_SPLITS": 1,
             "V_RELOAD": v_reload, "K_DEQUANT": False,
