@@ -306,9 +306,10 @@ def _sparse_mla_ws_kernel(
     x_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     mbarrier.init(q_bar, count=128)  # the producer's threads' query copies
+    FP8: gl.constexpr = KV.dtype.element_ty.is_fp8()
     for i in gl.static_range(STAGES):
         # the producer's threads' async copies, or its one arrive for an fp8 cache
-        mbarrier.init(full_bars.index(i), count=1 if KV.dtype.element_ty.is_fp8() else 128)
+        mbarrier.init(full_bars.index(i), count=1 if FP8 else 128)
         mbarrier.init(empty_bars.index(i), count=2)  # the two consumers
     for i in gl.static_range(2):
         mbarrier.init(x_bars.index(i), count=2)  # the consumers' exchanges (maxima, P)
@@ -319,7 +320,6 @@ def _sparse_mla_ws_kernel(
     end = gl.minimum(start + split_len, count)
     n_iters = gl.maximum(gl.cdiv(end - start, BLOCK_N), 0)
     # an fp8 cache's per-tensor scale goes on the scores and the output
-    FP8: gl.constexpr = KV.dtype.element_ty.is_fp8()
     if FP8:
         v_scale = gl.load(KScale)
     else:
