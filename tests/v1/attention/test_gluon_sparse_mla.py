@@ -75,6 +75,7 @@ def compile_for_sm90(partial: bool, kv_fp8: bool = False) -> dict:
             "pv_wgmma": len(re.findall(r"wgmma\.mma_async\S*m64n256k16", ptx)),
             "ptxas_warnings": sorted(set(re.findall(r"\((C\d+)\) Potential Performance Loss",
                                                    ptxas))),
+            "scalar_bf16_cvts": len(re.findall(r"cvt\.rn\.bf16\.f16|cvt\.bf16\.f16", ptx)),
             "hgmma": sass.count("HGMMA."),
             "wgmma_waits": sass.count("WARPGROUP.DEPBAR")}
 
@@ -98,6 +99,8 @@ def test_compiles_for_sm90_as_producer_and_two_consumers(run_without_gpu, partia
     # (one per dot when ptxas serializes them)
     assert got["ptxas_warnings"] == []
     assert got["hgmma"] == 80 and got["wgmma_waits"] <= 8
+    # the fp8 producer converts to bf16 packed (`_e4m3_to`), not one element at a time
+    assert got["scalar_bf16_cvts"] == 0
 
 
 def test_launch_table_takes_hopper_64_head_tiles():
@@ -244,6 +247,32 @@ def test_fp8_cache_matches_float64_and_the_triton_tile(launches, num_tokens, num
     for out in outs:
         assert torch.isfinite(out).all()
         torch.testing.assert_close(out, triton_tile, rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HOPPER_GPU, reason="SM90 only")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_e4m3_conversion_is_exact_for_every_value(dtype):
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+
+    from vllm.v1.attention.ops import gluon_sparse_mla as gsm
+
+    @gluon.jit
+    def convert(X, Y, N: gl.constexpr):
+        layout: gl.constexpr = gl.BlockedLayout([4], [32], [4], [0])
+        offs = gl.arange(0, N, layout)
+        x = gl.load(X + offs)
+        gl.store(Y + offs, gsm._e4m3_to(x, Y.dtype.element_ty))
+
+    # every e4m3 code but the two NaNs, each at every position of a packed group of 4
+    codes = torch.tensor([c for c in range(256) if c & 0x7F != 0x7F], dtype=torch.uint8)
+    x = torch.cat([codes.roll(i) for i in range(4)]).cuda()
+    x = torch.cat([x, x[:1024 - x.numel()]]).view(torch.float8_e4m3fn)
+    y = torch.empty(1024, dtype=dtype, device="cuda")
+    convert[(1,)](x, y, 1024, num_warps=4)
+    # bitwise, so the sign of zero counts too
+    assert torch.equal(y.view(torch.int16), x.to(dtype).view(torch.int16))
 
 
 @pytest.mark.gpu

@@ -98,6 +98,42 @@ def _producer(Q, KV, Slots, t, hb, stride_qt, stride_qh, num_heads, stride_kv, s
         cp.mbarrier_arrive(full_bars.index(stage), increment_count=False)
 
 
+# fp8 e4m3 -> bf16, four values per instance: the packed e4m3 -> f16x2 conversion, then
+# f16 -> bf16 by moving the exponent field (bf16 bits of the value x 2^-112: every e4m3
+# value, subnormals included, is an f16 normal with its low 7 mantissa bits zero, and
+# stays a bf16 normal) and one bf16x2 multiply by 2^112. Triton's own cast converts
+# f16 -> bf16 one element at a time (`cvt.bf16.f16`); with it the tile took 1.36x the
+# time with bf16 queries as with fp16 ones (H200, 4096 tokens x 64 heads).
+_E4M3_TO_BF16 = gl.constexpr("""{
+.reg .b16 a<2>;
+.reg .b32 h<2>, m<2>, k, z;
+mov.b32 {a0, a1}, $2;
+cvt.rn.f16x2.e4m3x2 h0, a0;
+cvt.rn.f16x2.e4m3x2 h1, a1;
+and.b32 m0, h0, 0x7FFF7FFF;
+and.b32 m1, h1, 0x7FFF7FFF;
+shr.b32 m0, m0, 3;
+shr.b32 m1, m1, 3;
+lop3.b32 m0, h0, 0x80008000, m0, 0xEA;
+lop3.b32 m1, h1, 0x80008000, m1, 0xEA;
+mov.b32 k, 0x77807780;
+mov.b32 z, 0x80008000;
+fma.rn.bf16x2 $0, m0, k, z;
+fma.rn.bf16x2 $1, m1, k, z;
+}""")
+
+
+@gluon.jit
+def _e4m3_to(x, dtype: gl.constexpr):
+    """fp8 e4m3 values (four contiguous per thread) in `dtype` (fp16 or bf16)."""
+    if dtype == gl.bfloat16:
+        return gl.inline_asm_elementwise(_E4M3_TO_BF16, "=r,=r,r",
+                                         [x.to(gl.uint8, bitcast=True)],
+                                         dtype=gl.bfloat16, is_pure=True, pack=4)
+    else:
+        return x.to(dtype)
+
+
 @gluon.jit
 def _producer_fp8(Q, KV, Slots, t, hb, stride_qt, stride_qh, num_heads, stride_kv,
                   stride_st, start, end, n_iters, q_smem, qr_smem, k_smem, r_smem, q_bar,
@@ -159,10 +195,10 @@ def _producer_fp8(Q, KV, Slots, t, hb, stride_qt, stride_qh, num_heads, stride_k
             x = k8.slice(j * COLS, COLS, dim=1).load(cvt)
             if j >= D_V // COLS // 2:
                 gl.thread_barrier()  # the fp8 blocks this store overwrites were read
-            k_stage.slice(j * COLS, COLS, dim=1).store(x.to(dtype))
+            k_stage.slice(j * COLS, COLS, dim=1).store(_e4m3_to(x, dtype))
         xr = r8.load(cvt)
         gl.thread_barrier()
-        r_stage.store(xr.to(dtype))
+        r_stage.store(_e4m3_to(xr, dtype))
         # the consumers' wgmma dots read the stage through the async proxy
         fence_async_shared()
         mbarrier.arrive(full_bars.index(stage))
