@@ -13,8 +13,9 @@ page-size-1 block table), and, for bf16 KV on SM90/SM100, FlashMLA's
 FLASHMLA_SPARSE does). `--sweep` also times alternative launch parameters of the
 gather kernel and reports each candidate and the best per shape (to tune
 `launch_config`; the candidates are Triton tiles). Where the gather step runs
-Hopper's warp-specialized Gluon tile (64 heads on SM90; fp8 caches in e4m3), the
-row also times the Triton tile it falls back to. Each gather row also reports
+Hopper's warp-specialized Gluon tile (SM90: 64 and 128 heads, 32 heads from 8
+tokens, and every head count of an fp8 e4m3 cache), the row also times the
+Triton tile the table gives where that kernel cannot run. Each gather row also reports
 what Triton compiled for its Triton tile:
 registers and spills per thread, shared memory, and counts of TTGIR ops (async
 copies into shared memory, register-to-shared stores, wgmma dots) that show
@@ -213,8 +214,9 @@ def warm_compile_cache(cases, topk, sms, sweep, ops_file, workers: int,
         cfg = ops.device_launch_config(torch.device("cuda"), t, h, topk, KV_LORA, sms,
                                        kv == "fp8")
         # a warp-specialized row also times the Triton tile it falls back to
-        triton_cfg = dict(cfg, WARP_SPECIALIZED=False)
-        for c in [cfg, triton_cfg, *(sweep_configs(cfg, kv) if sweep else [])]:
+        triton_cfg = ops.device_launch_config(torch.device("cuda"), t, h, topk, KV_LORA, sms,
+                                              kv == "fp8", warp_specialized=False)
+        for c in [cfg, triton_cfg, *(sweep_configs(triton_cfg, kv) if sweep else [])]:
             jobs.setdefault(compile_key(c, kv, q_dtype), (c, kv, h, topk, q_dtype))
     jobs = list(jobs.values())
     ctx = multiprocessing.get_context("spawn")
@@ -248,11 +250,12 @@ def bench_case(num_tokens, num_heads, kv, topk, pool, l2_bytes, sms, flashmla, s
 
     cfg = ops.device_launch_config(torch.device(dev), num_tokens, num_heads, topk, KV_LORA,
                                    sms, kv == "fp8")
-    # Hopper's 64-head tiles: the warp-specialized Gluon kernel, and the Triton tile
-    # (its fallback) timed next to it
+    # Hopper's warp-specialized Gluon tile, and the Triton tile (the table's entry
+    # where that kernel cannot run) timed next to it
     ws_ops = getattr(ops, "_warp_specialized_ops", lambda *a: None)
     warp_specialized = ws_ops(cfg, q, cache.view(-1, HEAD), KV_LORA) is not None
-    triton_cfg = dict(cfg, WARP_SPECIALIZED=False)
+    triton_cfg = ops.device_launch_config(torch.device(dev), num_tokens, num_heads, topk,
+                                          KV_LORA, sms, kv == "fp8", warp_specialized=False)
     key = compile_key(triton_cfg, kv, q_dtype)
     compiled.record(key, gather(sets[0], triton_cfg))
     t_gather = graph_us([gather(s) for s in sets])
@@ -280,7 +283,7 @@ def bench_case(num_tokens, num_heads, kv, topk, pool, l2_bytes, sms, flashmla, s
     if sweep:
         best = (t_gather, cfg)
         tried = []
-        for alt in sweep_configs(cfg, kv):
+        for alt in sweep_configs(triton_cfg, kv):
             alt_key = compile_key(alt, kv, q_dtype)
             try:
                 compiled.record(alt_key, gather(sets[0], alt))

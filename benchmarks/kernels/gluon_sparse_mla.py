@@ -155,11 +155,12 @@ def _sparse_mla_wgmma_kernel(
 
 
 def device_launch_config(device: torch.device, num_tokens: int, num_heads: int, topk: int,
-                         kv_lora_rank: int, num_sms: int, kv_fp8: bool) -> dict:
+                         kv_lora_rank: int, num_sms: int, kv_fp8: bool,
+                         warp_specialized: bool = True) -> dict:
     """The launch table's configuration; "GLUON" marks the tiles this kernel takes
-    (64 heads of a 16-bit cache on Hopper)."""
+    (the warp-specialized tiles of a 16-bit cache on Hopper)."""
     cfg = tsm.device_launch_config(device, num_tokens, num_heads, topk, kv_lora_rank,
-                                   num_sms, kv_fp8)
+                                   num_sms, kv_fp8, warp_specialized)
     # the table's warp-specialized tiles of a 16-bit cache are exactly these (a CPU
     # device gets Hopper's table, for the interpreter, which runs no Gluon)
     cfg["GLUON"] = (device.type == "cuda" and cfg["WARP_SPECIALIZED"] and not kv_fp8

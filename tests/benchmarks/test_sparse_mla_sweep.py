@@ -1,5 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The kernel benchmark's launch sweep: around the table's choice, it tries half
+"""The kernel benchmark's launch sweep: around the table's Triton tile (its entry
+without the warp-specialized Hopper kernel), it tries half
 head blocks, fewer and more splits, deeper software pipelines, output columns over
 two programs for 64-head tiles and, for an fp8 cache, reading the rows once (with
 the scale on the scores or on the tile) or twice; every candidate runs and matches
@@ -37,8 +38,9 @@ def test_sweep_candidates():
     assert {c["num_stages"] for c in configs if c["BLOCK_H"] == 64} == {3, 5, 7}
     small = list(bench.sweep_configs(tsm.launch_config(1, 8, 2048, 512, 132)))
     assert {c["BLOCK_H"] for c in small} == {16}
-    fp8 = list(bench.sweep_configs(tsm.launch_config(4096, 8, 2048, 512, 132, kv_fp8=True),
-                                   "fp8"))
+    # (the sweep's base is the Triton tile's entry: Hopper's fp8 tiles are warp-specialized)
+    fp8 = list(bench.sweep_configs(tsm.launch_config(4096, 8, 2048, 512, 132, kv_fp8=True,
+                                                     warp_specialized=False), "fp8"))
     assert {(c["V_RELOAD"], c["K_DEQUANT"]) for c in fp8} == {(True, False), (False, True)}
     # around the table's split count: a quarter, half, the same, double
     few = tsm.launch_config(8, 64, 2048, 512, 132)
@@ -65,7 +67,7 @@ def test_sweep_candidates_compute_the_same(kv, H):
     counts = torch.full((T,), K, dtype=torch.int32, device=dev)
     one = torch.ones(1, device=dev)
     args = (q, cache, slots, counts, 512, 1 / math.sqrt(256), one, 132)
-    base = tsm.launch_config(T, H, K, 512, 132, kv_fp8=kv == "fp8")
+    base = tsm.launch_config(T, H, K, 512, 132, kv_fp8=kv == "fp8", warp_specialized=False)
     ref = tsm.sparse_mla_attention(*args, config=base).float()
     seen = set()
     for c in bench.sweep_configs(base, kv):

@@ -103,16 +103,30 @@ def test_compiles_for_sm90_as_producer_and_two_consumers(run_without_gpu, partia
     assert got["scalar_bf16_cvts"] == 0
 
 
-def test_launch_table_takes_hopper_64_head_tiles():
-    def cfg(heads, kv_fp8=False, smem=tsm.HOPPER_SHARED_MEM, cap=90, tokens=8):
-        return tsm.launch_config(tokens, heads, 2048, KV_LORA, 132, smem, kv_fp8, cap)
+def test_launch_table_takes_hopper_warp_specialized_tiles():
+    def cfg(heads, kv_fp8=False, smem=tsm.HOPPER_SHARED_MEM, cap=90, tokens=8, **kw):
+        return tsm.launch_config(tokens, heads, 2048, KV_LORA, 132, smem, kv_fp8, cap, **kw)
 
     def ws(*args, **kwargs):
         return cfg(*args, **kwargs)["WARP_SPECIALIZED"]
 
     assert ws(64) and ws(128) and ws(40) and ws(64, tokens=4096)
     assert ws(64, kv_fp8=True) and ws(128, kv_fp8=True, tokens=300)
-    assert not ws(32) and not ws(16) and not ws(8) and not ws(32, kv_fp8=True)
+    # fewer heads (masked in the 64-head tile): 32 of a 16-bit cache from 8 tokens
+    # on, any count of an fp8 one
+    assert ws(32) and ws(20, tokens=4096) and not ws(32, tokens=4) and not ws(32, tokens=1)
+    assert not ws(16) and not ws(8) and not ws(16, tokens=4096)
+    for heads in (8, 16, 32):
+        for tokens in (1, 8, 4096):
+            c = cfg(heads, kv_fp8=True, tokens=tokens)
+            assert c["WARP_SPECIALIZED"] and (c["BLOCK_H"], c["V_RELOAD"]) == (64, False)
+            # without it, the Triton tile's own entry (what runs where it cannot)
+            t = cfg(heads, kv_fp8=True, tokens=tokens, warp_specialized=False)
+            assert not t["WARP_SPECIALIZED"] and t["BLOCK_H"] == (16 if heads <= 16 else 32)
+            assert t["V_RELOAD"]
+        assert not ws(heads, kv_fp8=True, cap=120, smem=99 * 1024)
+    assert cfg(32, warp_specialized=False)["BLOCK_H"] == 16  # two programs at 8 tokens
+    assert not ws(64, warp_specialized=False) and not ws(64, kv_fp8=True, warp_specialized=False)
     assert not ws(64, cap=100) and not ws(64, cap=120, smem=99 * 1024)
     assert not ws(64, cap=89, smem=99 * 1024) and not ws(64, cap=80, smem=163 * 1024)
     assert not ws(64, smem=99 * 1024)  # an SM90 part without 227 KiB
@@ -122,6 +136,9 @@ def test_launch_table_takes_hopper_64_head_tiles():
     assert cfg(64, tokens=4, kv_fp8=True)["splits"] == 16
     assert cfg(64, tokens=4, cap=100)["splits"] == 32
     assert cfg(64, tokens=16)["splits"] == 8 and cfg(64, tokens=64)["splits"] == 2
+    # fewer heads: one program per (token, split) as at 64 heads
+    assert cfg(8, kv_fp8=True, tokens=1)["splits"] == 32
+    assert cfg(8, kv_fp8=True, tokens=8)["splits"] == cfg(32)["splits"] == 16
 
 
 def test_dispatch_needs_a_gpu_tensor_and_the_glm5_shapes():
@@ -140,6 +157,36 @@ def test_dispatch_needs_a_gpu_tensor_and_the_glm5_shapes():
     assert tsm._warp_specialized_ops(cfg, q, kv.to(torch.float8_e5m2), KV_LORA) is None
     assert tsm._warp_specialized_ops(cfg, q.half(), kv, KV_LORA) is None  # bf16 cache
     assert tsm._warp_specialized_ops(cfg, q[..., :-32], kv[:, :-32], KV_LORA) is None
+
+
+@pytest.mark.skipif(torch.cuda.is_available() and not HOPPER_GPU, reason="SM90 or CPU")
+def test_falls_back_to_the_triton_tiles_own_entry(monkeypatch):
+    # Where the table chose the warp-specialized tile but that kernel does not take
+    # the tensors (an e5m2 cache on the GPU, the interpreter's CPU tensors), the Triton
+    # tile runs with the table's entry for it (16 heads here), not with the 64-head
+    # tile's parameters; against float64.
+    calls = []
+    table = tsm.device_launch_config
+
+    def recorded(*args, **kwargs):
+        calls.append(table(*args, **kwargs))
+        return calls[-1]
+
+    monkeypatch.setattr(tsm, "device_launch_config", recorded)
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    g = torch.Generator().manual_seed(5)
+    q = (torch.randn(2, 8, HEAD, generator=g) * 0.5).half().to(dev)
+    cache = (torch.randn(4, 16, HEAD, generator=g) * 0.5).to(
+        torch.float8_e5m2 if dev == "cuda" else torch.float8_e4m3fn).to(dev)
+    slots = torch.stack([torch.randperm(64, generator=g)[:32] for _ in range(2)]).int().to(dev)
+    counts = torch.tensor([32, 20], dtype=torch.int32, device=dev)
+    scale, k_scale = 1 / math.sqrt(192 + ROPE), torch.full((1,), 0.5, device=dev)
+    out = tsm.sparse_mla_attention(q, cache, slots, counts, KV_LORA, scale, k_scale, 132)
+    assert [c["WARP_SPECIALIZED"] for c in calls] == [True, False]
+    assert (calls[0]["BLOCK_H"], calls[1]["BLOCK_H"]) == (64, 16)
+    ref = reference(q, cache, slots, counts, scale, range(2), k_scale=0.5)
+    for t in range(2):
+        torch.testing.assert_close(out[t].double(), ref[t], rtol=1e-2, atol=1e-2)
 
 
 def sparse_case(num_tokens, num_heads, dtype, seed, pool=65536, topk=2048, kv_dtype=None):
@@ -191,7 +238,8 @@ def launches(monkeypatch):
 @pytest.mark.parametrize("num_tokens,num_heads,dtype", [
     (1, 64, torch.bfloat16), (8, 64, torch.bfloat16), (64, 64, torch.bfloat16),
     (300, 64, torch.bfloat16), (5, 128, torch.bfloat16), (8, 64, torch.float16),
-    (3, 40, torch.bfloat16), (4, 96, torch.float16)])
+    (3, 40, torch.bfloat16), (4, 96, torch.float16), (8, 32, torch.bfloat16),
+    (16, 20, torch.float16)])
 def test_matches_float64_and_the_triton_tile(launches, num_tokens, num_heads, dtype):
     q, cache, slots, counts = sparse_case(num_tokens, num_heads, dtype,
                                           seed=num_tokens * 1000 + num_heads)
@@ -203,8 +251,11 @@ def test_matches_float64_and_the_triton_tile(launches, num_tokens, num_heads, dt
                                      config=c).double()
             for c in (cfg, dict(cfg, splits=1))]
     assert launches == [cfg["splits"], 1]
+    # the Triton tile the table gives where the warp-specialized one cannot run
+    triton_cfg = tsm.device_launch_config(q.device, num_tokens, num_heads, 2048, KV_LORA, sms,
+                                          False, warp_specialized=False)
     triton_tile = tsm.sparse_mla_attention(q, cache, slots, counts, KV_LORA, scale, one, sms,
-                                           config=dict(cfg, WARP_SPECIALIZED=False)).double()
+                                           config=triton_cfg).double()
     assert len(launches) == 2
     tokens = sorted(set(range(min(num_tokens, 4))) | {num_tokens - 1})
     ref = reference(q, cache, slots, counts, scale, tokens)
@@ -223,21 +274,24 @@ def test_matches_float64_and_the_triton_tile(launches, num_tokens, num_heads, dt
 @pytest.mark.skipif(not HOPPER_GPU, reason="SM90 only")
 @pytest.mark.parametrize("num_tokens,num_heads,dtype", [
     (1, 64, torch.bfloat16), (8, 64, torch.bfloat16), (300, 64, torch.bfloat16),
-    (5, 128, torch.bfloat16), (8, 64, torch.float16), (3, 40, torch.bfloat16)])
+    (5, 128, torch.bfloat16), (8, 64, torch.float16), (3, 40, torch.bfloat16),
+    (1, 8, torch.bfloat16), (8, 16, torch.float16), (64, 32, torch.bfloat16)])
 def test_fp8_cache_matches_float64_and_the_triton_tile(launches, num_tokens, num_heads, dtype):
     # an fp8 e4m3 cache with a per-tensor scale: the producer converts the rows
     q, cache, slots, counts = sparse_case(num_tokens, num_heads, dtype, seed=num_tokens + 7,
                                           kv_dtype=torch.float8_e4m3fn)
     scale, sms = 1 / math.sqrt(192 + ROPE), 132
     k_scale = torch.full((1,), 0.5, device="cuda")
-    cfg = dict(tsm.device_launch_config(q.device, num_tokens, num_heads, 2048, KV_LORA, sms,
-                                        True), WARP_SPECIALIZED=True)
+    cfg = tsm.device_launch_config(q.device, num_tokens, num_heads, 2048, KV_LORA, sms, True)
+    assert cfg["WARP_SPECIALIZED"]
     outs = [tsm.sparse_mla_attention(q, cache, slots, counts, KV_LORA, scale, k_scale, sms,
                                      config=c).double()
             for c in (cfg, dict(cfg, splits=1))]
     assert launches == [cfg["splits"], 1]
+    triton_cfg = tsm.device_launch_config(q.device, num_tokens, num_heads, 2048, KV_LORA, sms,
+                                          True, warp_specialized=False)
     triton_tile = tsm.sparse_mla_attention(q, cache, slots, counts, KV_LORA, scale, k_scale,
-                                           sms, config=dict(cfg, WARP_SPECIALIZED=False)).double()
+                                           sms, config=triton_cfg).double()
     tokens = sorted(set(range(min(num_tokens, 4))) | {num_tokens - 1})
     ref = reference(q, cache, slots, counts, scale, tokens, k_scale=0.5)
     for t in tokens:

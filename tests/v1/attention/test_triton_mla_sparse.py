@@ -193,7 +193,8 @@ def test_gather_kernel_fp8_cache_reads(v_splits, v_reload, k_dequant):
     ref = reference_sparse_mla(case.q, case.cache, case.block_table, case.req_id,
                                case.indices, scale, k_scale=0.75)
     for splits in (1, 2):
-        cfg = dict(tsm.launch_config(3, 16, 128, KV_LORA, 132, kv_fp8=True),
+        cfg = dict(tsm.launch_config(3, 16, 128, KV_LORA, 132, kv_fp8=True,
+                                     warp_specialized=False),
                    splits=splits, BLOCK_N=16, V_SPLITS=v_splits, V_RELOAD=v_reload,
                    K_DEQUANT=k_dequant)
         o = tsm.sparse_mla_attention(case.q, case.cache, slots, counts, KV_LORA, scale,
@@ -257,10 +258,12 @@ def test_gather_launch_config():
     assert tsm.launch_config(4096, 64, 2048, KV_LORA, 132)["splits"] == 1
     assert tsm.launch_config(1, 8, 128, KV_LORA, 132)["splits"] == 2
     assert tsm.launch_config(1, 8, 64, KV_LORA, 132)["splits"] == 1
-    # 32 heads of a 16-bit cache: two 16-head programs while the tokens do not
-    # fill the GPU, one 32-head program once they do; an fp8 cache keeps 32
+    # The Triton tiles (without Hopper's warp-specialized kernel): 32 heads of a
+    # 16-bit cache as two 16-head programs while the tokens do not fill the GPU,
+    # one 32-head program once they do; an fp8 cache keeps 32
     def tile(t, kv_fp8=False, smem=tsm.HOPPER_SHARED_MEM, cap=90):
-        c = tsm.launch_config(t, 32, 2048, KV_LORA, 132, smem, kv_fp8, cap)
+        c = tsm.launch_config(t, 32, 2048, KV_LORA, 132, smem, kv_fp8, cap,
+                              warp_specialized=False)
         return c["BLOCK_H"], c["splits"]
 
     assert [tile(t) for t in (8, 64, 128, 4096)] == [(16, 16), (16, 2), (16, 1), (32, 1)]
@@ -277,7 +280,8 @@ def test_gather_launch_config():
     for cap, smem in ((90, tsm.HOPPER_SHARED_MEM), (100, tsm.HOPPER_SHARED_MEM),
                       (120, 99 * 1024), (89, 99 * 1024)):
         for h, reload in ((8, True), (32, True), (64, cap >= 110 or cap < 90)):
-            c = tsm.launch_config(1, h, 2048, KV_LORA, 132, smem, True, cap)
+            c = tsm.launch_config(1, h, 2048, KV_LORA, 132, smem, True, cap,
+                                  warp_specialized=False)
             assert c["V_RELOAD"] is reload, (cap, h)
             assert not tsm.launch_config(1, h, 2048, KV_LORA, 132, smem, False,
                                          cap)["V_RELOAD"]

@@ -17,6 +17,7 @@ The compiles run in a subprocess: the test session runs Triton in interpreter
 mode, which cannot compile.
 """
 
+import itertools
 import json
 import re
 import sys
@@ -37,13 +38,16 @@ def table_binaries(arch: int) -> list[dict]:
 
     found = {}
     for kv in ("bf16", "fp8") if arch >= FP8_FROM else ("bf16",):
-        for heads in (8, 16, 32, 64, 128):
-            for tokens in (1, 4096):
-                cfg = tsm.launch_config(tokens, heads, TOPK, KV_LORA, SMS, SHARED_MEM[arch],
-                                        kv == "fp8", arch)
-                key = dict(cfg, kv=kv, PARTIAL=cfg["splits"] > 1)
-                key.pop("splits")
-                found[json.dumps(key, sort_keys=True)] = key
+        # the Triton tiles the table gives with and without Hopper's warp-specialized
+        # kernel (which takes some of them; its fallback is the entry without)
+        for heads, tokens, ws in itertools.product((8, 16, 32, 64, 128), (1, 4096),
+                                                   (True, False)):
+            cfg = tsm.launch_config(tokens, heads, TOPK, KV_LORA, SMS, SHARED_MEM[arch],
+                                    kv == "fp8", arch, ws)
+            key = dict(cfg, kv=kv, PARTIAL=cfg["splits"] > 1)
+            key.pop("splits")
+            key.pop("WARP_SPECIALIZED")  # the same Triton binary either way
+            found[json.dumps(key, sort_keys=True)] = key
     return list(found.values())
 
 
@@ -197,7 +201,8 @@ def test_key_blocks_by_shared_memory():
     # (tokens that fill the GPU: with fewer, Hopper and SM100 run 32 heads as two
     # 16-head programs)
     for heads in (32, 64, 128):
-        hopper = tsm.launch_config(4096, heads, TOPK, KV_LORA, SMS, SHARED_MEM[90], False, 90)
+        hopper = tsm.launch_config(4096, heads, TOPK, KV_LORA, SMS, SHARED_MEM[90], False, 90,
+                                   warp_specialized=False)
         sm100 = tsm.launch_config(4096, heads, TOPK, KV_LORA, SMS, SHARED_MEM[100], False, 100)
         sm120 = tsm.launch_config(4096, heads, TOPK, KV_LORA, SMS, SHARED_MEM[120], False, 120)
         assert (hopper["BLOCK_N"], sm100["BLOCK_N"]) == (64, 32)

@@ -2,9 +2,11 @@
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """Sparse MLA attention for Hopper: a warp-specialized 64-head tile in Gluon.
 
-The tile `triton_sparse_mla` launches for 64 heads of a 16-bit or fp8 e4m3
-cache on SM90 (`launch_config(...)["WARP_SPECIALIZED"]`), with the same split-K
-partial outputs and merge. One program per (64-head block, token, split), three
+The tile `triton_sparse_mla` launches on SM90 for blocks of 64 heads of a 16-bit
+or fp8 e4m3 cache, and for fewer heads (masked) where it beats the smaller Triton
+tiles: 32 heads of a 16-bit cache from 8 tokens on, any head count of an fp8 one
+(`launch_config(...)["WARP_SPECIALIZED"]`). It writes the same split-K partial
+outputs for the same merge. One program per (64-head block, token, split), three
 partitions over two shared-memory stages of 64 gathered rows:
 
 - a producer (4 warps, 40 registers) first copies the queries, which arrive on

@@ -227,6 +227,7 @@ def launch_config(
     max_shared_mem: int = HOPPER_SHARED_MEM,
     kv_fp8: bool = False,
     capability: int = 90,
+    warp_specialized: bool = True,
 ) -> dict:
     """Block sizes, warps, stages and splits for a shape (no data, no host sync).
 
@@ -238,13 +239,23 @@ def launch_config(
     the rows a second time for the PV dot instead of reusing the converted K tile;
     K_DEQUANT (fp8 caches; not chosen by the table: 1.6x V_RELOAD's time in the
     H200 sweep) dequantizes the K tile in fp32 once and uses it for both dots.
-    WARP_SPECIALIZED (Hopper, 64-head tiles; fp8 caches in e4m3) runs the tile as
-    `gluon_sparse_mla`'s warp-specialized kernel instead of `_sparse_mla_kernel`
-    (the Triton parameters above stay its fallback).
+    WARP_SPECIALIZED (Hopper; 64-head tiles, and fewer heads where it is faster; fp8
+    caches in e4m3) runs the tile as `gluon_sparse_mla`'s warp-specialized kernel
+    instead of `_sparse_mla_kernel` (the Triton parameters above stay its fallback);
+    warp_specialized=False gives the Triton tile's entry instead (where that kernel
+    cannot run: `sparse_mla_attention` falls back to it).
     """
     block_h = 16 if num_heads <= 16 else (32 if num_heads <= 32 else 64)
     # Hopper's (and SM100's) shared memory holds two programs of up to 32 heads per SM
     two_per_sm = max_shared_mem >= HOPPER_SHARED_MEM
+    hopper = capability // 10 == 9 and two_per_sm
+    # H200, kernel-only: the warp-specialized 64-head tile, its heads past num_heads
+    # masked, takes 0.7-0.9x the time of the 16- and 32-head Triton tiles with an fp8
+    # cache (8-32 heads, 1-4096 tokens), and 0.76-0.88x the 32-head one's with a
+    # 16-bit cache from 8 tokens on (1.09x at one token; 8 and 16 heads: within 7%)
+    if (warp_specialized and hopper and block_h < 64
+            and (kv_fp8 or (block_h == 32 and num_tokens >= 8))):
+        block_h = 64
     if (block_h == 32 and two_per_sm and not kv_fp8
             and _num_splits(num_tokens, num_heads, 32, topk, kv_lora_rank, 2 * num_sms) > 1):
         # too few tokens to fill the GPU: 32 heads as two 16-head programs (the
@@ -252,7 +263,6 @@ def launch_config(
         # sweep: 19.0 vs 22.2 us at 8 tokens, 80.0 vs 96.5 us at 64. An fp8
         # 16-head tile is slower there (128 vs 92 us at 64 tokens).
         block_h = 16
-    hopper = capability // 10 == 9 and two_per_sm
     # Hopper runs 64-head tiles as wgmma dots with both operands in shared memory
     # and SM100 as tcgen05 dots; smaller tiles, and every tile elsewhere, are
     # mma.sync dots that take their operands through registers. Those read an
@@ -284,7 +294,7 @@ def launch_config(
     # H200: the warp-specialized tile takes 0.6x the Triton tile's time at 64 and
     # 128 heads from 64 tokens on, and 0.75-0.93x at 1-8 tokens; with an fp8 cache,
     # 0.7-0.8x the Triton fp8 tile's (benchmarks/results/h200-sparse-mla-gather.json)
-    warp_specialized = hopper and block_h == 64
+    warp_specialized = warp_specialized and hopper and block_h == 64
     # split-K to about one wave of programs. The warp-specialized tile takes two
     # 64-row tiles per split from two tokens on: splits of one tile cost more in
     # partial rows (128 KiB a program) than they gain (H200, 4 tokens x 64 heads:
@@ -307,15 +317,17 @@ def device_launch_config(
     kv_lora_rank: int,
     num_sms: int,
     kv_fp8: bool,
+    warp_specialized: bool = True,
 ) -> dict:
     """`launch_config` with the device's shared memory per block and compute
     capability (Hopper's for a CPU device, which only the Triton interpreter runs)."""
     if device.type != "cuda":
         return launch_config(num_tokens, num_heads, topk, kv_lora_rank, num_sms,
-                             HOPPER_SHARED_MEM, kv_fp8, 90)
+                             HOPPER_SHARED_MEM, kv_fp8, 90, warp_specialized)
     index = torch.cuda.current_device() if device.index is None else device.index
     return launch_config(num_tokens, num_heads, topk, kv_lora_rank, num_sms,
-                         device_shared_mem(index), kv_fp8, device_capability(index))
+                         device_shared_mem(index), kv_fp8, device_capability(index),
+                         warp_specialized)
 
 
 @functools.cache
@@ -407,15 +419,21 @@ def sparse_mla_attention(
         kv = kv.view(torch.float8_e4m3fn)
     cfg = config or device_launch_config(q.device, num_tokens, num_heads, topk,
                                          kv_lora_rank, num_sms, kv_fp8)
-    splits = cfg["splits"]
-    v_splits = cfg.get("V_SPLITS", 1)
     gluon_ops = _warp_specialized_ops(cfg, q, kv, kv_lora_rank)
     if gluon_ops is not None:
+        splits = cfg["splits"]
         split_len, out, lse, so, sl = split_k_outputs(o, topk, splits, gluon_ops.TILE_ROWS)
         gluon_ops.sparse_mla_attention_ws(q, kv, slots, valid_counts, k_scale, out, lse, so,
                                           sl, scale, split_len, splits)
         merge_split_k(out, lse, o)
         return o
+    if config is None and cfg["WARP_SPECIALIZED"]:
+        # the warp-specialized kernel does not take these tensors (an e5m2 cache, the
+        # interpreter, a Triton without Gluon): the table's Triton tile instead
+        cfg = device_launch_config(q.device, num_tokens, num_heads, topk, kv_lora_rank,
+                                   num_sms, kv_fp8, warp_specialized=False)
+    splits = cfg["splits"]
+    v_splits = cfg.get("V_SPLITS", 1)
     split_len, out, lse, so, sl = split_k_outputs(o, topk, splits, cfg["BLOCK_N"])
     assert kv_lora_rank % v_splits == 0
     grid = (triton.cdiv(num_heads, cfg["BLOCK_H"]) * v_splits, num_tokens, splits)
