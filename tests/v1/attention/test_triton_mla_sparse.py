@@ -6,6 +6,7 @@ memory-safety cases and CUDA-graph capture; `test_matches_flashmla_sparse`
 compares with upstream's FlashMLA sparse kernel on the same inputs.
 """
 
+import json
 import math
 from types import SimpleNamespace
 
@@ -293,6 +294,15 @@ def test_gather_batch_invariant(monkeypatch):
     monkeypatch.setenv("VLLM_BATCH_INVARIANT", "1")
     for t in (1, 8, 64):
         assert tsm.launch_config(t, 64, 2048, KV_LORA, 132)["splits"] == 1
+    # nor does its tile (the same entry at every token count)
+    for cap, smem in ((90, tsm.HOPPER_SHARED_MEM), (100, tsm.HOPPER_SHARED_MEM),
+                      (120, 99 * 1024), (80, 163 * 1024)):
+        for heads in (8, 16, 20, 32, 64, 128):
+            for kv_fp8 in (False, True):
+                entries = {json.dumps(tsm.launch_config(t, heads, 2048, KV_LORA, 132, smem,
+                                                        kv_fp8, cap), sort_keys=True)
+                           for t in (1, 2, 7, 8, 64, 4096)}
+                assert len(entries) == 1, (cap, heads, kv_fp8, entries)
 
 
 def test_kernel_choice(monkeypatch):

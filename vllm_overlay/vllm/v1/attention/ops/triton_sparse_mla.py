@@ -252,9 +252,11 @@ def launch_config(
     # H200, kernel-only: the warp-specialized 64-head tile, its heads past num_heads
     # masked, takes 0.7-0.9x the time of the 16- and 32-head Triton tiles with an fp8
     # cache (8-32 heads, 1-4096 tokens), and 0.76-0.88x the 32-head one's with a
-    # 16-bit cache from 8 tokens on (1.09x at one token; 8 and 16 heads: within 7%)
+    # 16-bit cache from 8 tokens on (1.09x at one token; 8 and 16 heads: within 7%).
+    # Batch-invariant mode takes it at every token count: the tile must not depend on
+    # the batch
     if (warp_specialized and hopper and block_h < 64
-            and (kv_fp8 or (block_h == 32 and num_tokens >= 8))):
+            and (kv_fp8 or (block_h == 32 and (num_tokens >= 8 or envs.VLLM_BATCH_INVARIANT)))):
         block_h = 64
     if (block_h == 32 and two_per_sm and not kv_fp8
             and _num_splits(num_tokens, num_heads, 32, topk, kv_lora_rank, 2 * num_sms) > 1):
