@@ -22,9 +22,9 @@ partitions over two shared-memory stages of 64 gathered rows:
   columns [256 C, 256 C + 256) from both halves. Each releases the stage on its
   "empty" mbarrier once its PV dots are done.
 
-H200, 64 heads, top-k 2048: 3.2-3.6 TB/s at 256-4096 tokens, 1.7-1.9x faster than
-the Triton tile; with an fp8 cache, 0.7-0.8x the Triton fp8 tile's time
-(benchmarks/results/h200-sparse-mla-gather.json). Triton 3.6's own
+H200, 64 heads, top-k 2048: 3.1-3.6 TB/s at 256-4096 tokens, 1.6-1.8x faster than
+the Triton tile; with an fp8 cache, 0.52-0.89x the Triton fp8 tiles' time at 8-128
+heads (benchmarks/results/h200-sparse-mla-gather.json). Triton 3.6's own
 `warp_specialize` loop option does not partition this loop for sm_90, hence Gluon.
 """
 

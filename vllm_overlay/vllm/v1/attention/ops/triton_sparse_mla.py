@@ -293,9 +293,9 @@ def launch_config(
             block_h, block_n, num_warps = 32, 16, 4
         elif max_shared_mem < _MEDIUM_SHARED_MEM:
             block_n = 16 if block_h == 64 else 32
-    # H200: the warp-specialized tile takes 0.6x the Triton tile's time at 64 and
-    # 128 heads from 64 tokens on, and 0.75-0.93x at 1-8 tokens; with an fp8 cache,
-    # 0.7-0.8x the Triton fp8 tile's (benchmarks/results/h200-sparse-mla-gather.json)
+    # H200: the warp-specialized tile takes 0.56-0.63x the Triton tile's time at 64 and
+    # 128 heads from 64 tokens on, and 0.69-0.82x at 1-8 tokens; with an fp8 cache,
+    # 0.52-0.89x the Triton fp8 tiles' (benchmarks/results/h200-sparse-mla-gather.json)
     warp_specialized = warp_specialized and hopper and block_h == 64
     # split-K to about one wave of programs. The warp-specialized tile takes two
     # 64-row tiles per split from two tokens on: splits of one tile cost more in
