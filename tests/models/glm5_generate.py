@@ -2,7 +2,8 @@
 """Generate with vLLM from a (tiny) GLM-5 checkpoint and dump tokens and logprobs.
 
     python tests/models/glm5_generate.py --model DIR|FILE.gguf --out OUT.json
-        [--attention-backend NAME] [--indexer auto|deepgemm|triton] [--eager] [--inspect]
+        [--attention-backend NAME] [--indexer auto|deepgemm|triton] [--kv-cache-dtype D]
+        [--eager] [--inspect]
 
 Prompts are fixed random token ids (300 to 1000 tokens, longer than the tiny
 model's index_topk, so the indexer's selection matters). Greedy, 32 new tokens,
@@ -72,6 +73,7 @@ def main():
     p.add_argument("--attention-backend", default=None)
     p.add_argument("--indexer", default="auto", choices=["auto", "deepgemm", "triton"])
     p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--kv-cache-dtype", default="auto")
     p.add_argument("--eager", action="store_true")
     p.add_argument("--max-tokens", type=int, default=32)
     # with a fixed KV cache size this only bounds the engine's start-up check of free
@@ -106,6 +108,21 @@ def main():
 
         setattr(il, name, counted)
 
+    # launches of Hopper's warp-specialized sparse MLA tile (none where it cannot run)
+    ws_calls = {"n": 0}
+    try:
+        from vllm.v1.attention.ops import gluon_sparse_mla
+    except ImportError:
+        gluon_sparse_mla = None
+    if gluon_sparse_mla is not None:
+        launch = gluon_sparse_mla.sparse_mla_attention_ws
+
+        def counted_ws(*a, **kw):
+            ws_calls["n"] += 1
+            return launch(*a, **kw)
+
+        gluon_sparse_mla.sparse_mla_attention_ws = counted_ws
+
     if args.model.endswith(".gguf"):
         from vllm.transformers_utils.glm_dsa_gguf import config_from_gguf
 
@@ -117,6 +134,7 @@ def main():
         model=args.model,
         skip_tokenizer_init=True,
         dtype=args.dtype,
+        kv_cache_dtype=args.kv_cache_dtype,
         max_model_len=2048,
         block_size=64,
         max_num_seqs=args.max_num_seqs,
@@ -139,6 +157,8 @@ def main():
     result = {
         "args": vars(args),
         "dtype": str(model_config.dtype),
+        "kv_cache_dtype": llm.llm_engine.vllm_config.cache_config.cache_dtype,
+        "ws_sparse_mla_calls": ws_calls["n"],
         "attention_backend": attention_backend_name(llm),
         "indexer_backend": il.indexer_logits_backend(),
         "triton_indexer_calls": calls,

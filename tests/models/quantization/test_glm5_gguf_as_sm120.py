@@ -8,26 +8,44 @@ those paths without the hook, within the run-to-run difference of that setting.
 
 A second test does the same with 64 attention heads (GLM-5's count at TP1): with
 SM120's 99 KiB of shared memory reported as well, the sparse MLA kernel runs the
-smaller 64-head tiles of such GPUs, which must give the outputs of the H200's."""
+smaller 64-head tiles of such GPUs, which must give the outputs of the H200's. A
+third does it with an fp8 KV cache (per-tensor scale): SM120's Triton fp8 tiles
+against the H200's warp-specialized fp8 tile."""
 
 import importlib.util
 import os
 
 import pytest
+import torch
 
 import gguf_reference as gr
 from glm5_runs import compare, generate, within_rerun
 from glm5_tiny import make_tiny_glm5
 
 
-@pytest.mark.gpu
-def test_gguf_as_on_sm120(glm5_ggufs, tmp_path):
+def gguf_64_heads(glm5_gguf, tmp_path):
+    """The tiny GLM-5 with 64 attention heads, as a bf16 GGUF from llama.cpp."""
+    llama_cpp = glm5_gguf[0]
+    model = make_tiny_glm5(tmp_path / "tiny-64-heads", num_attention_heads=64,
+                           num_key_value_heads=64)
+    gr.write_tokenizer(model, gr.config(model)["vocab_size"])
+    return gr.convert(llama_cpp, model, tmp_path / "tiny-64-heads-bf16.gguf", "bf16")
+
+
+def sm120_env():
+    """SM120's capability and shared memory per block (99 KiB: the kernels' small
+    tiles), reported by the test plugin."""
     if importlib.util.find_spec("vllm_report_capability") is None:
         pytest.skip("pip install --no-deps tests/plugins/vllm_report_capability first")
-    # SM120's capability and shared memory per block (99 KiB: the kernels' small tiles)
     env = dict(os.environ, VLLM_TEST_REPORT_CAPABILITY="12.0",
                VLLM_TEST_REPORT_SHARED_MEM="101376")
     env.pop("VLLM_SPARSE_INDEXER_LOGITS", None)
+    return env
+
+
+@pytest.mark.gpu
+def test_gguf_as_on_sm120(glm5_ggufs, tmp_path):
+    env = sm120_env()
     auto = generate(glm5_ggufs["bf16"], tmp_path / "auto.json", env=env, dtype="auto")
     assert auto["indexer_backend"] == "triton"
     assert auto["triton_indexer_calls"]["prefill"] > 0
@@ -46,16 +64,8 @@ def test_gguf_as_on_sm120(glm5_ggufs, tmp_path):
 
 @pytest.mark.gpu
 def test_gguf_as_on_sm120_64_heads(glm5_gguf, tmp_path):
-    if importlib.util.find_spec("vllm_report_capability") is None:
-        pytest.skip("pip install --no-deps tests/plugins/vllm_report_capability first")
-    llama_cpp = glm5_gguf[0]
-    model = make_tiny_glm5(tmp_path / "tiny-64-heads", num_attention_heads=64,
-                           num_key_value_heads=64)
-    gr.write_tokenizer(model, gr.config(model)["vocab_size"])
-    gguf = gr.convert(llama_cpp, model, tmp_path / "tiny-64-heads-bf16.gguf", "bf16")
-    env = dict(os.environ, VLLM_TEST_REPORT_CAPABILITY="12.0",
-               VLLM_TEST_REPORT_SHARED_MEM="101376")
-    env.pop("VLLM_SPARSE_INDEXER_LOGITS", None)
+    env = sm120_env()
+    gguf = gguf_64_heads(glm5_gguf, tmp_path)
     small_tiles = generate(gguf, tmp_path / "sm120.json", env=env, dtype="auto")
     assert small_tiles["attention_backend"] == "TRITON_MLA_SPARSE"
     assert small_tiles["dtype"] == "torch.float16"
@@ -65,4 +75,26 @@ def test_gguf_as_on_sm120_64_heads(glm5_gguf, tmp_path):
               for i in range(2)]
     same, rerun = compare(hopper[0], small_tiles), compare(hopper[0], hopper[1])
     print("SM120_64_HEADS_REPORT", {"sm120_tiles_vs_h200_tiles": same, "h200_rerun": rerun})
+    assert within_rerun(same, rerun), (same, rerun)
+
+
+@pytest.mark.gpu
+def test_fp8_kv_cache_as_on_sm120_64_heads(glm5_gguf, tmp_path):
+    env = sm120_env()
+    gguf = gguf_64_heads(glm5_gguf, tmp_path)
+    sm120 = generate(gguf, tmp_path / "sm120-fp8.json", env=env, dtype="auto",
+                     kv_cache_dtype="fp8")
+    assert sm120["attention_backend"] == "TRITON_MLA_SPARSE"
+    assert sm120["kv_cache_dtype"] == "fp8" and sm120["ws_sparse_mla_calls"] == 0
+    # the H200's own tiles: 64 heads of an fp8 e4m3 cache run the warp-specialized one
+    forced = dict(dtype="float16", attention_backend="TRITON_MLA_SPARSE", indexer="triton")
+    hopper = [generate(gguf, tmp_path / f"h200-fp8-{i}.json", kv_cache_dtype="fp8", **forced)
+              for i in range(2)]
+    gpu_hopper = torch.cuda.get_device_capability()[0] == 9
+    assert all((run["ws_sparse_mla_calls"] > 0) == gpu_hopper for run in hopper)
+    cache16 = generate(gguf, tmp_path / "h200-16bit.json", **forced)
+    same, rerun = compare(hopper[0], sm120), compare(hopper[0], hopper[1])
+    # what the fp8 cache changes against a 16-bit one (reported, not a bound)
+    print("FP8_KV_REPORT", {"sm120_tiles_vs_h200_tiles": same, "h200_rerun": rerun,
+                            "fp8_vs_16bit_cache": compare(cache16, hopper[0])})
     assert within_rerun(same, rerun), (same, rerun)
