@@ -251,7 +251,7 @@ def launch_config(
     hopper = capability // 10 == 9 and two_per_sm
     # H200, kernel-only: the warp-specialized 64-head tile, its heads past num_heads
     # masked, takes 0.7-0.9x the time of the 16- and 32-head Triton tiles with an fp8
-    # cache (8-32 heads, 1-4096 tokens), and 0.76-0.88x the 32-head one's with a
+    # cache (8-32 heads, 1-4096 tokens), and 0.65-0.88x the 32-head one's with a
     # 16-bit cache from 8 tokens on (1.09x at one token; 8 and 16 heads: within 7%).
     # Batch-invariant mode takes it at every token count: the tile must not depend on
     # the batch
