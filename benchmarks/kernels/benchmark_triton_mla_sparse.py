@@ -250,16 +250,19 @@ def bench_case(num_tokens, num_heads, kv, topk, pool, l2_bytes, sms, flashmla, s
 
     cfg = ops.device_launch_config(torch.device(dev), num_tokens, num_heads, topk, KV_LORA,
                                    sms, kv == "fp8")
-    # Hopper's warp-specialized Gluon tile, and the Triton tile (the table's entry
-    # where that kernel cannot run) timed next to it
+    # Hopper's Gluon tiles (warp-specialized; 8-head fp8), and the Triton tile (the
+    # table's entry where they cannot run) timed next to them
     ws_ops = getattr(ops, "_warp_specialized_ops", lambda *a: None)
+    rows_ops = getattr(ops, "_rows_in_m_ops", lambda *a: None)
     warp_specialized = ws_ops(cfg, q, cache.view(-1, HEAD), KV_LORA) is not None
+    rows_in_m = rows_ops(cfg, q, cache.view(-1, HEAD), KV_LORA) is not None
     triton_cfg = ops.device_launch_config(torch.device(dev), num_tokens, num_heads, topk,
                                           KV_LORA, sms, kv == "fp8", warp_specialized=False)
     key = compile_key(triton_cfg, kv, q_dtype)
     compiled.record(key, gather(sets[0], triton_cfg))
     t_gather = graph_us([gather(s) for s in sets])
-    t_triton = graph_us([gather(s, triton_cfg) for s in sets]) if warp_specialized else None
+    gluon = warp_specialized or rows_in_m
+    t_triton = graph_us([gather(s, triton_cfg) for s in sets]) if gluon else None
     t_decode = graph_us([decode(s) for s in sets])
     it = {"i": 0}
 
@@ -272,7 +275,8 @@ def bench_case(num_tokens, num_heads, kv, topk, pool, l2_bytes, sms, flashmla, s
         "tokens": num_tokens, "heads": num_heads, "kv": "fp8" if kv == "fp8" else q_dtype,
         "q": q_dtype, "topk": topk,
         "gather_config": cfg,
-        "gather_kernel": "warp_specialized" if warp_specialized else "triton",
+        "gather_kernel": ("warp_specialized" if warp_specialized
+                          else "rows_in_m" if rows_in_m else "triton"),
         "gather_compiled": compiled.get(key),  # the Triton tile's binary
         "gather_us": t_gather, "gather_eager_us": t_eager, "triton_tile_us": t_triton,
         "gather_TBps": bytes_read / (t_gather * 1e-6) / 1e12,
@@ -370,8 +374,8 @@ def main():
     print(f"topk {args.topk}, KV pool {args.pool} tokens, {args.q_dtype} queries, "
           "bytes = T x topk x 576 x elem")
     print("GPU time per call from CUDA-graph replay; eager_us adds Python launch overhead")
-    print("gather kernel: ws = warp-specialized Gluon tile (triton_us: the Triton tile at "
-          "the same shape), tri = Triton tile")
+    print("gather kernel: ws = warp-specialized Gluon tile, rows = 8-head fp8 Gluon tile "
+          "(triton_us: the Triton tile at the same shape), tri = Triton tile")
     print("|    T |   H | kv   | kernel | gather_us | TB/s | % copy bw | eager_us | triton_us "
           "| decode_us | flashmla_us | gather/flashmla | fp8/16-bit |"
           + (" sweep best |" if args.sweep else ""))
@@ -382,9 +386,9 @@ def main():
               if "flashmla_us" in r else f"{'-':>11} | {'-':>15}")
         f8 = f"{r['fp8_time_vs_16bit']:8.2f}" if "fp8_time_vs_16bit" in r else f"{'-':>8}"
         sw = f" {r['sweep_best_us']:9.1f} |" if "sweep_best_us" in r else ""
-        ws = r["gather_kernel"] == "warp_specialized"
-        tri = f"{r['triton_tile_us']:9.1f}" if ws else f"{'-':>9}"
-        print(f"| {r['tokens']:4d} | {r['heads']:3d} | {r['kv']:4} | {'ws' if ws else 'tri':6} "
+        kernel = {"warp_specialized": "ws", "rows_in_m": "rows"}.get(r["gather_kernel"], "tri")
+        tri = f"{r['triton_tile_us']:9.1f}" if kernel != "tri" else f"{'-':>9}"
+        print(f"| {r['tokens']:4d} | {r['heads']:3d} | {r['kv']:4} | {kernel:6} "
               f"| {r['gather_us']:9.1f} "
               f"| {r['gather_TBps']:4.2f} | {100 * r['gather_fraction_of_copy_bw']:8.1f}% "
               f"| {r['gather_eager_us']:8.1f} | {tri} | {r['decode_us']:9.1f} | {fm} | {f8} |{sw}")

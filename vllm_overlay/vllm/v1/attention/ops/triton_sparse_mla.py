@@ -39,6 +39,8 @@ _MAX_PARTIAL_BYTES = 32 * 1024 * 1024
 # its limit in tests/v1/attention/test_triton_mla_sparse_targets.py).
 _MEDIUM_SHARED_MEM = 120 * 1024  # 32 rows
 HOPPER_SHARED_MEM = 227 * 1024
+# slots per split of `gluon_sparse_mla_fp8`'s tile (its slot ids live in shared memory)
+ROWS_IN_M_MAX_SLOTS = 2048
 
 
 @functools.cache
@@ -242,13 +244,29 @@ def launch_config(
     WARP_SPECIALIZED (Hopper; 64-head tiles, and fewer heads where it is faster; fp8
     caches in e4m3) runs the tile as `gluon_sparse_mla`'s warp-specialized kernel
     instead of `_sparse_mla_kernel` (the Triton parameters above stay its fallback);
-    warp_specialized=False gives the Triton tile's entry instead (where that kernel
-    cannot run: `sparse_mla_attention` falls back to it).
+    ROWS_IN_M (Hopper, an fp8 e4m3 cache, up to 16 heads) runs
+    `gluon_sparse_mla_fp8`'s 8-head tile. warp_specialized=False gives the Triton
+    tile's entry instead of either Gluon tile (where they cannot run:
+    `sparse_mla_attention` falls back to it).
     """
     block_h = 16 if num_heads <= 16 else (32 if num_heads <= 32 else 64)
     # Hopper's (and SM100's) shared memory holds two programs of up to 32 heads per SM
     two_per_sm = max_shared_mem >= HOPPER_SHARED_MEM
     hopper = capability // 10 == 9 and two_per_sm
+    # H200, kernel-only, fp8 cache, top-k 2048: the 8-head tile (two programs for 9-16
+    # heads) takes 0.60-0.61x the 16-bit cache's time at 8 heads from 256 tokens on, and
+    # 0.46-0.83x the 64-head fp8 tile's from 32 tokens (16 tokens: 1.01x, 1: 1.47x); at
+    # 16 heads 0.88-0.90x from 256 tokens (64: 1.01x); at 32 heads 1.7x. Batch-invariant
+    # mode takes it at every token count: the tile must not depend on the batch
+    if (warp_specialized and hopper and kv_fp8 and num_heads <= 16
+            and (num_tokens >= (32 if num_heads <= 8 else 128) or envs.VLLM_BATCH_INVARIANT)):
+        # one wave of programs (H200: 2 splits at 64 tokens 42.9 us, 4 splits 45.5),
+        # and a split's slot ids fit the tile's shared memory
+        splits = max(_num_splits(num_tokens, num_heads, 8, topk, kv_lora_rank, num_sms),
+                     triton.next_power_of_2(triton.cdiv(topk, ROWS_IN_M_MAX_SLOTS)))
+        return {"BLOCK_H": 8, "BLOCK_N": 64, "num_warps": 4, "num_stages": 2,
+                "splits": splits, "V_SPLITS": 1, "V_RELOAD": False, "K_DEQUANT": False,
+                "WARP_SPECIALIZED": False, "ROWS_IN_M": True}
     # H200, kernel-only: the warp-specialized 64-head tile, its heads past num_heads
     # masked, takes 0.7-0.9x the time of the 16- and 32-head Triton tiles with an fp8
     # cache (8-32 heads, 1-4096 tokens), and 0.65-0.88x the 32-head one's with a
@@ -308,7 +326,7 @@ def launch_config(
     return {"BLOCK_H": block_h, "BLOCK_N": block_n, "num_warps": num_warps,
             "num_stages": num_stages, "splits": splits, "V_SPLITS": 1,
             "V_RELOAD": v_reload, "K_DEQUANT": False,
-            "WARP_SPECIALIZED": warp_specialized}
+            "WARP_SPECIALIZED": warp_specialized, "ROWS_IN_M": False}
 
 
 def device_launch_config(
@@ -345,6 +363,18 @@ def _gluon_sparse_mla():
     return gluon_sparse_mla
 
 
+@functools.cache
+def _gluon_sparse_mla_fp8():
+    """The 8-head fp8 tile's module; None where this Triton has no Gluon."""
+    try:
+        from vllm.v1.attention.ops import gluon_sparse_mla_fp8
+    except ImportError as e:
+        logger.warning("Sparse MLA: the 8-head fp8 kernel is unavailable (%s); using the "
+                       "Triton kernel.", e)
+        return None
+    return gluon_sparse_mla_fp8
+
+
 def _warp_specialized_ops(cfg: dict, q: torch.Tensor, kv: torch.Tensor, kv_lora_rank: int):
     """`gluon_sparse_mla` where the launch table chose its tile and it takes these
     tensors (a GPU, not the interpreter; a cache in q's dtype or fp8 e4m3), else None."""
@@ -354,6 +384,18 @@ def _warp_specialized_ops(cfg: dict, q: torch.Tensor, kv: torch.Tensor, kv_lora_
     ops = _gluon_sparse_mla()
     if ops is None or not ops.supports(cfg["BLOCK_H"], kv_lora_rank,
                                        q.shape[-1] - kv_lora_rank, q.dtype):
+        return None
+    return ops
+
+
+def _rows_in_m_ops(cfg: dict, q: torch.Tensor, kv: torch.Tensor, kv_lora_rank: int):
+    """`gluon_sparse_mla_fp8` where the launch table chose its tile and it takes these
+    tensors (a GPU, not the interpreter; an fp8 e4m3 cache), else None."""
+    if not (cfg.get("ROWS_IN_M") and q.is_cuda and cfg.get("V_SPLITS", 1) == 1):
+        return None
+    ops = _gluon_sparse_mla_fp8()
+    if ops is None or not ops.supports(kv_lora_rank, q.shape[-1] - kv_lora_rank, q.dtype,
+                                       kv.dtype):
         return None
     return ops
 
@@ -421,17 +463,20 @@ def sparse_mla_attention(
         kv = kv.view(torch.float8_e4m3fn)
     cfg = config or device_launch_config(q.device, num_tokens, num_heads, topk,
                                          kv_lora_rank, num_sms, kv_fp8)
-    gluon_ops = _warp_specialized_ops(cfg, q, kv, kv_lora_rank)
-    if gluon_ops is not None:
+    ws_ops = _warp_specialized_ops(cfg, q, kv, kv_lora_rank)
+    fp8_ops = None if ws_ops is not None else _rows_in_m_ops(cfg, q, kv, kv_lora_rank)
+    if ws_ops is not None or fp8_ops is not None:
         splits = cfg["splits"]
-        split_len, out, lse, so, sl = split_k_outputs(o, topk, splits, gluon_ops.TILE_ROWS)
-        gluon_ops.sparse_mla_attention_ws(q, kv, slots, valid_counts, k_scale, out, lse, so,
-                                          sl, scale, split_len, splits)
+        ops = ws_ops if ws_ops is not None else fp8_ops
+        split_len, out, lse, so, sl = split_k_outputs(o, topk, splits, ops.TILE_ROWS)
+        launch = (ws_ops.sparse_mla_attention_ws if ws_ops is not None
+                  else fp8_ops.sparse_mla_attention_fp8)
+        launch(q, kv, slots, valid_counts, k_scale, out, lse, so, sl, scale, split_len, splits)
         merge_split_k(out, lse, o)
         return o
-    if config is None and cfg["WARP_SPECIALIZED"]:
-        # the warp-specialized kernel does not take these tensors (an e5m2 cache, the
-        # interpreter, a Triton without Gluon): the table's Triton tile instead
+    if config is None and (cfg["WARP_SPECIALIZED"] or cfg.get("ROWS_IN_M")):
+        # the Gluon kernel does not take these tensors (an e5m2 cache, the interpreter, a
+        # Triton without Gluon): the table's Triton tile instead
         cfg = device_launch_config(q.device, num_tokens, num_heads, topk, kv_lora_rank,
                                    num_sms, kv_fp8, warp_specialized=False)
     splits = cfg["splits"]

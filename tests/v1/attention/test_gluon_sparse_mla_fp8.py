@@ -1,0 +1,315 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The 8-head fp8 tile of sparse MLA (`gluon_sparse_mla_fp8`).
+
+CPU: which shapes the launch table gives it, that a split longer than its slot
+buffer is refused, and that it compiles for sm_90 and sm_120 within 99 KiB of shared
+memory with no padded dots and no spills. GPU (`gpu` marker, SM90): through
+`triton_sparse_mla.sparse_mla_attention`, against float64 and the Triton fp8 tile,
+with split-K, fewer heads than the tile, queries beyond fp16's range, a top-k longer
+than one split, a fallback for an e5m2 cache, and under CUDA-graph capture.
+"""
+
+import json
+import math
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from vllm.v1.attention.ops import triton_sparse_mla as tsm
+
+KV_LORA, ROPE = 512, 64
+HEAD = KV_LORA + ROPE
+HOPPER_GPU = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
+
+
+def cfg(tokens, heads, kv_fp8=True, cap=90, smem=tsm.HOPPER_SHARED_MEM, topk=2048, **kw):
+    return tsm.launch_config(tokens, heads, topk, KV_LORA, 132, smem, kv_fp8, cap, **kw)
+
+
+def test_launch_table_takes_it_for_few_heads_of_an_fp8_cache():
+    # 8 heads (and fewer) from 32 tokens on, 9-16 heads from 128
+    for heads in (1, 5, 8):
+        assert [cfg(t, heads)["ROWS_IN_M"] for t in (1, 8, 16, 31, 32, 64, 4096)] == [
+            False] * 4 + [True] * 3
+    for heads in (12, 16):
+        assert [cfg(t, heads)["ROWS_IN_M"] for t in (64, 127, 128, 4096)] == [
+            False, False, True, True]
+    c = cfg(4096, 8)
+    assert (c["BLOCK_H"], c["BLOCK_N"], c["num_warps"]) == (8, 64, 4)
+    assert not c["WARP_SPECIALIZED"] and not c["V_RELOAD"]
+    # not for more heads, a 16-bit cache, another GPU, or without the Gluon tiles
+    assert not cfg(4096, 17)["ROWS_IN_M"] and not cfg(4096, 32)["ROWS_IN_M"]
+    assert not cfg(4096, 8, kv_fp8=False)["ROWS_IN_M"]
+    for cap, smem in ((100, tsm.HOPPER_SHARED_MEM), (120, 99 * 1024), (89, 99 * 1024),
+                      (80, 163 * 1024), (90, 99 * 1024)):
+        assert not cfg(4096, 8, cap=cap, smem=smem)["ROWS_IN_M"]
+    t = cfg(4096, 8, warp_specialized=False)
+    assert not t["ROWS_IN_M"] and not t["WARP_SPECIALIZED"] and t["BLOCK_H"] == 16
+    # split-K to one wave of programs
+    assert [cfg(t, 8)["splits"] for t in (32, 64, 128, 4096)] == [4, 2, 1, 1]
+    assert cfg(128, 16)["splits"] == 1
+    # a split holds at most the tile's slot buffer: a longer top-k takes more splits
+    for topk in (2049, 4096, 5000):
+        c = cfg(4096, 8, topk=topk)
+        split_len = tsm.split_k_outputs(torch.empty(1, 1, KV_LORA), topk, c["splits"], 64)[0]
+        assert c["splits"] >= 2 and split_len <= tsm.ROWS_IN_M_MAX_SLOTS
+
+
+def test_batch_invariant_mode_takes_it_at_every_token_count(monkeypatch):
+    monkeypatch.setenv("VLLM_BATCH_INVARIANT", "1")
+    for heads in (8, 16):
+        entries = {json.dumps(cfg(t, heads), sort_keys=True) for t in (1, 2, 31, 64, 4096)}
+        assert len(entries) == 1
+        assert json.loads(entries.pop())["ROWS_IN_M"]
+
+
+def test_a_split_longer_than_its_slot_buffer_is_refused():
+    from vllm.v1.attention.ops import gluon_sparse_mla_fp8 as g
+
+    assert g.MAX_SLOTS == tsm.ROWS_IN_M_MAX_SLOTS
+    q = torch.empty(1, 8, HEAD, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="4096 slots per split, more than its 2048"):
+        g.sparse_mla_attention_fp8(q, torch.empty(8, HEAD), torch.empty(1, 4096), None, None,
+                                   None, None, (0, 0, 0), (0, 0), 0.1, 4096, 1)
+
+
+def test_dispatch_needs_a_gpu_and_an_e4m3_cache():
+    c = cfg(4096, 8)
+    q = torch.empty(8, 8, HEAD, dtype=torch.bfloat16)
+    kv = torch.empty(64, HEAD, dtype=torch.float8_e4m3fn)
+    assert tsm._rows_in_m_ops(c, q, kv, KV_LORA) is None  # the interpreter's CPU tensors
+    if not torch.cuda.is_available():
+        return
+    q, kv = q.cuda(), kv.cuda()
+    assert tsm._rows_in_m_ops(c, q, kv, KV_LORA) is not None
+    assert tsm._rows_in_m_ops(c, q.half(), kv, KV_LORA) is not None
+    assert tsm._rows_in_m_ops(dict(c, ROWS_IN_M=False), q, kv, KV_LORA) is None
+    assert tsm._rows_in_m_ops(c, q, kv.to(torch.float8_e5m2), KV_LORA) is None
+    assert tsm._rows_in_m_ops(c, q, q.view(-1, HEAD), KV_LORA) is None  # a bf16 cache
+    assert tsm._rows_in_m_ops(c, q[..., :-32], kv[:, :-32], KV_LORA) is None
+
+
+def compile_tile(arch: int, partial: bool) -> dict:
+    """Run in a plain process (no GPU needed): what ptxas makes of the tile."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    from vllm.v1.attention.ops import gluon_sparse_mla_fp8 as g
+
+    fn = g._sparse_mla_fp8_kernel
+    sig = {"Q": "*bf16", "KV": "*fp8e4nv", "Slots": "*i32", "Counts": "*i32",
+           "KScale": "*fp32", "O": "*fp32" if partial else "*bf16", "Lse": "*fp32",
+           "sm_scale": "fp32"}
+    ints = ["stride_qt", "stride_qh", "stride_kv", "stride_st", "stride_ot", "stride_oh",
+            "stride_os", "stride_lt", "stride_lh", "num_heads", "split_len"]
+    sig.update({name: "i32" for name in ints})
+    consts = {"BLOCK_H": g.TILE_HEADS, "BLOCK_N": g.TILE_ROWS, "D_V": KV_LORA, "D_R": ROPE,
+              "MAX_SLOTS": g.MAX_SLOTS, "PARTIAL": partial, "num_warps": g.NUM_WARPS}
+    sig.update({name: "constexpr" for name in consts})
+    # what the JIT sees at GLM-5 shapes: 16-byte aligned pointers and strides
+    aligned = [k for k, v in sig.items() if v.startswith("*")] + ints[:7] + ["split_len"]
+    src = GluonASTSource(
+        fn, sig, constexprs={(fn.arg_names.index(k),): v for k, v in consts.items()},
+        attrs={(fn.arg_names.index(k),): [["tt.divisibility", 16]] for k in aligned})
+    kernel = triton.compile(src, target=GPUTarget("cuda", arch, 32),
+                            options={"num_warps": g.NUM_WARPS})
+    bin_dir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+    ptxas = os.path.join(bin_dir, "ptxas-blackwell" if arch >= 100 else "ptxas")
+    ptx_path = os.path.join(os.environ.get("TMPDIR", "/tmp"), f"gsm8-{os.getpid()}.ptx")
+    with open(ptx_path, "w") as f:
+        f.write(kernel.asm["ptx"])
+    try:
+        report = subprocess.run(
+            [ptxas, "-v", f"--gpu-name=sm_{arch}a", ptx_path, "-o", ptx_path + ".cubin"],
+            capture_output=True, text=True, check=True).stderr
+        sass = subprocess.run([os.path.join(bin_dir, "cuobjdump"), "-sass",
+                               ptx_path + ".cubin"], capture_output=True, text=True,
+                              check=True).stdout
+    finally:
+        for path in (ptx_path, ptx_path + ".cubin"):
+            if os.path.exists(path):
+                os.remove(path)
+    return {"shared": kernel.metadata.shared,
+            "spill_bytes": sum(map(int, re.findall(r"(\d+) bytes spill stores", report))),
+            "hmma": len(re.findall(r"\bHMMA\.16816\.F32 ", sass)),
+            "bf16_hmma": len(re.findall(r"\bHMMA\.16816\.F32\.BF16 ", sass)),
+            "fp8_to_f16": sass.count("F2FP.F16.E4M3.UNPACK_B")}
+
+
+@pytest.mark.parametrize("arch", [90, 120])
+@pytest.mark.parametrize("partial", [False, True])
+def test_compiles_without_padded_dots(run_without_gpu, arch, partial):
+    got = run_without_gpu(__file__, arch, int(partial), timeout=900)
+    # within the 99 KiB of SM 8.6/8.9/12.x as well as Hopper's 227 (two programs an SM)
+    assert got["shared"] <= 99 * 1024 and 2 * got["shared"] <= tsm.HOPPER_SHARED_MEM
+    assert got["spill_bytes"] == 0
+    # a warp's 16 rows of a 64-row tile at 8 heads: 36 score dots (576 / 16) and 32 PV
+    # dots (512 / 16 columns), the loop body twice (two buffers); fp16, none in bf16
+    assert got["hmma"] == 2 * (36 + 32) and got["bf16_hmma"] == 0
+    # each fp8 value converted once per dot that reads it: the rows' 576 values for the
+    # scores and 512 for PV, two per instruction, 16 rows a warp
+    assert got["fp8_to_f16"] == 2 * (576 + 512) * 16 // 2 // 32
+
+
+def sparse_case(num_tokens, num_heads, dtype, seed, pool=65536, topk=2048, q_scale=0.5):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    cache = (torch.randn(pool // 64, 64, HEAD, device="cuda", generator=g) * 0.5).to(
+        torch.float8_e4m3fn)
+    q = (torch.randn(num_tokens, num_heads, HEAD, device="cuda", generator=g) * q_scale).to(dtype)
+    slots = torch.stack([torch.randperm(pool, device="cuda", generator=g)[:topk]
+                         for _ in range(num_tokens)]).int()
+    counts = torch.randint(1, topk + 1, (num_tokens,), device="cuda", dtype=torch.int32,
+                           generator=g)
+    # a full top-k, no valid slot, fewer slots than a tile, part of a last tile
+    for t, n in enumerate((topk, 0, 37, 64 * 5 + 3)[:num_tokens]):
+        counts[t] = n
+    return q, cache, slots, counts
+
+
+def reference(q, cache, slots, counts, scale, tokens, k_scale):
+    kv = cache.view(-1, HEAD).double() * k_scale
+    out = {}
+    for t in tokens:
+        n = int(counts[t])
+        if n == 0:
+            out[t] = torch.zeros(q.shape[1], KV_LORA, dtype=torch.float64, device=q.device)
+            continue
+        rows = kv[slots[t, :n].long()]
+        out[t] = torch.softmax((q[t].double() @ rows.T) * scale, -1) @ rows[:, :KV_LORA]
+    return out
+
+
+@pytest.fixture
+def launches(monkeypatch):
+    """Counts the tile's launches."""
+    from vllm.v1.attention.ops import gluon_sparse_mla_fp8 as g
+
+    calls = []
+    launch = g.sparse_mla_attention_fp8
+
+    def counted(*args, **kwargs):
+        calls.append(args[-1])  # splits
+        return launch(*args, **kwargs)
+
+    monkeypatch.setattr(g, "sparse_mla_attention_fp8", counted)
+    return calls
+
+
+def check_against_float64_and_the_triton_tile(q, cache, slots, counts, scale, k_scale, outs):
+    """Each output within twice the Triton fp8 tile's error from float64 (at least
+    1e-2), zeros for a token without valid slots, and close to the Triton tile."""
+    num_tokens, num_heads, _ = q.shape
+    topk = slots.shape[1]
+    triton_cfg = tsm.device_launch_config(q.device, num_tokens, num_heads, topk, KV_LORA, 132,
+                                          True, warp_specialized=False)
+    triton_tile = tsm.sparse_mla_attention(q, cache, slots, counts, KV_LORA, scale, k_scale,
+                                           132, config=triton_cfg).double()
+    tokens = sorted(set(range(min(num_tokens, 4))) | {num_tokens // 2, num_tokens - 1})
+    ref = reference(q, cache, slots, counts, scale, tokens, float(k_scale))
+    for t in tokens:
+        err_triton = (triton_tile[t] - ref[t]).abs().max().item()
+        for out in outs:
+            assert (out[t] - ref[t]).abs().max().item() <= max(2 * err_triton, 1e-2), t
+            if int(counts[t]) == 0:
+                assert (out[t] == 0).all()
+    for out in outs:
+        assert torch.isfinite(out).all()
+        torch.testing.assert_close(out, triton_tile, rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HOPPER_GPU, reason="SM90 only")
+@pytest.mark.parametrize("num_tokens,num_heads,dtype", [
+    (64, 8, torch.bfloat16), (40, 8, torch.float16), (300, 5, torch.bfloat16),
+    (33, 1, torch.bfloat16), (128, 16, torch.bfloat16), (130, 12, torch.float16)])
+def test_matches_float64_and_the_triton_tile(launches, num_tokens, num_heads, dtype):
+    q, cache, slots, counts = sparse_case(num_tokens, num_heads, dtype,
+                                          seed=num_tokens * 100 + num_heads)
+    scale, k_scale = 1 / math.sqrt(192 + ROPE), torch.full((1,), 0.5, device="cuda")
+    c = tsm.device_launch_config(q.device, num_tokens, num_heads, 2048, KV_LORA, 132, True)
+    assert c["ROWS_IN_M"]
+    outs = [tsm.sparse_mla_attention(q, cache, slots, counts, KV_LORA, scale, k_scale, 132,
+                                     config=dict(c, splits=s)).double()
+            for s in sorted({c["splits"], 1, 4})]
+    assert launches == sorted({c["splits"], 1, 4})
+    check_against_float64_and_the_triton_tile(q, cache, slots, counts, scale, k_scale, outs)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HOPPER_GPU, reason="SM90 only")
+def test_queries_beyond_fp16_keep_their_precision(launches):
+    # bf16 queries of magnitude ~1e5 (fp16 ends at 65504): the tile's per-head power
+    # of two brings them into fp16 exactly; one head of zeros keeps a finite scale
+    q, cache, slots, counts = sparse_case(64, 8, torch.bfloat16, seed=3, q_scale=3e4)
+    q[:, 3] = 0
+    scale, k_scale = 1 / (3e4 * math.sqrt(192 + ROPE)), torch.full((1,), 0.5, device="cuda")
+    out = tsm.sparse_mla_attention(q, cache, slots, counts, KV_LORA, scale, k_scale,
+                                   132).double()
+    assert launches == [2]
+    check_against_float64_and_the_triton_tile(q, cache, slots, counts, scale, k_scale, [out])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HOPPER_GPU, reason="SM90 only")
+def test_a_longer_top_k_takes_more_splits(launches):
+    q, cache, slots, counts = sparse_case(40, 8, torch.bfloat16, seed=11, topk=4096)
+    scale, k_scale = 1 / math.sqrt(192 + ROPE), torch.full((1,), 0.5, device="cuda")
+    out = tsm.sparse_mla_attention(q, cache, slots, counts, KV_LORA, scale, k_scale,
+                                   132).double()
+    assert len(launches) == 1 and launches[0] >= 2
+    check_against_float64_and_the_triton_tile(q, cache, slots, counts, scale, k_scale, [out])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HOPPER_GPU, reason="SM90 only")
+def test_an_e5m2_cache_falls_back_to_the_triton_tile(launches):
+    q, cache, slots, counts = sparse_case(32, 8, torch.bfloat16, seed=5)
+    cache = cache.float().to(torch.float8_e5m2)
+    scale, k_scale = 1 / math.sqrt(192 + ROPE), torch.full((1,), 0.5, device="cuda")
+    assert tsm.device_launch_config(q.device, 32, 8, 2048, KV_LORA, 132, True)["ROWS_IN_M"]
+    out = tsm.sparse_mla_attention(q, cache, slots, counts, KV_LORA, scale, k_scale,
+                                   132).double()
+    assert launches == []
+    ref = reference(q, cache, slots, counts, scale, range(4), 0.5)
+    for t in range(4):
+        torch.testing.assert_close(out[t], ref[t], rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HOPPER_GPU, reason="SM90 only")
+def test_replays_under_cuda_graph_capture(launches):
+    q, cache, slots, counts = sparse_case(64, 8, torch.bfloat16, seed=13)
+    scale, k_scale = 1 / math.sqrt(192 + ROPE), torch.full((1,), 0.5, device="cuda")
+
+    def run():
+        return tsm.sparse_mla_attention(q, cache, slots, counts, KV_LORA, scale, k_scale, 132)
+
+    eager = run().clone()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        run()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = run()
+    # new slots and counts, copied into the captured tensors
+    _, _, slots2, counts2 = sparse_case(64, 8, torch.bfloat16, seed=14)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(captured, eager)
+    slots.copy_(slots2)
+    counts.copy_(counts2)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(captured, run())
+    assert not torch.equal(captured, eager)
+
+
+if __name__ == "__main__":
+    print(json.dumps(compile_tile(int(sys.argv[1]), bool(int(sys.argv[2])))))
