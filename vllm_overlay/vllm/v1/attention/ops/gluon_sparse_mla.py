@@ -4,8 +4,8 @@
 
 The tile `triton_sparse_mla` launches on SM90 for blocks of 64 heads of a 16-bit
 or fp8 e4m3 cache, and for fewer heads (masked) where it beats the smaller Triton
-tiles: 32 heads of a 16-bit cache from 8 tokens on, any head count of an fp8 one
-(`launch_config(...)["WARP_SPECIALIZED"]`). It writes the same split-K partial
+tiles: 32 heads of a 16-bit cache from 8 tokens on, an fp8 one at the head and token
+counts `gluon_sparse_mla_fp8` does not take (`launch_config(...)["WARP_SPECIALIZED"]`). It writes the same split-K partial
 outputs for the same merge. One program per (64-head block, token, split), three
 partitions over two shared-memory stages of 64 gathered rows:
 

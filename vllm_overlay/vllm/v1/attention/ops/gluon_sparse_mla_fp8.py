@@ -28,10 +28,11 @@ per dot, where they are converted:
   that brings its largest magnitude to [2^13, 2^14), exact for a bf16 query down to
   2^-24 of that magnitude; the score scale takes the inverse.
 
-H200, 8 heads, top-k 2048: 0.60x the time of the 16-bit cache's tile at 256-4096
-tokens (3.2 TB/s of fp8 rows), 0.46x the 64-head fp8 tile's; 16 heads run as two
-programs (benchmarks/results/h200-sparse-mla-gather.json). mma.sync and async
-copies exist from SM80 on; only Hopper's launch table selects it (measured there).
+H200, 8 heads, top-k 2048: 0.59-0.61x the time of the 16-bit cache's tile at 256-4096
+tokens (2.8-3.2 TB/s of fp8 rows), 0.40-0.43x the Triton fp8 tile's
+(benchmarks/results/h200-sparse-mla-gather.json); 16 heads run as two programs (1.2x
+the 16-bit time, kernel-only). mma.sync and async copies exist from SM80 on; only
+Hopper's launch table selects it (measured there).
 """
 
 import torch
