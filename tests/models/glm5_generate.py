@@ -13,6 +13,7 @@ kernels can be counted.
 """
 
 import argparse
+import importlib
 import json
 import os
 import random
@@ -108,20 +109,22 @@ def main():
 
         setattr(il, name, counted)
 
-    # launches of Hopper's warp-specialized sparse MLA tile (none where it cannot run)
-    ws_calls = {"n": 0}
-    try:
-        from vllm.v1.attention.ops import gluon_sparse_mla
-    except ImportError:
-        gluon_sparse_mla = None
-    if gluon_sparse_mla is not None:
-        launch = gluon_sparse_mla.sparse_mla_attention_ws
+    # launches of Hopper's Gluon sparse MLA tiles (none where they cannot run): the
+    # warp-specialized one and the 8-head fp8 one
+    gluon_calls = {"ws": 0, "rows": 0}
+    for module_name, fn_name, key in (("gluon_sparse_mla", "sparse_mla_attention_ws", "ws"),
+                                      ("gluon_sparse_mla_fp8", "sparse_mla_attention_fp8",
+                                       "rows")):
+        try:
+            module = importlib.import_module(f"vllm.v1.attention.ops.{module_name}")
+        except ImportError:
+            continue
 
-        def counted_ws(*a, **kw):
-            ws_calls["n"] += 1
-            return launch(*a, **kw)
+        def counted_launch(*a, _launch=getattr(module, fn_name), _key=key, **kw):
+            gluon_calls[_key] += 1
+            return _launch(*a, **kw)
 
-        gluon_sparse_mla.sparse_mla_attention_ws = counted_ws
+        setattr(module, fn_name, counted_launch)
 
     if args.model.endswith(".gguf"):
         from vllm.transformers_utils.glm_dsa_gguf import config_from_gguf
@@ -158,7 +161,8 @@ def main():
         "args": vars(args),
         "dtype": str(model_config.dtype),
         "kv_cache_dtype": llm.llm_engine.vllm_config.cache_config.cache_dtype,
-        "ws_sparse_mla_calls": ws_calls["n"],
+        "ws_sparse_mla_calls": gluon_calls["ws"],
+        "rows_sparse_mla_calls": gluon_calls["rows"],
         "attention_backend": attention_backend_name(llm),
         "indexer_backend": il.indexer_logits_backend(),
         "triton_indexer_calls": calls,

@@ -10,7 +10,8 @@ A second test does the same with 64 attention heads (GLM-5's count at TP1): with
 SM120's 99 KiB of shared memory reported as well, the sparse MLA kernel runs the
 smaller 64-head tiles of such GPUs, which must give the outputs of the H200's. A
 third does it with an fp8 KV cache (per-tensor scale): SM120's Triton fp8 tiles
-against the H200's warp-specialized fp8 tile."""
+against the H200's warp-specialized fp8 tile; a fourth with 8 heads (GLM-5 at TP8)
+against the H200's 8-head fp8 tile, which runs its prefills."""
 
 import importlib.util
 import os
@@ -23,13 +24,13 @@ from glm5_runs import compare, generate, within_rerun
 from glm5_tiny import make_tiny_glm5
 
 
-def gguf_64_heads(glm5_gguf, tmp_path):
-    """The tiny GLM-5 with 64 attention heads, as a bf16 GGUF from llama.cpp."""
+def gguf_64_heads(glm5_gguf, tmp_path, heads=64):
+    """The tiny GLM-5 with 64 (or `heads`) attention heads, as a bf16 GGUF from llama.cpp."""
     llama_cpp = glm5_gguf[0]
-    model = make_tiny_glm5(tmp_path / "tiny-64-heads", num_attention_heads=64,
-                           num_key_value_heads=64)
+    model = make_tiny_glm5(tmp_path / f"tiny-{heads}-heads", num_attention_heads=heads,
+                           num_key_value_heads=heads)
     gr.write_tokenizer(model, gr.config(model)["vocab_size"])
-    return gr.convert(llama_cpp, model, tmp_path / "tiny-64-heads-bf16.gguf", "bf16")
+    return gr.convert(llama_cpp, model, tmp_path / f"tiny-{heads}-heads-bf16.gguf", "bf16")
 
 
 def sm120_env():
@@ -75,6 +76,28 @@ def test_gguf_as_on_sm120_64_heads(glm5_gguf, tmp_path):
               for i in range(2)]
     same, rerun = compare(hopper[0], small_tiles), compare(hopper[0], hopper[1])
     print("SM120_64_HEADS_REPORT", {"sm120_tiles_vs_h200_tiles": same, "h200_rerun": rerun})
+    assert within_rerun(same, rerun), (same, rerun)
+
+
+@pytest.mark.gpu
+def test_fp8_kv_cache_as_on_sm120_8_heads(glm5_gguf, tmp_path):
+    env = sm120_env()
+    gguf = gguf_64_heads(glm5_gguf, tmp_path, heads=8)
+    sm120 = generate(gguf, tmp_path / "sm120-fp8.json", env=env, dtype="auto",
+                     kv_cache_dtype="fp8")
+    assert sm120["attention_backend"] == "TRITON_MLA_SPARSE"
+    assert sm120["kv_cache_dtype"] == "fp8" and sm120["rows_sparse_mla_calls"] == 0
+    # the H200's own tiles: the 8-head fp8 tile for the prefills (300-1000 tokens), the
+    # warp-specialized one for decode steps of a few tokens
+    forced = dict(dtype="float16", attention_backend="TRITON_MLA_SPARSE", indexer="triton")
+    hopper = [generate(gguf, tmp_path / f"h200-fp8-{i}.json", kv_cache_dtype="fp8", **forced)
+              for i in range(2)]
+    gpu_hopper = torch.cuda.get_device_capability()[0] == 9
+    assert all((run["rows_sparse_mla_calls"] > 0) == gpu_hopper for run in hopper)
+    same, rerun = compare(hopper[0], sm120), compare(hopper[0], hopper[1])
+    print("FP8_KV_8_HEADS_REPORT", {"sm120_tiles_vs_h200_tiles": same, "h200_rerun": rerun,
+                                    "h200_gluon_calls": [hopper[0]["rows_sparse_mla_calls"],
+                                                         hopper[0]["ws_sparse_mla_calls"]]})
     assert within_rerun(same, rerun), (same, rerun)
 
 
