@@ -18,11 +18,10 @@ import sys
 
 import pytest
 import torch
+from sparse_mla_cases import HEAD, KV_LORA, ROPE, count_launches, reference, sparse_case
 
 from vllm.v1.attention.ops import triton_sparse_mla as tsm
 
-KV_LORA, ROPE = 512, 64
-HEAD = KV_LORA + ROPE
 HOPPER_GPU = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
 
 
@@ -193,48 +192,12 @@ def test_falls_back_to_the_triton_tiles_own_entry(monkeypatch):
         torch.testing.assert_close(out[t].double(), ref[t], rtol=1e-2, atol=1e-2)
 
 
-def sparse_case(num_tokens, num_heads, dtype, seed, pool=65536, topk=2048, kv_dtype=None):
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    cache = (torch.randn(pool // 64, 64, HEAD, device="cuda", generator=g) * 0.5).to(
-        kv_dtype or dtype)
-    q = (torch.randn(num_tokens, num_heads, HEAD, device="cuda", generator=g) * 0.5).to(dtype)
-    slots = torch.stack([torch.randperm(pool, device="cuda", generator=g)[:topk]
-                         for _ in range(num_tokens)]).int()
-    counts = torch.randint(1, topk + 1, (num_tokens,), device="cuda", dtype=torch.int32,
-                           generator=g)
-    # a full top-k, no valid slot, fewer slots than a tile, part of a last tile
-    for t, n in enumerate((topk, 0, 37, 64 * 5 + 3)[:num_tokens]):
-        counts[t] = n
-    return q, cache, slots, counts
-
-
-def reference(q, cache, slots, counts, scale, tokens, k_scale=1.0):
-    kv = cache.view(-1, HEAD).double() * k_scale
-    out = {}
-    for t in tokens:
-        n = int(counts[t])
-        if n == 0:
-            out[t] = torch.zeros(q.shape[1], KV_LORA, dtype=torch.float64, device=q.device)
-            continue
-        rows = kv[slots[t, :n].long()]
-        out[t] = torch.softmax((q[t].double() @ rows.T) * scale, -1) @ rows[:, :KV_LORA]
-    return out
-
-
 @pytest.fixture
 def launches(monkeypatch):
     """Counts the warp-specialized tile's launches."""
     from vllm.v1.attention.ops import gluon_sparse_mla as gsm
 
-    calls = []
-    launch = gsm.sparse_mla_attention_ws
-
-    def counted(*args, **kwargs):
-        calls.append(args[-1])  # splits
-        return launch(*args, **kwargs)
-
-    monkeypatch.setattr(gsm, "sparse_mla_attention_ws", counted)
-    return calls
+    return count_launches(monkeypatch, gsm, "sparse_mla_attention_ws")
 
 
 @pytest.mark.gpu

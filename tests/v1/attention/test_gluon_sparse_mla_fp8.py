@@ -18,11 +18,10 @@ import sys
 
 import pytest
 import torch
+from sparse_mla_cases import HEAD, KV_LORA, ROPE, count_launches, reference, sparse_case
 
 from vllm.v1.attention.ops import triton_sparse_mla as tsm
 
-KV_LORA, ROPE = 512, 64
-HEAD = KV_LORA + ROPE
 HOPPER_GPU = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
 
 
@@ -156,32 +155,8 @@ def test_compiles_without_padded_dots(run_without_gpu, arch, partial):
     assert got["fp8_to_f16"] == 2 * (576 + 512) * 16 // 2 // 32
 
 
-def sparse_case(num_tokens, num_heads, dtype, seed, pool=65536, topk=2048, q_scale=0.5):
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    cache = (torch.randn(pool // 64, 64, HEAD, device="cuda", generator=g) * 0.5).to(
-        torch.float8_e4m3fn)
-    q = (torch.randn(num_tokens, num_heads, HEAD, device="cuda", generator=g) * q_scale).to(dtype)
-    slots = torch.stack([torch.randperm(pool, device="cuda", generator=g)[:topk]
-                         for _ in range(num_tokens)]).int()
-    counts = torch.randint(1, topk + 1, (num_tokens,), device="cuda", dtype=torch.int32,
-                           generator=g)
-    # a full top-k, no valid slot, fewer slots than a tile, part of a last tile
-    for t, n in enumerate((topk, 0, 37, 64 * 5 + 3)[:num_tokens]):
-        counts[t] = n
-    return q, cache, slots, counts
-
-
-def reference(q, cache, slots, counts, scale, tokens, k_scale):
-    kv = cache.view(-1, HEAD).double() * k_scale
-    out = {}
-    for t in tokens:
-        n = int(counts[t])
-        if n == 0:
-            out[t] = torch.zeros(q.shape[1], KV_LORA, dtype=torch.float64, device=q.device)
-            continue
-        rows = kv[slots[t, :n].long()]
-        out[t] = torch.softmax((q[t].double() @ rows.T) * scale, -1) @ rows[:, :KV_LORA]
-    return out
+def fp8_case(*args, **kwargs):
+    return sparse_case(*args, kv_dtype=torch.float8_e4m3fn, **kwargs)
 
 
 @pytest.fixture
@@ -189,15 +164,7 @@ def launches(monkeypatch):
     """Counts the tile's launches."""
     from vllm.v1.attention.ops import gluon_sparse_mla_fp8 as g
 
-    calls = []
-    launch = g.sparse_mla_attention_fp8
-
-    def counted(*args, **kwargs):
-        calls.append(args[-1])  # splits
-        return launch(*args, **kwargs)
-
-    monkeypatch.setattr(g, "sparse_mla_attention_fp8", counted)
-    return calls
+    return count_launches(monkeypatch, g, "sparse_mla_attention_fp8")
 
 
 def check_against_float64_and_the_triton_tile(q, cache, slots, counts, scale, k_scale, outs):
@@ -210,7 +177,7 @@ def check_against_float64_and_the_triton_tile(q, cache, slots, counts, scale, k_
     triton_tile = tsm.sparse_mla_attention(q, cache, slots, counts, KV_LORA, scale, k_scale,
                                            132, config=triton_cfg).double()
     tokens = sorted(set(range(min(num_tokens, 4))) | {num_tokens // 2, num_tokens - 1})
-    ref = reference(q, cache, slots, counts, scale, tokens, float(k_scale))
+    ref = reference(q, cache, slots, counts, scale, tokens, k_scale=float(k_scale))
     for t in tokens:
         err_triton = (triton_tile[t] - ref[t]).abs().max().item()
         for out in outs:
@@ -228,7 +195,7 @@ def check_against_float64_and_the_triton_tile(q, cache, slots, counts, scale, k_
     (64, 8, torch.bfloat16), (40, 8, torch.float16), (300, 5, torch.bfloat16),
     (33, 1, torch.bfloat16), (128, 16, torch.bfloat16), (130, 12, torch.float16)])
 def test_matches_float64_and_the_triton_tile(launches, num_tokens, num_heads, dtype):
-    q, cache, slots, counts = sparse_case(num_tokens, num_heads, dtype,
+    q, cache, slots, counts = fp8_case(num_tokens, num_heads, dtype,
                                           seed=num_tokens * 100 + num_heads)
     scale, k_scale = 1 / math.sqrt(192 + ROPE), torch.full((1,), 0.5, device="cuda")
     c = tsm.device_launch_config(q.device, num_tokens, num_heads, 2048, KV_LORA, 132, True)
@@ -245,7 +212,7 @@ def test_matches_float64_and_the_triton_tile(launches, num_tokens, num_heads, dt
 def test_queries_beyond_fp16_keep_their_precision(launches):
     # bf16 queries of magnitude ~1e5 (fp16 ends at 65504): the tile's per-head power
     # of two brings them into fp16 exactly; one head of zeros keeps a finite scale
-    q, cache, slots, counts = sparse_case(64, 8, torch.bfloat16, seed=3, q_scale=3e4)
+    q, cache, slots, counts = fp8_case(64, 8, torch.bfloat16, seed=3, q_scale=3e4)
     q[:, 3] = 0
     scale, k_scale = 1 / (3e4 * math.sqrt(192 + ROPE)), torch.full((1,), 0.5, device="cuda")
     out = tsm.sparse_mla_attention(q, cache, slots, counts, KV_LORA, scale, k_scale,
@@ -257,7 +224,7 @@ def test_queries_beyond_fp16_keep_their_precision(launches):
 @pytest.mark.gpu
 @pytest.mark.skipif(not HOPPER_GPU, reason="SM90 only")
 def test_a_longer_top_k_takes_more_splits(launches):
-    q, cache, slots, counts = sparse_case(40, 8, torch.bfloat16, seed=11, topk=4096)
+    q, cache, slots, counts = fp8_case(40, 8, torch.bfloat16, seed=11, topk=4096)
     scale, k_scale = 1 / math.sqrt(192 + ROPE), torch.full((1,), 0.5, device="cuda")
     out = tsm.sparse_mla_attention(q, cache, slots, counts, KV_LORA, scale, k_scale,
                                    132).double()
@@ -268,14 +235,14 @@ def test_a_longer_top_k_takes_more_splits(launches):
 @pytest.mark.gpu
 @pytest.mark.skipif(not HOPPER_GPU, reason="SM90 only")
 def test_an_e5m2_cache_falls_back_to_the_triton_tile(launches):
-    q, cache, slots, counts = sparse_case(32, 8, torch.bfloat16, seed=5)
+    q, cache, slots, counts = fp8_case(32, 8, torch.bfloat16, seed=5)
     cache = cache.float().to(torch.float8_e5m2)
     scale, k_scale = 1 / math.sqrt(192 + ROPE), torch.full((1,), 0.5, device="cuda")
     assert tsm.device_launch_config(q.device, 32, 8, 2048, KV_LORA, 132, True)["ROWS_IN_M"]
     out = tsm.sparse_mla_attention(q, cache, slots, counts, KV_LORA, scale, k_scale,
                                    132).double()
     assert launches == []
-    ref = reference(q, cache, slots, counts, scale, range(4), 0.5)
+    ref = reference(q, cache, slots, counts, scale, range(4), k_scale=0.5)
     for t in range(4):
         torch.testing.assert_close(out[t], ref[t], rtol=1e-2, atol=1e-2)
 
@@ -283,7 +250,7 @@ def test_an_e5m2_cache_falls_back_to_the_triton_tile(launches):
 @pytest.mark.gpu
 @pytest.mark.skipif(not HOPPER_GPU, reason="SM90 only")
 def test_replays_under_cuda_graph_capture(launches):
-    q, cache, slots, counts = sparse_case(64, 8, torch.bfloat16, seed=13)
+    q, cache, slots, counts = fp8_case(64, 8, torch.bfloat16, seed=13)
     scale, k_scale = 1 / math.sqrt(192 + ROPE), torch.full((1,), 0.5, device="cuda")
 
     def run():
@@ -299,7 +266,7 @@ def test_replays_under_cuda_graph_capture(launches):
     with torch.cuda.graph(graph):
         captured = run()
     # new slots and counts, copied into the captured tensors
-    _, _, slots2, counts2 = sparse_case(64, 8, torch.bfloat16, seed=14)
+    _, _, slots2, counts2 = fp8_case(64, 8, torch.bfloat16, seed=14)
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(captured, eager)
