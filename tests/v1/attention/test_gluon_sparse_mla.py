@@ -18,7 +18,15 @@ import sys
 
 import pytest
 import torch
-from sparse_mla_cases import HEAD, KV_LORA, ROPE, count_launches, reference, sparse_case
+from sparse_mla_cases import (
+    HEAD,
+    KV_LORA,
+    ROPE,
+    check_against_float64_and_the_triton_tile,
+    count_launches,
+    reference,
+    sparse_case,
+)
 
 from vllm.v1.attention.ops import triton_sparse_mla as tsm
 
@@ -218,23 +226,9 @@ def test_matches_float64_and_the_triton_tile(launches, num_tokens, num_heads, dt
                                      config=c).double()
             for c in (cfg, dict(cfg, splits=1))]
     assert launches == [cfg["splits"], 1]
-    # the Triton tile the table gives where the warp-specialized one cannot run
-    triton_cfg = tsm.device_launch_config(q.device, num_tokens, num_heads, 2048, KV_LORA, sms,
-                                          False, warp_specialized=False)
-    triton_tile = tsm.sparse_mla_attention(q, cache, slots, counts, KV_LORA, scale, one, sms,
-                                           config=triton_cfg).double()
+    # against the Triton tile the table gives where the warp-specialized one cannot run
+    check_against_float64_and_the_triton_tile(q, cache, slots, counts, scale, one, outs)
     assert len(launches) == 2
-    tokens = sorted(set(range(min(num_tokens, 4))) | {num_tokens - 1})
-    ref = reference(q, cache, slots, counts, scale, tokens)
-    for t in tokens:
-        err_triton = (triton_tile[t] - ref[t]).abs().max().item()
-        for out in outs:
-            assert (out[t] - ref[t]).abs().max().item() <= max(2 * err_triton, 1e-2)
-            if int(counts[t]) == 0:
-                assert (out[t] == 0).all()
-    for out in outs:
-        assert torch.isfinite(out).all()
-        torch.testing.assert_close(out, triton_tile, rtol=2e-2, atol=2e-2)
 
 
 @pytest.mark.gpu
@@ -255,19 +249,7 @@ def test_fp8_cache_matches_float64_and_the_triton_tile(launches, num_tokens, num
                                      config=c).double()
             for c in (cfg, dict(cfg, splits=1))]
     assert launches == [cfg["splits"], 1]
-    triton_cfg = tsm.device_launch_config(q.device, num_tokens, num_heads, 2048, KV_LORA, sms,
-                                          True, warp_specialized=False)
-    triton_tile = tsm.sparse_mla_attention(q, cache, slots, counts, KV_LORA, scale, k_scale,
-                                           sms, config=triton_cfg).double()
-    tokens = sorted(set(range(min(num_tokens, 4))) | {num_tokens - 1})
-    ref = reference(q, cache, slots, counts, scale, tokens, k_scale=0.5)
-    for t in tokens:
-        err_triton = (triton_tile[t] - ref[t]).abs().max().item()
-        for out in outs:
-            assert (out[t] - ref[t]).abs().max().item() <= max(2 * err_triton, 1e-2)
-    for out in outs:
-        assert torch.isfinite(out).all()
-        torch.testing.assert_close(out, triton_tile, rtol=2e-2, atol=2e-2)
+    check_against_float64_and_the_triton_tile(q, cache, slots, counts, scale, k_scale, outs)
 
 
 @pytest.mark.gpu

@@ -18,7 +18,15 @@ import sys
 
 import pytest
 import torch
-from sparse_mla_cases import HEAD, KV_LORA, ROPE, count_launches, reference, sparse_case
+from sparse_mla_cases import (
+    HEAD,
+    KV_LORA,
+    ROPE,
+    check_against_float64_and_the_triton_tile,
+    count_launches,
+    reference,
+    sparse_case,
+)
 
 from vllm.v1.attention.ops import triton_sparse_mla as tsm
 
@@ -167,28 +175,6 @@ def launches(monkeypatch):
     return count_launches(monkeypatch, g, "sparse_mla_attention_fp8")
 
 
-def check_against_float64_and_the_triton_tile(q, cache, slots, counts, scale, k_scale, outs):
-    """Each output within twice the Triton fp8 tile's error from float64 (at least
-    1e-2), zeros for a token without valid slots, and close to the Triton tile."""
-    num_tokens, num_heads, _ = q.shape
-    topk = slots.shape[1]
-    triton_cfg = tsm.device_launch_config(q.device, num_tokens, num_heads, topk, KV_LORA, 132,
-                                          True, warp_specialized=False)
-    triton_tile = tsm.sparse_mla_attention(q, cache, slots, counts, KV_LORA, scale, k_scale,
-                                           132, config=triton_cfg).double()
-    tokens = sorted(set(range(min(num_tokens, 4))) | {num_tokens // 2, num_tokens - 1})
-    ref = reference(q, cache, slots, counts, scale, tokens, k_scale=float(k_scale))
-    for t in tokens:
-        err_triton = (triton_tile[t] - ref[t]).abs().max().item()
-        for out in outs:
-            assert (out[t] - ref[t]).abs().max().item() <= max(2 * err_triton, 1e-2), t
-            if int(counts[t]) == 0:
-                assert (out[t] == 0).all()
-    for out in outs:
-        assert torch.isfinite(out).all()
-        torch.testing.assert_close(out, triton_tile, rtol=2e-2, atol=2e-2)
-
-
 @pytest.mark.gpu
 @pytest.mark.skipif(not HOPPER_GPU, reason="SM90 only")
 @pytest.mark.parametrize("num_tokens,num_heads,dtype", [
@@ -196,7 +182,7 @@ def check_against_float64_and_the_triton_tile(q, cache, slots, counts, scale, k_
     (33, 1, torch.bfloat16), (128, 16, torch.bfloat16), (130, 12, torch.float16)])
 def test_matches_float64_and_the_triton_tile(launches, num_tokens, num_heads, dtype):
     q, cache, slots, counts = fp8_case(num_tokens, num_heads, dtype,
-                                          seed=num_tokens * 100 + num_heads)
+                                       seed=num_tokens * 100 + num_heads)
     scale, k_scale = 1 / math.sqrt(192 + ROPE), torch.full((1,), 0.5, device="cuda")
     c = tsm.device_launch_config(q.device, num_tokens, num_heads, 2048, KV_LORA, 132, True)
     assert c["ROWS_IN_M"]
