@@ -24,7 +24,7 @@ per dot, where they are converted:
   (`_latent_column`), the order in which each thread's mma operand is 16
   contiguous bytes of a row;
 - the dots are in fp16: e4m3 converts to fp16 with one instruction per two values
-  (to bf16 it takes five more), and each head's query is scaled by a power of two
+  (to bf16, four more per pair), and each head's query is scaled by a power of two
   that brings its largest magnitude to [2^13, 2^14), exact for a bf16 query down to
   2^-24 of that magnitude; the score scale takes the inverse.
 
