@@ -125,18 +125,26 @@ def compile_tile(arch: int, partial: bool) -> dict:
         attrs={(fn.arg_names.index(k),): [["tt.divisibility", 16]] for k in aligned})
     kernel = triton.compile(src, target=GPUTarget("cuda", arch, 32),
                             options={"num_warps": g.NUM_WARPS})
-    bin_dir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
-    ptxas = os.path.join(bin_dir, "ptxas-blackwell" if arch >= 100 else "ptxas")
+    # the ptxas Triton compiled for (its PTX version follows it): for sm_100+ that may be
+    # a system CUDA 13 one (TRITON_PTXAS_BLACKWELL_PATH, which importing flashinfer sets)
+    from triton.backends.nvidia.compiler import get_ptxas
+
+    ptxas = get_ptxas(arch).path
+    cuobjdump = os.path.join(os.path.dirname(ptxas), "cuobjdump")
+    if not os.path.exists(cuobjdump):
+        cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin",
+                                 "cuobjdump")
     ptx_path = os.path.join(os.environ.get("TMPDIR", "/tmp"), f"gsm8-{os.getpid()}.ptx")
     with open(ptx_path, "w") as f:
         f.write(kernel.asm["ptx"])
     try:
-        report = subprocess.run(
+        proc = subprocess.run(
             [ptxas, "-v", f"--gpu-name=sm_{arch}a", ptx_path, "-o", ptx_path + ".cubin"],
-            capture_output=True, text=True, check=True).stderr
-        sass = subprocess.run([os.path.join(bin_dir, "cuobjdump"), "-sass",
-                               ptx_path + ".cubin"], capture_output=True, text=True,
-                              check=True).stdout
+            capture_output=True, text=True, check=False)
+        assert proc.returncode == 0, f"{ptxas}: {proc.stderr[-2000:]}"
+        report = proc.stderr
+        sass = subprocess.run([cuobjdump, "-sass", ptx_path + ".cubin"], capture_output=True,
+                              text=True, check=True).stdout
     finally:
         for path in (ptx_path, ptx_path + ".cubin"):
             if os.path.exists(path):
