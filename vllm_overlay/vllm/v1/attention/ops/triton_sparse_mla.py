@@ -21,6 +21,7 @@ kernels are stable under CUDA graph capture.
 """
 
 import functools
+import importlib
 
 import torch
 
@@ -351,28 +352,16 @@ def device_launch_config(
 
 
 @functools.cache
-def _gluon_sparse_mla():
-    """The warp-specialized Hopper tile's module; None where this Triton has no
-    Gluon (the Triton tile runs instead)."""
+def _gluon_module(name: str):
+    """A Gluon tile's module (`gluon_sparse_mla`: the warp-specialized Hopper tile,
+    `gluon_sparse_mla_fp8`: the 8-head fp8 tile); None where this Triton has no Gluon
+    (the Triton tile runs instead)."""
     try:
-        from vllm.v1.attention.ops import gluon_sparse_mla
+        return importlib.import_module(f"vllm.v1.attention.ops.{name}")
     except ImportError as e:
-        logger.warning("Sparse MLA: the warp-specialized Hopper kernel is unavailable "
-                       "(%s); using the Triton kernel.", e)
+        logger.warning("Sparse MLA: the Gluon kernel %s is unavailable (%s); using the "
+                       "Triton kernel.", name, e)
         return None
-    return gluon_sparse_mla
-
-
-@functools.cache
-def _gluon_sparse_mla_fp8():
-    """The 8-head fp8 tile's module; None where this Triton has no Gluon."""
-    try:
-        from vllm.v1.attention.ops import gluon_sparse_mla_fp8
-    except ImportError as e:
-        logger.warning("Sparse MLA: the 8-head fp8 kernel is unavailable (%s); using the "
-                       "Triton kernel.", e)
-        return None
-    return gluon_sparse_mla_fp8
 
 
 def _warp_specialized_ops(cfg: dict, q: torch.Tensor, kv: torch.Tensor, kv_lora_rank: int):
@@ -381,7 +370,7 @@ def _warp_specialized_ops(cfg: dict, q: torch.Tensor, kv: torch.Tensor, kv_lora_
     if not (cfg.get("WARP_SPECIALIZED") and q.is_cuda and cfg.get("V_SPLITS", 1) == 1
             and kv.dtype in (q.dtype, torch.float8_e4m3fn)):
         return None
-    ops = _gluon_sparse_mla()
+    ops = _gluon_module("gluon_sparse_mla")
     if ops is None or not ops.supports(cfg["BLOCK_H"], kv_lora_rank,
                                        q.shape[-1] - kv_lora_rank, q.dtype):
         return None
@@ -393,11 +382,23 @@ def _rows_in_m_ops(cfg: dict, q: torch.Tensor, kv: torch.Tensor, kv_lora_rank: i
     tensors (a GPU, not the interpreter; an fp8 e4m3 cache), else None."""
     if not (cfg.get("ROWS_IN_M") and q.is_cuda and cfg.get("V_SPLITS", 1) == 1):
         return None
-    ops = _gluon_sparse_mla_fp8()
+    ops = _gluon_module("gluon_sparse_mla_fp8")
     if ops is None or not ops.supports(kv_lora_rank, q.shape[-1] - kv_lora_rank, q.dtype,
                                        kv.dtype):
         return None
     return ops
+
+
+def _gluon_launch(cfg: dict, q: torch.Tensor, kv: torch.Tensor, kv_lora_rank: int):
+    """The Gluon tile the launch table chose, where it takes these tensors, as (rows per
+    tile, launcher); else None."""
+    ops = _warp_specialized_ops(cfg, q, kv, kv_lora_rank)
+    if ops is not None:
+        return ops.TILE_ROWS, ops.sparse_mla_attention_ws
+    ops = _rows_in_m_ops(cfg, q, kv, kv_lora_rank)
+    if ops is not None:
+        return ops.TILE_ROWS, ops.sparse_mla_attention_fp8
+    return None
 
 
 def split_k_outputs(o: torch.Tensor, topk: int, splits: int, block_n: int):
@@ -463,14 +464,11 @@ def sparse_mla_attention(
         kv = kv.view(torch.float8_e4m3fn)
     cfg = config or device_launch_config(q.device, num_tokens, num_heads, topk,
                                          kv_lora_rank, num_sms, kv_fp8)
-    ws_ops = _warp_specialized_ops(cfg, q, kv, kv_lora_rank)
-    fp8_ops = None if ws_ops is not None else _rows_in_m_ops(cfg, q, kv, kv_lora_rank)
-    if ws_ops is not None or fp8_ops is not None:
+    gluon = _gluon_launch(cfg, q, kv, kv_lora_rank)
+    if gluon is not None:
+        tile_rows, launch = gluon
         splits = cfg["splits"]
-        ops = ws_ops if ws_ops is not None else fp8_ops
-        split_len, out, lse, so, sl = split_k_outputs(o, topk, splits, ops.TILE_ROWS)
-        launch = (ws_ops.sparse_mla_attention_ws if ws_ops is not None
-                  else fp8_ops.sparse_mla_attention_fp8)
+        split_len, out, lse, so, sl = split_k_outputs(o, topk, splits, tile_rows)
         launch(q, kv, slots, valid_counts, k_scale, out, lse, so, sl, scale, split_len, splits)
         merge_split_k(out, lse, o)
         return o
