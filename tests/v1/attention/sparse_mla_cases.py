@@ -3,12 +3,59 @@
 (imported as a top-level module: pytest puts this folder on sys.path, as does
 running a test file as a script)."""
 
+import os
+import subprocess
+
 import torch
 
 from vllm.v1.attention.ops import triton_sparse_mla as tsm
 
 KV_LORA, ROPE = 512, 64
 HEAD = KV_LORA + ROPE
+
+
+def compile_gluon_kernel(fn, pointers: dict, consts: dict, arch: int, options: dict):
+    """Compile a Gluon sparse MLA kernel (the arguments of `_sparse_mla_ws_kernel` and
+    `_sparse_mla_fp8_kernel`) for sm_`arch` without a GPU, as the JIT would at GLM-5
+    shapes (16-byte aligned pointers, strides and split length). Returns the kernel,
+    ptxas's -v report and the SASS. Run it in a plain process: the test session's
+    Triton interpreter cannot compile."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.backends.nvidia.compiler import get_ptxas
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    ints = ["stride_qt", "stride_qh", "stride_kv", "stride_st", "stride_ot", "stride_oh",
+            "stride_os", "stride_lt", "stride_lh", "num_heads", "split_len"]
+    sig = dict(pointers, sm_scale="fp32", **{name: "i32" for name in ints},
+               **{name: "constexpr" for name in consts})
+    aligned = list(pointers) + ints[:7] + ["split_len"]
+    src = GluonASTSource(
+        fn, sig, constexprs={(fn.arg_names.index(k),): v for k, v in consts.items()},
+        attrs={(fn.arg_names.index(k),): [["tt.divisibility", 16]] for k in aligned})
+    kernel = triton.compile(src, target=GPUTarget("cuda", arch, 32), options=options)
+    # the ptxas Triton compiled for (its PTX version follows it): for sm_100+ that may be
+    # a system CUDA 13 one (TRITON_PTXAS_BLACKWELL_PATH, which importing flashinfer sets)
+    ptxas = get_ptxas(arch).path
+    cuobjdump = os.path.join(os.path.dirname(ptxas), "cuobjdump")
+    if not os.path.exists(cuobjdump):
+        cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin",
+                                 "cuobjdump")
+    ptx_path = os.path.join(os.environ.get("TMPDIR", "/tmp"), f"{fn.__name__}-{os.getpid()}.ptx")
+    with open(ptx_path, "w") as f:
+        f.write(kernel.asm["ptx"])
+    try:
+        proc = subprocess.run(
+            [ptxas, "-v", f"--gpu-name=sm_{arch}a", ptx_path, "-o", ptx_path + ".cubin"],
+            capture_output=True, text=True, check=False)
+        assert proc.returncode == 0, f"{ptxas}: {proc.stderr[-2000:]}"
+        sass = subprocess.run([cuobjdump, "-sass", ptx_path + ".cubin"], capture_output=True,
+                              text=True, check=True).stdout
+    finally:
+        for path in (ptx_path, ptx_path + ".cubin"):
+            if os.path.exists(path):
+                os.remove(path)
+    return kernel, proc.stderr, sass
 
 
 def sparse_case(num_tokens, num_heads, dtype, seed, pool=65536, topk=2048, kv_dtype=None,

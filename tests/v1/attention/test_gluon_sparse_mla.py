@@ -11,9 +11,7 @@ tile, at split-K and edge shapes, and under CUDA-graph capture.
 
 import json
 import math
-import os
 import re
-import subprocess
 import sys
 
 import pytest
@@ -23,6 +21,7 @@ from sparse_mla_cases import (
     KV_LORA,
     ROPE,
     check_against_float64_and_the_triton_tile,
+    compile_gluon_kernel,
     count_launches,
     reference,
     sparse_case,
@@ -35,45 +34,16 @@ HOPPER_GPU = torch.cuda.is_available() and torch.cuda.get_device_capability()[0]
 
 def compile_for_sm90(partial: bool, kv_fp8: bool = False) -> dict:
     """Run in a plain process (no GPU needed): what ptxas makes of the tile."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.experimental.gluon._runtime import GluonASTSource
-
     from vllm.v1.attention.ops import gluon_sparse_mla as gsm
 
-    fn = gsm._sparse_mla_ws_kernel
-    sig = {"Q": "*bf16", "KV": "*fp8e4nv" if kv_fp8 else "*bf16", "Slots": "*i32",
-           "Counts": "*i32", "KScale": "*fp32", "O": "*fp32" if partial else "*bf16",
-           "Lse": "*fp32", "sm_scale": "fp32"}
-    ints = ["stride_qt", "stride_qh", "stride_kv", "stride_st", "stride_ot", "stride_oh",
-            "stride_os", "stride_lt", "stride_lh", "num_heads", "split_len"]
-    sig.update({name: "i32" for name in ints})
+    pointers = {"Q": "*bf16", "KV": "*fp8e4nv" if kv_fp8 else "*bf16", "Slots": "*i32",
+                "Counts": "*i32", "KScale": "*fp32", "O": "*fp32" if partial else "*bf16",
+                "Lse": "*fp32"}
     consts = {"BLOCK_N": gsm.TILE_ROWS, "STAGES": gsm.NUM_STAGES, "D_V": KV_LORA,
               "D_R": ROPE, "PARTIAL": partial, "num_warps": 4}
-    sig.update({name: "constexpr" for name in consts})
-    # what the JIT sees at GLM-5 shapes: 16-byte aligned pointers and strides
-    aligned = [k for k, v in sig.items() if v.startswith("*")] + ints[:7] + ["split_len"]
-    src = GluonASTSource(
-        fn, sig, constexprs={(fn.arg_names.index(k),): v for k, v in consts.items()},
-        attrs={(fn.arg_names.index(k),): [["tt.divisibility", 16]] for k in aligned})
-    kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                            options={"num_warps": 4, "maxnreg": 168})
+    kernel, ptxas, sass = compile_gluon_kernel(gsm._sparse_mla_ws_kernel, pointers, consts, 90,
+                                               {"num_warps": 4, "maxnreg": 168})
     ptx = kernel.asm["ptx"]
-    bin_dir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
-    ptx_path = os.path.join(os.environ.get("TMPDIR", "/tmp"), f"gsm-{os.getpid()}.ptx")
-    with open(ptx_path, "w") as f:
-        f.write(ptx)
-    try:
-        ptxas = subprocess.run(
-            [os.path.join(bin_dir, "ptxas"), "-v", "--gpu-name=sm_90a", ptx_path,
-             "-o", ptx_path + ".cubin"], capture_output=True, text=True, check=True).stderr
-        sass = subprocess.run([os.path.join(bin_dir, "cuobjdump"), "-sass",
-                               ptx_path + ".cubin"], capture_output=True, text=True,
-                              check=True).stdout
-    finally:
-        for path in (ptx_path, ptx_path + ".cubin"):
-            if os.path.exists(path):
-                os.remove(path)
     return {"shared": kernel.metadata.shared,
             "setmaxnreg": re.findall(r"setmaxnreg\.(?:inc|dec)\.sync\.aligned\.u32\s+(\d+)", ptx),
             "copy_arrives": len(re.findall(r"cp\.async\.mbarrier\.arrive\.noinc", ptx)),

@@ -11,9 +11,7 @@ than one split, a fallback for an e5m2 cache, and under CUDA-graph capture.
 
 import json
 import math
-import os
 import re
-import subprocess
 import sys
 
 import pytest
@@ -23,6 +21,7 @@ from sparse_mla_cases import (
     KV_LORA,
     ROPE,
     check_against_float64_and_the_triton_tile,
+    compile_gluon_kernel,
     count_launches,
     reference,
     sparse_case,
@@ -102,53 +101,14 @@ def test_dispatch_needs_a_gpu_and_an_e4m3_cache():
 
 def compile_tile(arch: int, partial: bool) -> dict:
     """Run in a plain process (no GPU needed): what ptxas makes of the tile."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.experimental.gluon._runtime import GluonASTSource
-
     from vllm.v1.attention.ops import gluon_sparse_mla_fp8 as g
 
-    fn = g._sparse_mla_fp8_kernel
-    sig = {"Q": "*bf16", "KV": "*fp8e4nv", "Slots": "*i32", "Counts": "*i32",
-           "KScale": "*fp32", "O": "*fp32" if partial else "*bf16", "Lse": "*fp32",
-           "sm_scale": "fp32"}
-    ints = ["stride_qt", "stride_qh", "stride_kv", "stride_st", "stride_ot", "stride_oh",
-            "stride_os", "stride_lt", "stride_lh", "num_heads", "split_len"]
-    sig.update({name: "i32" for name in ints})
+    pointers = {"Q": "*bf16", "KV": "*fp8e4nv", "Slots": "*i32", "Counts": "*i32",
+                "KScale": "*fp32", "O": "*fp32" if partial else "*bf16", "Lse": "*fp32"}
     consts = {"BLOCK_H": g.TILE_HEADS, "BLOCK_N": g.TILE_ROWS, "D_V": KV_LORA, "D_R": ROPE,
               "MAX_SLOTS": g.MAX_SLOTS, "PARTIAL": partial, "num_warps": g.NUM_WARPS}
-    sig.update({name: "constexpr" for name in consts})
-    # what the JIT sees at GLM-5 shapes: 16-byte aligned pointers and strides
-    aligned = [k for k, v in sig.items() if v.startswith("*")] + ints[:7] + ["split_len"]
-    src = GluonASTSource(
-        fn, sig, constexprs={(fn.arg_names.index(k),): v for k, v in consts.items()},
-        attrs={(fn.arg_names.index(k),): [["tt.divisibility", 16]] for k in aligned})
-    kernel = triton.compile(src, target=GPUTarget("cuda", arch, 32),
-                            options={"num_warps": g.NUM_WARPS})
-    # the ptxas Triton compiled for (its PTX version follows it): for sm_100+ that may be
-    # a system CUDA 13 one (TRITON_PTXAS_BLACKWELL_PATH, which importing flashinfer sets)
-    from triton.backends.nvidia.compiler import get_ptxas
-
-    ptxas = get_ptxas(arch).path
-    cuobjdump = os.path.join(os.path.dirname(ptxas), "cuobjdump")
-    if not os.path.exists(cuobjdump):
-        cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin",
-                                 "cuobjdump")
-    ptx_path = os.path.join(os.environ.get("TMPDIR", "/tmp"), f"gsm8-{os.getpid()}.ptx")
-    with open(ptx_path, "w") as f:
-        f.write(kernel.asm["ptx"])
-    try:
-        proc = subprocess.run(
-            [ptxas, "-v", f"--gpu-name=sm_{arch}a", ptx_path, "-o", ptx_path + ".cubin"],
-            capture_output=True, text=True, check=False)
-        assert proc.returncode == 0, f"{ptxas}: {proc.stderr[-2000:]}"
-        report = proc.stderr
-        sass = subprocess.run([cuobjdump, "-sass", ptx_path + ".cubin"], capture_output=True,
-                              text=True, check=True).stdout
-    finally:
-        for path in (ptx_path, ptx_path + ".cubin"):
-            if os.path.exists(path):
-                os.remove(path)
+    kernel, report, sass = compile_gluon_kernel(g._sparse_mla_fp8_kernel, pointers, consts,
+                                                arch, {"num_warps": g.NUM_WARPS})
     return {"shared": kernel.metadata.shared,
             "spill_bytes": sum(map(int, re.findall(r"(\d+) bytes spill stores", report))),
             "hmma": len(re.findall(r"\bHMMA\.16816\.F32 ", sass)),
