@@ -12,11 +12,12 @@ page-size-1 block table), and, for bf16 KV on SM90/SM100, FlashMLA's
 `flash_mla_sparse_fwd` on the same inputs (heads padded to 64/128 as
 FLASHMLA_SPARSE does). `--sweep` also times alternative launch parameters of the
 gather kernel and reports each candidate and the best per shape (to tune
-`launch_config`; the candidates are Triton tiles). Where the gather step runs
-Hopper's warp-specialized Gluon tile (SM90: 64 and 128 heads, 32 heads from 8
-tokens, and every head count of an fp8 e4m3 cache), the row also times the
-Triton tile the table gives where that kernel cannot run. Each gather row also reports
-what Triton compiled for its Triton tile:
+`launch_config`; the candidates are Triton tiles). Where the gather step runs one
+of Hopper's Gluon tiles (SM90: the warp-specialized tile at 64 and 128 heads, 32
+heads from 8 tokens and an fp8 e4m3 cache's other shapes; the rows-in-M fp8 tile
+of 8 or 16 heads for an fp8 e4m3 cache's 1-8 heads from 32 tokens and 9-16 from
+128), the row also times the Triton tile the table gives where those cannot run.
+Each gather row also reports what Triton compiled for its Triton tile:
 registers and spills per thread, shared memory, and counts of TTGIR ops (async
 copies into shared memory, register-to-shared stores, wgmma dots) that show
 whether the KV loads were pipelined. `--ops-file PATH` takes the gather kernel
@@ -321,7 +322,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--json", default=None, help="write the rows here")
     parser.add_argument("--tokens", type=int, nargs="*", default=[1, 8, 64, 256, 4096])
-    parser.add_argument("--heads", type=int, nargs="*", default=[8, 32, 64, 128])
+    parser.add_argument("--heads", type=int, nargs="*", default=[8, 16, 32, 64, 128])
     parser.add_argument("--kv", nargs="*", default=["bf16", "fp8"])
     parser.add_argument("--q-dtype", choices=sorted(Q_DTYPES), default="bf16",
                         help="query (and 16-bit cache) dtype")
@@ -374,7 +375,7 @@ def main():
     print(f"topk {args.topk}, KV pool {args.pool} tokens, {args.q_dtype} queries, "
           "bytes = T x topk x 576 x elem")
     print("GPU time per call from CUDA-graph replay; eager_us adds Python launch overhead")
-    print("gather kernel: ws = warp-specialized Gluon tile, rows = 8-head fp8 Gluon tile "
+    print("gather kernel: ws = warp-specialized Gluon tile, rows = 8/16-head fp8 Gluon tile "
           "(triton_us: the Triton tile at the same shape), tri = Triton tile")
     print("|    T |   H | kv   | kernel | gather_us | TB/s | % copy bw | eager_us | triton_us "
           "| decode_us | flashmla_us | gather/flashmla | fp8/16-bit |"

@@ -8,7 +8,7 @@
 # tests/models/quantization/gguf_reference.py), mla (the sparse MLA kernel tests only), sweep
 # (launch-parameter sweep of the gather kernel), bisect (tests/models/quantization/gguf_bisect.py),
 # sm120 (the engine from a GGUF with the capability reported as 12.0), fp8kv (the same with an
-# fp8 KV cache, 64 heads), throughput
+# fp8 KV cache, 64, 16 and 8 heads), throughput
 # (benchmarks/glm5_throughput.py), matrix (benchmarks/glm5_accuracy_matrix.py), serve
 # (tools/gpu-host/serve-check.sh: `vllm serve` of the GGUF under load), rerun
 # (tests/models/glm5_rerun.py: two identical runs per path), tp2 (TP2 against TP1, needs two GPUs),
@@ -96,12 +96,13 @@ for stage in $stages; do
       timeout 540 python3 -m pytest tests/models/quantization/test_glm5_gguf_as_sm120.py -q -s \
         -k "not fp8" -p no:cacheprovider -p no:warnings 2>&1 | tee "$out/sm120.log" | tail -5 || rc=1 ;;
     fp8kv)
-      # an fp8 KV cache in the engine: SM120's Triton fp8 tiles against the H200's (64 and 8 heads)
+      # an fp8 KV cache in the engine: SM120's Triton fp8 tiles against the H200's
+      # (64, 16 and 8 heads)
       pip install -q --no-deps --no-build-isolation --target /tmp/site \
         tests/plugins/vllm_report_capability >/dev/null 2>&1 || rc=1
       timeout 580 python3 -m pytest tests/models/quantization/test_glm5_gguf_as_sm120.py -q -s \
         -k fp8 -p no:cacheprovider -p no:warnings 2>&1 | tee "$out/fp8kv.log" \
-        | grep -E "passed|failed|skipped|FP8_KV(_8_HEADS)?_REPORT|Error" || rc=1 ;;
+        | grep -E "passed|failed|skipped|FP8_KV(_FEW_HEADS)?_REPORT|Error" || rc=1 ;;
     tp2)
       timeout 540 python3 -m pytest tests/models/quantization/test_glm5_gguf_tensor_parallel.py -q -s \
         -p no:cacheprovider -p no:warnings 2>&1 | tee "$out/tp2.log" \

@@ -80,24 +80,26 @@ def test_gguf_as_on_sm120_64_heads(glm5_gguf, tmp_path):
 
 
 @pytest.mark.gpu
-def test_fp8_kv_cache_as_on_sm120_8_heads(glm5_gguf, tmp_path):
+@pytest.mark.parametrize("heads", [8, 16])
+def test_fp8_kv_cache_as_on_sm120_few_heads(glm5_gguf, tmp_path, heads):
     env = sm120_env()
-    gguf = gguf_64_heads(glm5_gguf, tmp_path, heads=8)
+    gguf = gguf_64_heads(glm5_gguf, tmp_path, heads=heads)
     sm120 = generate(gguf, tmp_path / "sm120-fp8.json", env=env, dtype="auto",
                      kv_cache_dtype="fp8")
     assert sm120["attention_backend"] == "TRITON_MLA_SPARSE"
     assert sm120["kv_cache_dtype"] == "fp8" and sm120["rows_sparse_mla_calls"] == 0
-    # the H200's own tiles: the 8-head fp8 tile for the prefills (300-1000 tokens), the
-    # warp-specialized one for decode steps of a few tokens
+    # the H200's own tiles: the 8- or 16-head fp8 tile for the prefills (300-1000
+    # tokens), the warp-specialized one for decode steps of a few tokens
     forced = dict(dtype="float16", attention_backend="TRITON_MLA_SPARSE", indexer="triton")
     hopper = [generate(gguf, tmp_path / f"h200-fp8-{i}.json", kv_cache_dtype="fp8", **forced)
               for i in range(2)]
     gpu_hopper = torch.cuda.get_device_capability()[0] == 9
     assert all((run["rows_sparse_mla_calls"] > 0) == gpu_hopper for run in hopper)
     same, rerun = compare(hopper[0], sm120), compare(hopper[0], hopper[1])
-    print("FP8_KV_8_HEADS_REPORT", {"sm120_tiles_vs_h200_tiles": same, "h200_rerun": rerun,
-                                    "h200_gluon_calls": [hopper[0]["rows_sparse_mla_calls"],
-                                                         hopper[0]["ws_sparse_mla_calls"]]})
+    print("FP8_KV_FEW_HEADS_REPORT", {"heads": heads, "sm120_tiles_vs_h200_tiles": same,
+                                      "h200_rerun": rerun,
+                                      "h200_gluon_calls": [hopper[0]["rows_sparse_mla_calls"],
+                                                           hopper[0]["ws_sparse_mla_calls"]]})
     assert within_rerun(same, rerun), (same, rerun)
 
 

@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The 8-head fp8 tile of sparse MLA (`gluon_sparse_mla_fp8`).
+"""The 8- and 16-head fp8 tile of sparse MLA (`gluon_sparse_mla_fp8`).
 
 CPU: which shapes the launch table gives it, that a split longer than its slot
 buffer is refused, and that it compiles for sm_90 and sm_120 within 99 KiB of shared
@@ -47,6 +47,8 @@ def test_launch_table_takes_it_for_few_heads_of_an_fp8_cache():
     c = cfg(4096, 8)
     assert (c["BLOCK_H"], c["BLOCK_N"], c["num_warps"]) == (8, 64, 4)
     assert not c["WARP_SPECIALIZED"] and not c["V_RELOAD"]
+    # 9-16 heads in one program (the rows read once for all of them)
+    assert [cfg(4096, h)["BLOCK_H"] for h in (1, 8, 9, 12, 16)] == [8, 8, 16, 16, 16]
     # not for more heads, a 16-bit cache, another GPU, or without the Gluon tiles
     assert not cfg(4096, 17)["ROWS_IN_M"] and not cfg(4096, 32)["ROWS_IN_M"]
     assert not cfg(4096, 8, kv_fp8=False)["ROWS_IN_M"]
@@ -57,7 +59,7 @@ def test_launch_table_takes_it_for_few_heads_of_an_fp8_cache():
     assert not t["ROWS_IN_M"] and not t["WARP_SPECIALIZED"] and t["BLOCK_H"] == 16
     # split-K to one wave of programs
     assert [cfg(t, 8)["splits"] for t in (32, 64, 128, 4096)] == [4, 2, 1, 1]
-    assert cfg(128, 16)["splits"] == 1
+    assert [cfg(t, 16)["splits"] for t in (128, 256, 4096)] == [2, 1, 1]
     # a split holds at most the tile's slot buffer: a longer top-k takes more splits
     for topk in (2049, 4096, 5000):
         c = cfg(4096, 8, topk=topk)
@@ -81,6 +83,9 @@ def test_a_split_longer_than_its_slot_buffer_is_refused():
     with pytest.raises(ValueError, match="4096 slots per split, more than its 2048"):
         g.sparse_mla_attention_fp8(q, torch.empty(8, HEAD), torch.empty(1, 4096), None, None,
                                    None, None, (0, 0, 0), (0, 0), 0.1, 4096, 1)
+    with pytest.raises(ValueError, match="32 heads a program, not one of"):
+        g.sparse_mla_attention_fp8(q, torch.empty(8, HEAD), torch.empty(1, 2048), None, None,
+                                   None, None, (0, 0, 0), (0, 0), 0.1, 2048, 1, block_h=32)
 
 
 def test_dispatch_needs_a_gpu_and_an_e4m3_cache():
@@ -99,14 +104,15 @@ def test_dispatch_needs_a_gpu_and_an_e4m3_cache():
     assert tsm._rows_in_m_ops(c, q[..., :-32], kv[:, :-32], KV_LORA) is None
 
 
-def compile_tile(arch: int, partial: bool) -> dict:
+def compile_tile(arch: int, partial: bool, block_h: int) -> dict:
     """Run in a plain process (no GPU needed): what ptxas makes of the tile."""
     from vllm.v1.attention.ops import gluon_sparse_mla_fp8 as g
 
     pointers = {"Q": "*bf16", "KV": "*fp8e4nv", "Slots": "*i32", "Counts": "*i32",
                 "KScale": "*fp32", "O": "*fp32" if partial else "*bf16", "Lse": "*fp32"}
-    consts = {"BLOCK_H": g.TILE_HEADS, "BLOCK_N": g.TILE_ROWS, "D_V": KV_LORA, "D_R": ROPE,
-              "MAX_SLOTS": g.MAX_SLOTS, "PARTIAL": partial, "num_warps": g.NUM_WARPS}
+    consts = {"BLOCK_H": block_h, "BLOCK_N": g.TILE_ROWS, "D_V": KV_LORA, "D_R": ROPE,
+              "MAX_SLOTS": g.MAX_SLOTS, "PARTIAL": partial,
+              "V_LAYOUT": g.v_load_layout(block_h), "num_warps": g.NUM_WARPS}
     kernel, report, sass = compile_gluon_kernel(g._sparse_mla_fp8_kernel, pointers, consts,
                                                 arch, {"num_warps": g.NUM_WARPS})
     return {"shared": kernel.metadata.shared,
@@ -118,17 +124,20 @@ def compile_tile(arch: int, partial: bool) -> dict:
 
 @pytest.mark.parametrize("arch", [90, 120])
 @pytest.mark.parametrize("partial", [False, True])
-def test_compiles_without_padded_dots(run_without_gpu, arch, partial):
-    got = run_without_gpu(__file__, arch, int(partial), timeout=900)
+@pytest.mark.parametrize("block_h", [8, 16])
+def test_compiles_without_padded_dots(run_without_gpu, arch, partial, block_h):
+    got = run_without_gpu(__file__, arch, int(partial), block_h, timeout=900)
     # within the 99 KiB of SM 8.6/8.9/12.x as well as Hopper's 227 (two programs an SM)
     assert got["shared"] <= 99 * 1024 and 2 * got["shared"] <= tsm.HOPPER_SHARED_MEM
     assert got["spill_bytes"] == 0
-    # a warp's 16 rows of a 64-row tile at 8 heads: 36 score dots (576 / 16) and 32 PV
-    # dots (512 / 16 columns), the loop body twice (two buffers); fp16, none in bf16
-    assert got["hmma"] == 2 * (36 + 32) and got["bf16_hmma"] == 0
+    # a warp's rows of a 64-row tile (16 at 8 heads, 32 at 16 heads: two row blocks)
+    # for its 8 heads: 36 score dots (576 / 16) and 32 PV dots (512 / 16 columns) a row
+    # block, the loop body twice (two buffers); fp16, none in bf16
+    row_blocks = block_h // 8
+    assert got["hmma"] == 2 * row_blocks * (36 + 32) and got["bf16_hmma"] == 0
     # each fp8 value converted once per dot that reads it: the rows' 576 values for the
-    # scores and 512 for PV, two per instruction, 16 rows a warp
-    assert got["fp8_to_f16"] == 2 * (576 + 512) * 16 // 2 // 32
+    # scores and 512 for PV, two per instruction
+    assert got["fp8_to_f16"] == 2 * (576 + 512) * 16 * row_blocks // 2 // 32
 
 
 def fp8_case(*args, **kwargs):
@@ -163,10 +172,12 @@ def test_matches_float64_and_the_triton_tile(launches, num_tokens, num_heads, dt
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not HOPPER_GPU, reason="SM90 only")
-def test_queries_beyond_fp16_keep_their_precision(launches):
+@pytest.mark.parametrize("num_tokens,num_heads", [(64, 8), (128, 16)])
+def test_queries_beyond_fp16_keep_their_precision(launches, num_tokens, num_heads):
     # bf16 queries of magnitude ~1e5 (fp16 ends at 65504): the tile's per-head power
     # of two brings them into fp16 exactly; one head of zeros keeps a finite scale
-    q, cache, slots, counts = fp8_case(64, 8, torch.bfloat16, seed=3, q_scale=3e4)
+    q, cache, slots, counts = fp8_case(num_tokens, num_heads, torch.bfloat16, seed=3,
+                                       q_scale=3e4)
     q[:, 3] = 0
     scale, k_scale = 1 / (3e4 * math.sqrt(192 + ROPE)), torch.full((1,), 0.5, device="cuda")
     out = tsm.sparse_mla_attention(q, cache, slots, counts, KV_LORA, scale, k_scale,
@@ -233,4 +244,4 @@ def test_replays_under_cuda_graph_capture(launches):
 
 
 if __name__ == "__main__":
-    print(json.dumps(compile_tile(int(sys.argv[1]), bool(int(sys.argv[2])))))
+    print(json.dumps(compile_tile(int(sys.argv[1]), bool(int(sys.argv[2])), int(sys.argv[3]))))

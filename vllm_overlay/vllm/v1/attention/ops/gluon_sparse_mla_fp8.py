@@ -1,24 +1,26 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""Sparse MLA attention over an fp8 cache for up to 8 heads a program, in Gluon.
+"""Sparse MLA attention over an fp8 cache for 8 or 16 heads a program, in Gluon.
 
 `triton_sparse_mla` launches this tile on Hopper for an fp8 e4m3 cache with few
 local heads (`launch_config(...)["ROWS_IN_M"]`: GLM-5 or DeepSeek-V3.2 at tensor
-parallel 8 and up). It writes the same split-K partial outputs for the same merge.
+parallel 4 and up). It writes the same split-K partial outputs for the same merge.
 
 The 64-head tiles pad 8 heads to 64 and convert every fp8 row to 16 bits in shared
-memory. Here the gathered rows are the M dimension of mma.sync dots and the 8 heads
+memory. Here the gathered rows are the M dimension of mma.sync dots and the heads
 are N, so no work is padded and the rows go from shared memory to registers once
 per dot, where they are converted:
 
-- one program per (8 heads, token, split), 4 warps; the split's slot ids are copied
-  to shared memory first, then each tile of 64 rows by slot with async copies into
-  one of two buffers while the other is computed;
-- each warp owns 16 rows of every tile and keeps its own running maximum, sum and
-  output [512, 8] (128 registers a thread): S^T = K Q^T (queries from shared
-  memory), its softmax, then O^T += V^T P^T, with P^T moved within the warp by
-  shuffles. The only barrier in the loop is the one for the copies; the warps'
-  results are merged by their maxima at the end;
+- one program per (8 or 16 heads, token, split), 4 warps; the split's slot ids are
+  copied to shared memory first, then each tile of 64 rows by slot with async
+  copies into one of two buffers while the other is computed;
+- the warps split a tile's rows into groups: 4 groups of 16 rows at 8 heads; at 16
+  heads 2 groups of 32 rows (two independent row blocks a warp), each read by two
+  warps of 8 heads. A warp keeps its own running maximum, sum and output [512, 8]
+  (128 registers a thread): S^T = K Q^T (queries from shared memory), its softmax,
+  then O^T += V^T P^T, with P^T moved within the warp by shuffles. The only barrier
+  in the loop is the one for the copies; the row groups' results are merged by
+  their maxima at the end;
 - V^T is read as 16-byte rows and relabelled in registers: output column m of the
   dot is latent column 128 c + 16 g + 2 i + b for m = 128 c + 16 i + 8 b + g
   (`_latent_column`), the order in which each thread's mma operand is 16
@@ -28,11 +30,11 @@ per dot, where they are converted:
   that brings its largest magnitude to [2^13, 2^14), exact for a bf16 query down to
   2^-24 of that magnitude; the score scale takes the inverse.
 
-H200, 8 heads, top-k 2048: 0.59-0.61x the time of the 16-bit cache's tile at 256-4096
-tokens (2.8-3.2 TB/s of fp8 rows), 0.40-0.43x the Triton fp8 tile's
-(benchmarks/results/h200-sparse-mla-gather.json); 16 heads run as two programs (1.2x
-the 16-bit time, kernel-only). mma.sync and async copies exist from SM80 on; only
-Hopper's launch table selects it (measured there).
+H200, top-k 2048, at 256-4096 tokens: 8 heads 0.59-0.61x the time of the 16-bit
+cache's tile (2.8-3.2 TB/s of fp8 rows), 0.40-0.43x the Triton fp8 tile's; 16 heads
+0.90-0.92x the 16-bit cache's (two 8-head programs: 1.17-1.22x)
+(benchmarks/results/h200-sparse-mla-gather.json). mma.sync and async copies exist
+from SM80 on; only Hopper's launch table selects it (measured there).
 """
 
 import torch
@@ -43,9 +45,9 @@ from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
 from vllm.triton_utils import triton
 
-TILE_HEADS = 8
+TILE_HEADS = (8, 16)  # heads a program: 8 per warp
 TILE_ROWS = 64
-NUM_WARPS = 4  # 16 rows of a tile each
+NUM_WARPS = 4  # 4 groups of 16 rows (8 heads), or 2 groups of 32 rows, 2 warps each (16)
 MAX_SLOTS = 2048  # slot ids of a split in shared memory (8 KiB)
 KV_LORA_RANK = 512
 ROPE_DIM = 64
@@ -81,18 +83,13 @@ def _latent_column(m):
 
 
 @gluon.jit
-def _pv(k3, c: gl.constexpr, p, alpha, acc, dtype: gl.constexpr):
+def _pv(k3, c: gl.constexpr, p, alpha, acc, dtype: gl.constexpr, v_ld: gl.constexpr):
     """acc [W, 128, H] * alpha + V^T P^T over output columns [128 c, 128 c + 128):
-    V^T from each warp's 16 rows k3 [W, 16, 512] (fp8), P^T [W, 16, H]."""
+    V^T from each row group's rows k3 [W, R, 512] (fp8, loaded in `v_ld`, see
+    `v_load_layout`), P^T [W, R, H]."""
     W: gl.constexpr = k3.type.shape[0]
     R: gl.constexpr = k3.type.shape[1]
     v_op: gl.constexpr = gl.DotOperandLayout(0, acc.type.layout, 2)
-    # a thread loads 16 contiguous bytes of 4 rows (8 lanes: a whole 128-byte row): bits
-    # 0-3 of the latent column in registers, 4-6 in lanes
-    v_ld: gl.constexpr = gl.DistributedLinearLayout(
-        reg_bases=[[0, 0, 1], [0, 0, 2], [0, 0, 4], [0, 0, 8], [0, 1, 0], [0, 8, 0]],
-        lane_bases=[[0, 2, 0], [0, 4, 0], [0, 0, 16], [0, 0, 32], [0, 0, 64]],
-        warp_bases=[[1, 0, 0], [2, 0, 0]], block_bases=[], shape=[W, R, 128])
     x = k3.slice(c * 128, 128, dim=2).load(v_ld).to(dtype)
     # latent column 16 g + 2 i + b (of the 128) -> output column 16 i + 8 b + g: the
     # mma operand's layout, up to the order of each thread's registers
@@ -103,7 +100,7 @@ def _pv(k3, c: gl.constexpr, p, alpha, acc, dtype: gl.constexpr):
 
 @gluon.jit
 def _tile(KV, slots_smem, count, stride_kv, it, k_cur, r_cur, k_nxt, r_nxt, q_smem, qr_smem,
-          h_scale, offs_n, m_i, l_i, acc0, acc1, acc2, acc3):
+          h_scale, offs_n, m_i, l_i, acc0, acc1, acc2, acc3, V_LAYOUT: gl.constexpr):
     """Tile `it` from one buffer, while tile it + 1 is copied into the other (separate
     allocations: no barrier between those copies and these reads)."""
     W: gl.constexpr = acc0.type.shape[0]
@@ -131,7 +128,9 @@ def _tile(KV, slots_smem, count, stride_kv, it, k_cur, r_cur, k_nxt, r_nxt, q_sm
     k3 = k_cur.reshape([W, R, D_V])
     r3 = r_cur.reshape([W, R, D_R])
     q_zero = gl.zeros([W, 64, BLOCK_H], dtype, q_op)
-    # three accumulators: shorter chains of dependent mma.sync
+    # three accumulators (two for 32 rows a warp, which has two independent row blocks):
+    # shorter chains of dependent mma.sync
+    ACCS: gl.constexpr = 3 if R == 16 else 2
     qk0 = gl.zeros([W, R, BLOCK_H], gl.float32, mma)
     qk1 = gl.zeros([W, R, BLOCK_H], gl.float32, mma)
     qk2 = gl.zeros([W, R, BLOCK_H], gl.float32, mma)
@@ -140,9 +139,9 @@ def _tile(KV, slots_smem, count, stride_kv, it, k_cur, r_cur, k_nxt, r_nxt, q_sm
         # every warp's copy of the same queries
         qq = gl.broadcast(gl.expand_dims(
             q_smem.slice(j * 64, 64, dim=1).permute([1, 0]).load(q_sl), 0), q_zero)[0]
-        if j % 3 == 0:
+        if j % ACCS == 0:
             qk0 = mma_v2(kk, qq, qk0)
-        elif j % 3 == 1:
+        elif j % ACCS == 1:
             qk1 = mma_v2(kk, qq, qk1)
         else:
             qk2 = mma_v2(kk, qq, qk2)
@@ -158,10 +157,10 @@ def _tile(KV, slots_smem, count, stride_kv, it, k_cur, r_cur, k_nxt, r_nxt, q_sm
     alpha = gl.exp2(m_i - m_use)
     l_i = l_i * alpha + gl.sum(p, 1)
     p = gl.convert_layout(p.to(dtype), p_op)
-    acc0 = _pv(k3, 0, p, alpha, acc0, dtype)
-    acc1 = _pv(k3, 1, p, alpha, acc1, dtype)
-    acc2 = _pv(k3, 2, p, alpha, acc2, dtype)
-    acc3 = _pv(k3, 3, p, alpha, acc3, dtype)
+    acc0 = _pv(k3, 0, p, alpha, acc0, dtype, V_LAYOUT)
+    acc1 = _pv(k3, 1, p, alpha, acc1, dtype, V_LAYOUT)
+    acc2 = _pv(k3, 2, p, alpha, acc2, dtype, V_LAYOUT)
+    acc3 = _pv(k3, 3, p, alpha, acc3, dtype, V_LAYOUT)
     return m_new, l_i, acc0, acc1, acc2, acc3
 
 
@@ -180,18 +179,21 @@ def _sparse_mla_fp8_kernel(
     stride_qt, stride_qh, stride_kv, stride_st, stride_ot, stride_oh, stride_os,
     stride_lt, stride_lh, num_heads, split_len,
     BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, D_V: gl.constexpr, D_R: gl.constexpr,
-    MAX_SLOTS: gl.constexpr, PARTIAL: gl.constexpr, num_warps: gl.constexpr,
+    MAX_SLOTS: gl.constexpr, PARTIAL: gl.constexpr, V_LAYOUT: gl.constexpr,
+    num_warps: gl.constexpr,
 ):
-    W: gl.constexpr = num_warps
-    R: gl.constexpr = BLOCK_N // num_warps
+    # the warps: W row groups of R rows, each group's HEAD_WARPS warps 8 heads each
+    HEAD_WARPS: gl.constexpr = BLOCK_H // 8
+    W: gl.constexpr = num_warps // HEAD_WARPS
+    R: gl.constexpr = BLOCK_N // W
     dtype: gl.constexpr = gl.float16
     kv_ty: gl.constexpr = KV.dtype.element_ty
     hb = gl.program_id(0)
     t = gl.program_id(1).to(gl.int64)
     s = gl.program_id(2)
-    # [warp, row or output column, head]: each warp's own rows and outputs
-    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[W, 1, 1],
-                                                  instr_shape=[1, 16, 8])
+    # [row group, row or output column, head]: each warp's own rows, heads and outputs
+    mma: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[2, 0], warps_per_cta=[W, 1, HEAD_WARPS], instr_shape=[1, 16, 8])
     wh: gl.constexpr = gl.SliceLayout(1, mma)  # [warp, head]
     sl_k: gl.constexpr = gl.SwizzledSharedLayout(16, 1, 8, [1, 0])
     sl_r: gl.constexpr = gl.SwizzledSharedLayout(16, 2, 4, [1, 0])
@@ -211,14 +213,14 @@ def _sparse_mla_fp8_kernel(
     n_iters = gl.maximum(gl.cdiv(end - start, BLOCK_N), 0)
     count = end - start  # valid slots of this split (split_len <= MAX_SLOTS)
     # the split's slot ids, then the first tile: a tile's copies wait for no global load
-    offs_s = gl.arange(0, MAX_SLOTS, gl.BlockedLayout([4], [32], [W], [0]))
+    offs_s = gl.arange(0, MAX_SLOTS, gl.BlockedLayout([4], [32], [num_warps], [0]))
     cp.async_copy_global_to_shared(slots_smem._reinterpret(gl.int32, [MAX_SLOTS], sl_s),
                                    Slots + t * stride_st + start + offs_s, mask=offs_s < count)
     cp.commit_group()
 
     # the queries in fp16, each head scaled by 2^(13 - e), e the exponent of its largest
     # magnitude (the biased exponent clamped: a head of zeros keeps a finite scale)
-    ldq: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [W, 1], [1, 0])
+    ldq: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1], [1, 0])
     offs_hq = hb * BLOCK_H + gl.arange(0, BLOCK_H, gl.SliceLayout(1, ldq))
     q_row = Q + t * stride_qt + offs_hq[:, None] * stride_qh
     mask_hq = (offs_hq < num_heads)[:, None]
@@ -253,14 +255,14 @@ def _sparse_mla_fp8_kernel(
     for it in range(0, n_iters, 2):
         m_i, l_i, acc0, acc1, acc2, acc3 = _tile(
             KV, slots_smem, count, stride_kv, it, k_a, r_a, k_b, r_b, q_smem, qr_smem, h_scale,
-            offs_n, m_i, l_i, acc0, acc1, acc2, acc3)
+            offs_n, m_i, l_i, acc0, acc1, acc2, acc3, V_LAYOUT)
         if it + 1 < n_iters:
             m_i, l_i, acc0, acc1, acc2, acc3 = _tile(
                 KV, slots_smem, count, stride_kv, it + 1, k_b, r_b, k_a, r_a, q_smem, qr_smem,
-                h_scale, offs_n, m_i, l_i, acc0, acc1, acc2, acc3)
+                h_scale, offs_n, m_i, l_i, acc0, acc1, acc2, acc3, V_LAYOUT)
     cp.wait_group(0)
 
-    # the warps' results, merged by their maxima
+    # the row groups' results, merged by their maxima
     m_tot = gl.max(m_i, 0)
     wgt = gl.exp2(m_i - gl.where(m_tot == float("-inf"), 0.0, m_tot)[None, :])
     l_tot = gl.sum(l_i * wgt, 0)
@@ -301,6 +303,7 @@ def sparse_mla_attention_fp8(
     scale: float,
     split_len: int,
     splits: int,
+    block_h: int = 8,
 ) -> None:
     """Launch the tile over q [T, H, 576] (bf16 or fp16) and kv [slots, 576] (fp8 e4m3
     with the per-tensor scale `k_scale`, a 1-element fp32 tensor): into `out` (q's
@@ -310,11 +313,34 @@ def sparse_mla_attention_fp8(
     if split_len > MAX_SLOTS:
         raise ValueError(f"sparse MLA fp8 tile: {split_len} slots per split, more than "
                          f"its {MAX_SLOTS}; split the top-k further")
+    if block_h not in TILE_HEADS:
+        raise ValueError(f"sparse MLA fp8 tile: {block_h} heads a program, not one of "
+                         f"{TILE_HEADS}")
     num_tokens, num_heads, _ = q.shape
-    grid = (triton.cdiv(num_heads, TILE_HEADS), num_tokens, splits)
+    grid = (triton.cdiv(num_heads, block_h), num_tokens, splits)
     _sparse_mla_fp8_kernel[grid](
         q, kv, slots, valid_counts, k_scale, out, lse, scale,
         q.stride(0), q.stride(1), kv.stride(0), slots.stride(0), *out_strides,
         *lse_strides, num_heads, split_len,
-        BLOCK_H=TILE_HEADS, BLOCK_N=TILE_ROWS, D_V=KV_LORA_RANK, D_R=ROPE_DIM,
-        MAX_SLOTS=MAX_SLOTS, PARTIAL=splits > 1, num_warps=NUM_WARPS)
+        BLOCK_H=block_h, BLOCK_N=TILE_ROWS, D_V=KV_LORA_RANK, D_R=ROPE_DIM,
+        MAX_SLOTS=MAX_SLOTS, PARTIAL=splits > 1, V_LAYOUT=v_load_layout(block_h),
+        num_warps=NUM_WARPS)
+
+
+def v_load_layout(block_h: int) -> gl.DistributedLinearLayout:
+    """How `_pv` loads V^T [row group, row, latent column] of a tile of `block_h`
+    heads: a thread loads 16 contiguous bytes of a row (bits 0-3 of the column in
+    registers, 4-6 in lanes: 8 lanes read a 128-byte row) for 4 of every 16 rows
+    (row bits 1-2 in lanes, 0 and 3 in registers, 4 in registers for groups of 32);
+    the warps of a row group, its low warp bits as in the mma layout, load the same
+    rows."""
+    head_warps = block_h // 8
+    row_warps = NUM_WARPS // head_warps
+    rows = TILE_ROWS // row_warps
+    reg_rows = [[0, 1, 0], [0, 8, 0]] + [[0, 1 << b, 0] for b in range(4, rows.bit_length() - 1)]
+    warps = [[0, 0, 0]] * (head_warps.bit_length() - 1) + [
+        [1 << b, 0, 0] for b in range(row_warps.bit_length() - 1)]
+    return gl.DistributedLinearLayout(
+        reg_bases=[[0, 0, 1], [0, 0, 2], [0, 0, 4], [0, 0, 8]] + reg_rows,
+        lane_bases=[[0, 2, 0], [0, 4, 0], [0, 0, 16], [0, 0, 32], [0, 0, 64]],
+        warp_bases=warps, block_bases=[], shape=[row_warps, rows, 128])

@@ -246,26 +246,31 @@ def launch_config(
     caches in e4m3) runs the tile as `gluon_sparse_mla`'s warp-specialized kernel
     instead of `_sparse_mla_kernel` (the Triton parameters above stay its fallback);
     ROWS_IN_M (Hopper, an fp8 e4m3 cache, up to 16 heads) runs
-    `gluon_sparse_mla_fp8`'s 8-head tile. warp_specialized=False gives the Triton
-    tile's entry instead of either Gluon tile (where they cannot run:
+    `gluon_sparse_mla_fp8`'s tile of BLOCK_H (8 or 16) heads. warp_specialized=False
+    gives the Triton tile's entry instead of either Gluon tile (where they cannot run:
     `sparse_mla_attention` falls back to it).
     """
     block_h = 16 if num_heads <= 16 else (32 if num_heads <= 32 else 64)
     # Hopper's (and SM100's) shared memory holds two programs of up to 32 heads per SM
     two_per_sm = max_shared_mem >= HOPPER_SHARED_MEM
     hopper = capability // 10 == 9 and two_per_sm
-    # H200, kernel-only, fp8 cache, top-k 2048: the 8-head tile (two programs for 9-16
-    # heads) takes 0.60-0.61x the 16-bit cache's time at 8 heads from 256 tokens on, and
-    # 0.46-0.83x the 64-head fp8 tile's from 32 tokens (16 tokens: 1.01x, 1: 1.47x); at
-    # 16 heads 0.88-0.90x from 256 tokens (64: 1.01x); at 32 heads 1.7x. Batch-invariant
-    # mode takes it at every token count: the tile must not depend on the batch
+    # H200, kernel-only, fp8 cache, top-k 2048: the 8-head tile takes 0.60-0.61x the
+    # 16-bit cache's time at 8 heads from 256 tokens on, and 0.46-0.83x the 64-head fp8
+    # tile's from 32 tokens (16 tokens: 1.01x, 1: 1.47x); the 16-head tile 0.93x the
+    # 16-bit cache's at 16 heads from 256 tokens (two 8-head programs: 1.17-1.23x); at
+    # 32 heads 1.7x.
+    # Batch-invariant mode takes it at every token count: the tile must not depend on
+    # the batch
     if (warp_specialized and hopper and kv_fp8 and num_heads <= 16
             and (num_tokens >= (32 if num_heads <= 8 else 128) or envs.VLLM_BATCH_INVARIANT)):
-        # one wave of programs (H200: 2 splits at 64 tokens 42.9 us, 4 splits 45.5),
-        # and a split's slot ids fit the tile's shared memory
-        splits = max(_num_splits(num_tokens, num_heads, 8, topk, kv_lora_rank, num_sms),
+        block_h = 8 if num_heads <= 8 else 16
+        # about one wave of programs, of one program an SM at 8 heads (H200: 2 splits at
+        # 64 tokens 42.9 us, 4 splits 45.5) and two at 16 (128 tokens: 2 splits 100.0 us,
+        # 1 split 103.6), and a split's slot ids fit the tile's shared memory
+        per_wave = num_sms * (block_h // 8)
+        splits = max(_num_splits(num_tokens, num_heads, block_h, topk, kv_lora_rank, per_wave),
                      triton.next_power_of_2(triton.cdiv(topk, ROWS_IN_M_MAX_SLOTS)))
-        return {"BLOCK_H": 8, "BLOCK_N": 64, "num_warps": 4, "num_stages": 2,
+        return {"BLOCK_H": block_h, "BLOCK_N": 64, "num_warps": 4, "num_stages": 2,
                 "splits": splits, "V_SPLITS": 1, "V_RELOAD": False, "K_DEQUANT": False,
                 "WARP_SPECIALIZED": False, "ROWS_IN_M": True}
     # H200, kernel-only: the warp-specialized 64-head tile, its heads past num_heads
@@ -354,7 +359,7 @@ def device_launch_config(
 @functools.cache
 def _gluon_module(name: str):
     """A Gluon tile's module (`gluon_sparse_mla`: the warp-specialized Hopper tile,
-    `gluon_sparse_mla_fp8`: the 8-head fp8 tile); None where this Triton has no Gluon
+    `gluon_sparse_mla_fp8`: the 8- and 16-head fp8 tile); None where this Triton has no Gluon
     (the Triton tile runs instead)."""
     try:
         return importlib.import_module(f"vllm.v1.attention.ops.{name}")
@@ -397,7 +402,8 @@ def _gluon_launch(cfg: dict, q: torch.Tensor, kv: torch.Tensor, kv_lora_rank: in
         return ops.TILE_ROWS, ops.sparse_mla_attention_ws
     ops = _rows_in_m_ops(cfg, q, kv, kv_lora_rank)
     if ops is not None:
-        return ops.TILE_ROWS, ops.sparse_mla_attention_fp8
+        return ops.TILE_ROWS, functools.partial(ops.sparse_mla_attention_fp8,
+                                                block_h=cfg["BLOCK_H"])
     return None
 
 
