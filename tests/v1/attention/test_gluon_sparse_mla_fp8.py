@@ -88,6 +88,28 @@ def test_a_split_longer_than_its_slot_buffer_is_refused():
                                    None, None, (0, 0, 0), (0, 0), 0.1, 2048, 1, block_h=32)
 
 
+@pytest.mark.parametrize("block_h", [8, 16])
+def test_launch_constants_are_plain_values(monkeypatch, block_h):
+    # after warm-up vLLM's Triton JIT monitor (vllm/triton_utils/jit_monitor.py) installs
+    # Triton's jit_post_compile_hook, for which Triton serializes the kernel's constexprs
+    # as JSON: a layout object among them fails the first compile at a new shape
+    from vllm.v1.attention.ops import gluon_sparse_mla_fp8 as g
+
+    launched = []
+
+    class Kernel:
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: launched.append((grid, kwargs))
+
+    monkeypatch.setattr(g, "_sparse_mla_fp8_kernel", Kernel())
+    q = torch.empty(3, 12, HEAD, dtype=torch.bfloat16)
+    g.sparse_mla_attention_fp8(q, torch.empty(8, HEAD), torch.empty(3, 2048), None, None,
+                               None, None, (0, 0, 0), (0, 0), 0.1, 1024, 2, block_h=block_h)
+    (grid, kwargs), = launched
+    assert grid == (math.ceil(12 / block_h), 3, 2) and kwargs["BLOCK_H"] == block_h
+    assert json.loads(json.dumps(kwargs)) == kwargs
+
+
 def test_dispatch_needs_a_gpu_and_an_e4m3_cache():
     c = cfg(4096, 8)
     q = torch.empty(8, 8, HEAD, dtype=torch.bfloat16)
@@ -111,8 +133,7 @@ def compile_tile(arch: int, partial: bool, block_h: int) -> dict:
     pointers = {"Q": "*bf16", "KV": "*fp8e4nv", "Slots": "*i32", "Counts": "*i32",
                 "KScale": "*fp32", "O": "*fp32" if partial else "*bf16", "Lse": "*fp32"}
     consts = {"BLOCK_H": block_h, "BLOCK_N": g.TILE_ROWS, "D_V": KV_LORA, "D_R": ROPE,
-              "MAX_SLOTS": g.MAX_SLOTS, "PARTIAL": partial,
-              "V_LAYOUT": g.v_load_layout(block_h), "num_warps": g.NUM_WARPS}
+              "MAX_SLOTS": g.MAX_SLOTS, "PARTIAL": partial, "num_warps": g.NUM_WARPS}
     kernel, report, sass = compile_gluon_kernel(g._sparse_mla_fp8_kernel, pointers, consts,
                                                 arch, {"num_warps": g.NUM_WARPS})
     return {"shared": kernel.metadata.shared,

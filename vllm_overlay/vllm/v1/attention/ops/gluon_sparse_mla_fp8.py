@@ -83,13 +83,27 @@ def _latent_column(m):
 
 
 @gluon.jit
-def _pv(k3, c: gl.constexpr, p, alpha, acc, dtype: gl.constexpr, v_ld: gl.constexpr):
+def _pv(k3, c: gl.constexpr, p, alpha, acc, dtype: gl.constexpr, HEAD_WARPS: gl.constexpr):
     """acc [W, 128, H] * alpha + V^T P^T over output columns [128 c, 128 c + 128):
-    V^T from each row group's rows k3 [W, R, 512] (fp8, loaded in `v_ld`, see
-    `v_load_layout`), P^T [W, R, H]."""
+    V^T from each row group's rows k3 [W, R, 512] (fp8), P^T [W, R, H]."""
     W: gl.constexpr = k3.type.shape[0]
     R: gl.constexpr = k3.type.shape[1]
     v_op: gl.constexpr = gl.DotOperandLayout(0, acc.type.layout, 2)
+    # a thread loads 16 contiguous bytes of a row (bits 0-3 of the column in registers,
+    # 4-6 in lanes: 8 lanes read a 128-byte row) for 4 of every 16 rows (row bits 1-2
+    # in lanes, 0 and 3 in registers); the warps of a row group (the low warp bits, as
+    # in the mma layout) load the same rows
+    if HEAD_WARPS == 1:  # 4 groups of 16 rows
+        v_ld: gl.constexpr = gl.DistributedLinearLayout(
+            reg_bases=[[0, 0, 1], [0, 0, 2], [0, 0, 4], [0, 0, 8], [0, 1, 0], [0, 8, 0]],
+            lane_bases=[[0, 2, 0], [0, 4, 0], [0, 0, 16], [0, 0, 32], [0, 0, 64]],
+            warp_bases=[[1, 0, 0], [2, 0, 0]], block_bases=[], shape=[W, R, 128])
+    else:  # 2 groups of 32 rows (row bit 4 in registers), two warps each
+        v_ld: gl.constexpr = gl.DistributedLinearLayout(
+            reg_bases=[[0, 0, 1], [0, 0, 2], [0, 0, 4], [0, 0, 8], [0, 1, 0], [0, 8, 0],
+                       [0, 16, 0]],
+            lane_bases=[[0, 2, 0], [0, 4, 0], [0, 0, 16], [0, 0, 32], [0, 0, 64]],
+            warp_bases=[[0, 0, 0], [1, 0, 0]], block_bases=[], shape=[W, R, 128])
     x = k3.slice(c * 128, 128, dim=2).load(v_ld).to(dtype)
     # latent column 16 g + 2 i + b (of the 128) -> output column 16 i + 8 b + g: the
     # mma operand's layout, up to the order of each thread's registers
@@ -100,7 +114,7 @@ def _pv(k3, c: gl.constexpr, p, alpha, acc, dtype: gl.constexpr, v_ld: gl.conste
 
 @gluon.jit
 def _tile(KV, slots_smem, count, stride_kv, it, k_cur, r_cur, k_nxt, r_nxt, q_smem, qr_smem,
-          h_scale, offs_n, m_i, l_i, acc0, acc1, acc2, acc3, V_LAYOUT: gl.constexpr):
+          h_scale, offs_n, m_i, l_i, acc0, acc1, acc2, acc3, HEAD_WARPS: gl.constexpr):
     """Tile `it` from one buffer, while tile it + 1 is copied into the other (separate
     allocations: no barrier between those copies and these reads)."""
     W: gl.constexpr = acc0.type.shape[0]
@@ -157,10 +171,10 @@ def _tile(KV, slots_smem, count, stride_kv, it, k_cur, r_cur, k_nxt, r_nxt, q_sm
     alpha = gl.exp2(m_i - m_use)
     l_i = l_i * alpha + gl.sum(p, 1)
     p = gl.convert_layout(p.to(dtype), p_op)
-    acc0 = _pv(k3, 0, p, alpha, acc0, dtype, V_LAYOUT)
-    acc1 = _pv(k3, 1, p, alpha, acc1, dtype, V_LAYOUT)
-    acc2 = _pv(k3, 2, p, alpha, acc2, dtype, V_LAYOUT)
-    acc3 = _pv(k3, 3, p, alpha, acc3, dtype, V_LAYOUT)
+    acc0 = _pv(k3, 0, p, alpha, acc0, dtype, HEAD_WARPS)
+    acc1 = _pv(k3, 1, p, alpha, acc1, dtype, HEAD_WARPS)
+    acc2 = _pv(k3, 2, p, alpha, acc2, dtype, HEAD_WARPS)
+    acc3 = _pv(k3, 3, p, alpha, acc3, dtype, HEAD_WARPS)
     return m_new, l_i, acc0, acc1, acc2, acc3
 
 
@@ -179,10 +193,10 @@ def _sparse_mla_fp8_kernel(
     stride_qt, stride_qh, stride_kv, stride_st, stride_ot, stride_oh, stride_os,
     stride_lt, stride_lh, num_heads, split_len,
     BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, D_V: gl.constexpr, D_R: gl.constexpr,
-    MAX_SLOTS: gl.constexpr, PARTIAL: gl.constexpr, V_LAYOUT: gl.constexpr,
-    num_warps: gl.constexpr,
+    MAX_SLOTS: gl.constexpr, PARTIAL: gl.constexpr, num_warps: gl.constexpr,
 ):
     # the warps: W row groups of R rows, each group's HEAD_WARPS warps 8 heads each
+    gl.static_assert((BLOCK_H == 8 or BLOCK_H == 16) and num_warps == 4 and BLOCK_N == 64)
     HEAD_WARPS: gl.constexpr = BLOCK_H // 8
     W: gl.constexpr = num_warps // HEAD_WARPS
     R: gl.constexpr = BLOCK_N // W
@@ -255,11 +269,11 @@ def _sparse_mla_fp8_kernel(
     for it in range(0, n_iters, 2):
         m_i, l_i, acc0, acc1, acc2, acc3 = _tile(
             KV, slots_smem, count, stride_kv, it, k_a, r_a, k_b, r_b, q_smem, qr_smem, h_scale,
-            offs_n, m_i, l_i, acc0, acc1, acc2, acc3, V_LAYOUT)
+            offs_n, m_i, l_i, acc0, acc1, acc2, acc3, HEAD_WARPS)
         if it + 1 < n_iters:
             m_i, l_i, acc0, acc1, acc2, acc3 = _tile(
                 KV, slots_smem, count, stride_kv, it + 1, k_b, r_b, k_a, r_a, q_smem, qr_smem,
-                h_scale, offs_n, m_i, l_i, acc0, acc1, acc2, acc3, V_LAYOUT)
+                h_scale, offs_n, m_i, l_i, acc0, acc1, acc2, acc3, HEAD_WARPS)
     cp.wait_group(0)
 
     # the row groups' results, merged by their maxima
@@ -323,24 +337,5 @@ def sparse_mla_attention_fp8(
         q.stride(0), q.stride(1), kv.stride(0), slots.stride(0), *out_strides,
         *lse_strides, num_heads, split_len,
         BLOCK_H=block_h, BLOCK_N=TILE_ROWS, D_V=KV_LORA_RANK, D_R=ROPE_DIM,
-        MAX_SLOTS=MAX_SLOTS, PARTIAL=splits > 1, V_LAYOUT=v_load_layout(block_h),
-        num_warps=NUM_WARPS)
+        MAX_SLOTS=MAX_SLOTS, PARTIAL=splits > 1, num_warps=NUM_WARPS)
 
-
-def v_load_layout(block_h: int) -> gl.DistributedLinearLayout:
-    """How `_pv` loads V^T [row group, row, latent column] of a tile of `block_h`
-    heads: a thread loads 16 contiguous bytes of a row (bits 0-3 of the column in
-    registers, 4-6 in lanes: 8 lanes read a 128-byte row) for 4 of every 16 rows
-    (row bits 1-2 in lanes, 0 and 3 in registers, 4 in registers for groups of 32);
-    the warps of a row group, its low warp bits as in the mma layout, load the same
-    rows."""
-    head_warps = block_h // 8
-    row_warps = NUM_WARPS // head_warps
-    rows = TILE_ROWS // row_warps
-    reg_rows = [[0, 1, 0], [0, 8, 0]] + [[0, 1 << b, 0] for b in range(4, rows.bit_length() - 1)]
-    warps = [[0, 0, 0]] * (head_warps.bit_length() - 1) + [
-        [1 << b, 0, 0] for b in range(row_warps.bit_length() - 1)]
-    return gl.DistributedLinearLayout(
-        reg_bases=[[0, 0, 1], [0, 0, 2], [0, 0, 4], [0, 0, 8]] + reg_rows,
-        lane_bases=[[0, 2, 0], [0, 4, 0], [0, 0, 16], [0, 0, 32], [0, 0, 64]],
-        warp_bases=warps, block_bases=[], shape=[row_warps, rows, 128])
