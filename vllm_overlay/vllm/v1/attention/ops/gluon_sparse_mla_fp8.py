@@ -32,7 +32,7 @@ per dot, where they are converted:
 
 H200, top-k 2048, at 256-4096 tokens: 8 heads 0.59-0.61x the time of the 16-bit
 cache's tile (2.8-3.2 TB/s of fp8 rows), 0.40-0.43x the Triton fp8 tile's; 16 heads
-0.90-0.92x the 16-bit cache's (two 8-head programs: 1.17-1.22x)
+0.89-0.91x the 16-bit cache's (two 8-head programs: 1.17-1.22x)
 (benchmarks/results/h200-sparse-mla-gather.json). mma.sync and async copies exist
 from SM80 on; only Hopper's launch table selects it (measured there).
 """

@@ -256,9 +256,9 @@ def launch_config(
     hopper = capability // 10 == 9 and two_per_sm
     # H200, kernel-only, fp8 cache, top-k 2048: the 8-head tile takes 0.60-0.61x the
     # 16-bit cache's time at 8 heads from 256 tokens on, and 0.46-0.83x the 64-head fp8
-    # tile's from 32 tokens (16 tokens: 1.01x, 1: 1.47x); the 16-head tile 0.93x the
-    # 16-bit cache's at 16 heads from 256 tokens (two 8-head programs: 1.17-1.23x); at
-    # 32 heads 1.7x.
+    # tile's from 32 tokens (16 tokens: 1.01x, 1: 1.47x); the 16-head tile 0.89-0.93x
+    # the 16-bit cache's at 16 heads from 256 tokens (two 8-head programs: 1.17-1.23x;
+    # 64 tokens: 1.0x the 64-head fp8 tile); at 32 heads 1.8x.
     # Batch-invariant mode takes it at every token count: the tile must not depend on
     # the batch
     if (warp_specialized and hopper and kv_fp8 and num_heads <= 16
