@@ -208,7 +208,7 @@ def _sparse_mla_fp8_kernel(
     # [row group, row or output column, head]: each warp's own rows, heads and outputs
     mma: gl.constexpr = gl.NVMMADistributedLayout(
         version=[2, 0], warps_per_cta=[W, 1, HEAD_WARPS], instr_shape=[1, 16, 8])
-    wh: gl.constexpr = gl.SliceLayout(1, mma)  # [warp, head]
+    wh: gl.constexpr = gl.SliceLayout(1, mma)  # [row group, head]
     sl_k: gl.constexpr = gl.SwizzledSharedLayout(16, 1, 8, [1, 0])
     sl_r: gl.constexpr = gl.SwizzledSharedLayout(16, 2, 4, [1, 0])
     sl_q: gl.constexpr = gl.SwizzledSharedLayout(8, 1, 8, [1, 0])
