@@ -5,9 +5,10 @@
 The tile `triton_sparse_mla` launches on SM90 for blocks of 64 heads of a 16-bit
 or fp8 e4m3 cache, and for fewer heads (masked) where it beats the smaller Triton
 tiles: 32 heads of a 16-bit cache from 8 tokens on, an fp8 one at the head and token
-counts `gluon_sparse_mla_fp8` does not take (`launch_config(...)["WARP_SPECIALIZED"]`). It writes the same split-K partial
-outputs for the same merge. One program per (64-head block, token, split), three
-partitions over two shared-memory stages of 64 gathered rows:
+counts `gluon_sparse_mla_fp8` does not take (`launch_config(...)["WARP_SPECIALIZED"]`).
+It writes the same split-K partial outputs for the same merge. One program per
+(64-head block, token, split), three partitions over two shared-memory stages of 64
+gathered rows:
 
 - a producer (4 warps, 40 registers) first copies the queries, which arrive on
   their own mbarrier while the first rows are gathered, then copies each tile's

@@ -359,8 +359,8 @@ def device_launch_config(
 @functools.cache
 def _gluon_module(name: str):
     """A Gluon tile's module (`gluon_sparse_mla`: the warp-specialized Hopper tile,
-    `gluon_sparse_mla_fp8`: the 8- and 16-head fp8 tile); None where this Triton has no Gluon
-    (the Triton tile runs instead)."""
+    `gluon_sparse_mla_fp8`: the 8- and 16-head fp8 tile); None where this Triton has no
+    Gluon (the Triton tile runs instead)."""
     try:
         return importlib.import_module(f"vllm.v1.attention.ops.{name}")
     except ImportError as e:
