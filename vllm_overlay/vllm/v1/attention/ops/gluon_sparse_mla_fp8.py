@@ -7,34 +7,35 @@ local heads (`launch_config(...)["ROWS_IN_M"]`: GLM-5 or DeepSeek-V3.2 at tensor
 parallel 4 and up). It writes the same split-K partial outputs for the same merge.
 
 The 64-head tiles pad 8 heads to 64 and convert every fp8 row to 16 bits in shared
-memory. Here the gathered rows are the M dimension of mma.sync dots and the heads
-are N, so no work is padded and the rows go from shared memory to registers once
-per dot, where they are converted:
+memory. Here mma.sync dots take the fp8 rows from shared memory to registers, where
+they are converted, and no work is padded. Each of a tile's fp8 values is converted
+once per dot that reads it, whatever the number of heads:
 
 - one program per (8 or 16 heads, token, split), 4 warps; the split's slot ids are
   copied to shared memory first, then each tile of 64 rows by slot with async
   copies into one of two buffers while the other is computed;
-- the warps split a tile's rows into groups: 4 groups of 16 rows at 8 heads; at 16
-  heads 2 groups of 32 rows (two independent row blocks a warp), each read by two
-  warps of 8 heads. A warp keeps its own running maximum, sum and output [512, 8]
-  (128 registers a thread): S^T = K Q^T (queries from shared memory), its softmax,
-  then O^T += V^T P^T, with P^T moved within the warp by shuffles. The only barrier
-  in the loop is the one for the copies; the row groups' results are merged by
-  their maxima at the end;
-- V^T is read as 16-byte rows and relabelled in registers: output column m of the
-  dot is latent column 128 c + 16 g + 2 i + b for m = 128 c + 16 i + 8 b + g
-  (`_latent_column`), the order in which each thread's mma operand is 16
-  contiguous bytes of a row;
+- scores: warp w takes the tile's rows [16 w, 16 w + 16) for every head, S^T = K Q^T
+  (rows in M, heads in N; the rope queries stay in registers for the whole loop).
+  The warps' maxima meet in shared memory, so every warp keeps the same running
+  maximum; each writes its rows of P (fp16) to shared memory;
+- output: warp w takes the output columns [128 w, 128 w + 128) for every head over
+  all 64 rows, O^T += V^T P^T, with its own accumulator [128, heads]. V^T is read as
+  16-byte rows and relabelled in registers: output column m of the dot is latent
+  column 128 c + 16 g + 2 i + b for m = 128 c + 16 i + 8 b + g (`_latent_column`),
+  the order in which each thread's mma operand is 16 contiguous bytes of a row;
+- three barriers a tile: the copies, the maxima, P;
+- shared layouts without bank conflicts for the dots' loads: the rows' 16-byte units
+  XORed by row bits (the two dots read a 128-byte line as 4 rows x 32 bytes and as
+  rows 0/2/4/6 x 32 bytes), the queries' 64-byte halves by head bit 0, P's 16-byte
+  halves by row bit 2 (with plain swizzles Nsight Compute counted 42% of the shared
+  wavefronts as conflicts);
 - the dots are in fp16: e4m3 converts to fp16 with one instruction per two values
   (to bf16, four more per pair), and each head's query is scaled by a power of two
   that brings its largest magnitude to [2^13, 2^14), exact for a bf16 query down to
   2^-24 of that magnitude; the score scale takes the inverse.
 
-H200, top-k 2048, at 256-4096 tokens: 8 heads 0.59-0.61x the time of the 16-bit
-cache's tile (2.8-3.2 TB/s of fp8 rows), 0.40-0.43x the Triton fp8 tile's; 16 heads
-0.89-0.91x the 16-bit cache's (two 8-head programs: 1.17-1.22x)
-(benchmarks/results/h200-sparse-mla-gather.json). mma.sync and async copies exist
-from SM80 on; only Hopper's launch table selects it (measured there).
+H200 numbers: benchmarks/results/h200-sparse-mla-gather.json. mma.sync and async
+copies exist from SM80 on; only Hopper's launch table selects it (measured there).
 """
 
 import torch
@@ -45,9 +46,9 @@ from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
 from vllm.triton_utils import triton
 
-TILE_HEADS = (8, 16)  # heads a program: 8 per warp
+TILE_HEADS = (8, 16)  # heads a program
 TILE_ROWS = 64
-NUM_WARPS = 4  # 4 groups of 16 rows (8 heads), or 2 groups of 32 rows, 2 warps each (16)
+NUM_WARPS = 4  # a warp: 16 rows of the scores, 128 output columns
 MAX_SLOTS = 2048  # slot ids of a split in shared memory (8 KiB)
 KV_LORA_RANK = 512
 ROPE_DIM = 64
@@ -83,54 +84,49 @@ def _latent_column(m):
 
 
 @gluon.jit
-def _pv(k3, c: gl.constexpr, p, alpha, acc, dtype: gl.constexpr, HEAD_WARPS: gl.constexpr):
-    """acc [W, 128, H] * alpha + V^T P^T over output columns [128 c, 128 c + 128):
-    V^T from each row group's rows k3 [W, R, 512] (fp8), P^T [W, R, H]."""
-    W: gl.constexpr = k3.type.shape[0]
-    R: gl.constexpr = k3.type.shape[1]
+def _pv(k_cur, k: gl.constexpr, p_smem, acc, dtype: gl.constexpr):
+    """acc [W, 128, H] += V^T P^T over the tile's rows [16 k, 16 k + 16) (fp8 in k_cur, P
+    in p_smem): warp w's output columns are [128 w, 128 w + 128)."""
+    W: gl.constexpr = acc.type.shape[0]
+    H: gl.constexpr = acc.type.shape[2]
+    D_V: gl.constexpr = k_cur.type.shape[1]
     v_op: gl.constexpr = gl.DotOperandLayout(0, acc.type.layout, 2)
-    # a thread loads 16 contiguous bytes of a row (bits 0-3 of the column in registers,
-    # 4-6 in lanes: 8 lanes read a 128-byte row) for 4 of every 16 rows (row bits 1-2
-    # in lanes, 0 and 3 in registers); the warps of a row group (the low warp bits, as
-    # in the mma layout) load the same rows
-    if HEAD_WARPS == 1:  # 4 groups of 16 rows
-        v_ld: gl.constexpr = gl.DistributedLinearLayout(
-            reg_bases=[[0, 0, 1], [0, 0, 2], [0, 0, 4], [0, 0, 8], [0, 1, 0], [0, 8, 0]],
-            lane_bases=[[0, 2, 0], [0, 4, 0], [0, 0, 16], [0, 0, 32], [0, 0, 64]],
-            warp_bases=[[1, 0, 0], [2, 0, 0]], block_bases=[], shape=[W, R, 128])
-    else:  # 2 groups of 32 rows (row bit 4 in registers), two warps each
-        v_ld: gl.constexpr = gl.DistributedLinearLayout(
-            reg_bases=[[0, 0, 1], [0, 0, 2], [0, 0, 4], [0, 0, 8], [0, 1, 0], [0, 8, 0],
-                       [0, 16, 0]],
-            lane_bases=[[0, 2, 0], [0, 4, 0], [0, 0, 16], [0, 0, 32], [0, 0, 64]],
-            warp_bases=[[0, 0, 0], [1, 0, 0]], block_bases=[], shape=[W, R, 128])
-    x = k3.slice(c * 128, 128, dim=2).load(v_ld).to(dtype)
-    # latent column 16 g + 2 i + b (of the 128) -> output column 16 i + 8 b + g: the
-    # mma operand's layout, up to the order of each thread's registers
-    x = gl.reshape(gl.permute(gl.reshape(x, [W, R, 8, 8, 2]), [0, 1, 3, 4, 2]), [W, R, 128])
+    p_op: gl.constexpr = gl.DotOperandLayout(1, acc.type.layout, 2)
+    # a thread loads 16 contiguous bytes of a row (column bits 0-3 in registers, 4-6 in
+    # lanes), 4 of the 16 rows (row bits 1-2 in lanes, 0 and 3 in registers); the warps
+    # take column bits 7-8
+    v_ld: gl.constexpr = gl.DistributedLinearLayout(
+        reg_bases=[[0, 1], [0, 2], [0, 4], [0, 8], [1, 0], [8, 0]],
+        lane_bases=[[2, 0], [4, 0], [0, 16], [0, 32], [0, 64]],
+        warp_bases=[[0, 128], [0, 256]], block_bases=[], shape=[16, D_V])
+    x = k_cur.slice(k * 16, 16, dim=0).load(v_ld).to(dtype)
+    x = gl.permute(gl.reshape(x, [16, W, 128]), [1, 0, 2])
+    x = gl.reshape(gl.permute(gl.reshape(x, [W, 16, 8, 8, 2]), [0, 1, 3, 4, 2]), [W, 16, 128])
     v = gl.convert_layout(gl.permute(x, [0, 2, 1]), v_op)
-    return mma_v2(v, p, acc * alpha[:, None, :])
+    pz = gl.zeros([W, 16, H], dtype, p_op)
+    pp = gl.broadcast(gl.expand_dims(
+        p_smem.slice(k * 16, 16, dim=0).load(gl.SliceLayout(0, p_op)), 0), pz)[0]
+    return mma_v2(v, pp, acc)
 
 
 @gluon.jit
-def _tile(KV, slots_smem, count, stride_kv, it, k_cur, r_cur, k_nxt, r_nxt, q_smem, qr_smem,
-          h_scale, offs_n, m_i, l_i, acc0, acc1, acc2, acc3, HEAD_WARPS: gl.constexpr):
+def _tile(KV, slots_smem, count, stride_kv, it, k_cur, r_cur, k_nxt, r_nxt, q_smem, qr_op,
+          p_smem, m_smem, h_scale, offs_n, m_i, l_w, acc):
     """Tile `it` from one buffer, while tile it + 1 is copied into the other (separate
-    allocations: no barrier between those copies and these reads)."""
-    W: gl.constexpr = acc0.type.shape[0]
-    BLOCK_H: gl.constexpr = acc0.type.shape[2]
+    allocations: no barrier between those copies and these reads). m_i: the running
+    maximum (every warp's copy the same), l_w: each warp's sum over its rows."""
+    W: gl.constexpr = acc.type.shape[0]
+    BLOCK_H: gl.constexpr = acc.type.shape[2]
     BLOCK_N: gl.constexpr = k_cur.type.shape[0]
     D_V: gl.constexpr = k_cur.type.shape[1]
     D_R: gl.constexpr = r_cur.type.shape[1]
     R: gl.constexpr = BLOCK_N // W
     dtype: gl.constexpr = q_smem.dtype
-    mma: gl.constexpr = acc0.type.layout
-    # 8 contiguous values of the reduced dimension a thread (both operands): 8-byte loads
-    # of the fp8 rows, 16-byte ones of the queries
+    mma: gl.constexpr = acc.type.layout
+    hv: gl.constexpr = gl.SliceLayout(0, gl.SliceLayout(1, mma))
     k_op: gl.constexpr = gl.DotOperandLayout(0, mma, 8)
     q_op: gl.constexpr = gl.DotOperandLayout(1, mma, 8)
     q_sl: gl.constexpr = gl.SliceLayout(0, q_op)
-    p_op: gl.constexpr = gl.DotOperandLayout(1, mma, 2)
     # this thread's copies of tile `it` have landed; after the barrier, everyone's, and
     # every warp is done with tile it - 1, whose buffer the next copies overwrite
     cp.wait_group(0)
@@ -142,9 +138,7 @@ def _tile(KV, slots_smem, count, stride_kv, it, k_cur, r_cur, k_nxt, r_nxt, q_sm
     k3 = k_cur.reshape([W, R, D_V])
     r3 = r_cur.reshape([W, R, D_R])
     q_zero = gl.zeros([W, 64, BLOCK_H], dtype, q_op)
-    # three accumulators (two for 32 rows a warp, which has two independent row blocks):
-    # shorter chains of dependent mma.sync
-    ACCS: gl.constexpr = 3 if R == 16 else 2
+    # three accumulators: shorter chains of dependent mma.sync
     qk0 = gl.zeros([W, R, BLOCK_H], gl.float32, mma)
     qk1 = gl.zeros([W, R, BLOCK_H], gl.float32, mma)
     qk2 = gl.zeros([W, R, BLOCK_H], gl.float32, mma)
@@ -153,38 +147,34 @@ def _tile(KV, slots_smem, count, stride_kv, it, k_cur, r_cur, k_nxt, r_nxt, q_sm
         # every warp's copy of the same queries
         qq = gl.broadcast(gl.expand_dims(
             q_smem.slice(j * 64, 64, dim=1).permute([1, 0]).load(q_sl), 0), q_zero)[0]
-        if j % ACCS == 0:
+        if j % 3 == 0:
             qk0 = mma_v2(kk, qq, qk0)
-        elif j % ACCS == 1:
+        elif j % 3 == 1:
             qk1 = mma_v2(kk, qq, qk1)
         else:
             qk2 = mma_v2(kk, qq, qk2)
     kk = r3.load(k_op).to(dtype)
-    qq = gl.broadcast(gl.expand_dims(qr_smem.permute([1, 0]).load(q_sl), 0), q_zero)[0]
-    qk = mma_v2(kk, qq, qk2) + qk0 + qk1
+    qk = mma_v2(kk, qr_op, qk2) + qk0 + qk1
     mask_n = (it * BLOCK_N + offs_n) < count
     qk = gl.where(mask_n[:, :, None], qk * h_scale, float("-inf"))
-    # each warp's own running maximum and sum (a warp's rows may all be masked)
-    m_new = gl.maximum(m_i, gl.max(qk, 1))
+    # the tile's maximum over every warp's rows (the barrier also orders P's writes
+    # below after every warp's reads of tile it - 1's P)
+    m_smem._reinterpret(gl.float32, [W * BLOCK_H], m_smem.layout).store(
+        gl.reshape(gl.max(qk, 1), [W * BLOCK_H]))
+    gl.thread_barrier()
+    m_new = m_i
+    for w in gl.static_range(W):
+        m_new = gl.maximum(m_new, m_smem.index(w).load(hv))
     m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
-    p = gl.exp2(qk - m_use[:, None, :])
+    p = gl.exp2(qk - m_use[None, None, :])
     alpha = gl.exp2(m_i - m_use)
-    l_i = l_i * alpha + gl.sum(p, 1)
-    p = gl.convert_layout(p.to(dtype), p_op)
-    acc0 = _pv(k3, 0, p, alpha, acc0, dtype, HEAD_WARPS)
-    acc1 = _pv(k3, 1, p, alpha, acc1, dtype, HEAD_WARPS)
-    acc2 = _pv(k3, 2, p, alpha, acc2, dtype, HEAD_WARPS)
-    acc3 = _pv(k3, 3, p, alpha, acc3, dtype, HEAD_WARPS)
-    return m_new, l_i, acc0, acc1, acc2, acc3
-
-
-@gluon.jit
-def _store(acc, c: gl.constexpr, wgt, inv_l, O, o_base, offs_h, stride_oh, num_heads):
-    """Output columns [128 c, 128 c + 128): the warps' sums, weighted by `wgt`."""
-    out = gl.sum(acc * wgt[:, None, :], axis=0) * inv_l[None, :]
-    m = c * 128 + gl.arange(0, 128, gl.SliceLayout(1, out.type.layout))
-    o_ptr = O + o_base + offs_h[None, :] * stride_oh + _latent_column(m)[:, None]
-    gl.store(o_ptr, out.to(O.dtype.element_ty), mask=(offs_h < num_heads)[None, :])
+    l_w = l_w * alpha[None, :] + gl.sum(p, 1)
+    p_smem.reshape([W, R, BLOCK_H]).store(p.to(dtype))
+    gl.thread_barrier()  # every warp's rows of P
+    acc = acc * alpha[None, None, :]
+    for k in gl.static_range(BLOCK_N // 16):
+        acc = _pv(k_cur, k, p_smem, acc, dtype)
+    return m_new, l_w, acc
 
 
 @gluon.jit
@@ -195,30 +185,44 @@ def _sparse_mla_fp8_kernel(
     BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, D_V: gl.constexpr, D_R: gl.constexpr,
     MAX_SLOTS: gl.constexpr, PARTIAL: gl.constexpr, num_warps: gl.constexpr,
 ):
-    # the warps: W row groups of R rows, each group's HEAD_WARPS warps 8 heads each
-    gl.static_assert((BLOCK_H == 8 or BLOCK_H == 16) and num_warps == 4 and BLOCK_N == 64)
-    HEAD_WARPS: gl.constexpr = BLOCK_H // 8
-    W: gl.constexpr = num_warps // HEAD_WARPS
+    gl.static_assert((BLOCK_H == 8 or BLOCK_H == 16) and num_warps == 4)
+    # 128 output columns a warp; P's buffer also holds the rope queries once
+    gl.static_assert(BLOCK_N == 64 and D_V == 128 * num_warps and D_R == BLOCK_N)
+    W: gl.constexpr = num_warps
     R: gl.constexpr = BLOCK_N // W
     dtype: gl.constexpr = gl.float16
     kv_ty: gl.constexpr = KV.dtype.element_ty
     hb = gl.program_id(0)
     t = gl.program_id(1).to(gl.int64)
     s = gl.program_id(2)
-    # [row group, row or output column, head]: each warp's own rows, heads and outputs
+    # [warp, row or output column, head]: S^T of the warp's rows, O^T of its columns
     mma: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[2, 0], warps_per_cta=[W, 1, HEAD_WARPS], instr_shape=[1, 16, 8])
-    wh: gl.constexpr = gl.SliceLayout(1, mma)  # [row group, head]
-    sl_k: gl.constexpr = gl.SwizzledSharedLayout(16, 1, 8, [1, 0])
-    sl_r: gl.constexpr = gl.SwizzledSharedLayout(16, 2, 4, [1, 0])
-    sl_q: gl.constexpr = gl.SwizzledSharedLayout(8, 1, 8, [1, 0])
+        version=[2, 0], warps_per_cta=[W, 1, 1], instr_shape=[1, 16, 8])
+    wh: gl.constexpr = gl.SliceLayout(1, mma)  # [warp, head]
+    hv: gl.constexpr = gl.SliceLayout(0, wh)  # [head], the same in every warp
+    # the rows' 16-byte units XORed by row bits 0-2 (as 2, 4, 2 units): a quarter-warp's
+    # 8-byte score loads (rows 0-3 x 32 bytes) and 16-byte output loads (rows 0, 2, 4,
+    # 6 x 32 bytes) each cover the 32 banks once. The rope rows (64 bytes): row bit 1
+    # moves 32 bytes
+    sl_k: gl.constexpr = gl.SharedLinearLayout(
+        offset_bases=[[0, 1], [0, 2], [0, 4], [0, 8], [0, 16], [0, 32], [0, 64], [0, 128],
+                      [0, 256], [1, 32], [2, 64], [4, 32], [8, 0], [16, 0], [32, 0]])
+    sl_r: gl.constexpr = gl.SharedLinearLayout(
+        offset_bases=[[0, 1], [0, 2], [0, 4], [0, 8], [0, 16], [0, 32], [1, 0], [2, 32],
+                      [4, 0], [8, 0], [16, 0], [32, 0]])
+    # queries: 64-byte units XORed by row bit 0 (the two heads of a quarter-warp's
+    # 16-byte loads in different halves of the banks)
+    sl_q: gl.constexpr = gl.SwizzledSharedLayout(32, 1, 2, [1, 0])
     sl_s: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
+    # P's rows (32 bytes): 16-byte units XORed by row bit 2 (ldmatrix reads 8 rows)
+    sl_p: gl.constexpr = gl.SwizzledSharedLayout(8, 4, 2, [1, 0])
     k_a = gl.allocate_shared_memory(kv_ty, [BLOCK_N, D_V], sl_k)
     r_a = gl.allocate_shared_memory(kv_ty, [BLOCK_N, D_R], sl_r)
     k_b = gl.allocate_shared_memory(kv_ty, [BLOCK_N, D_V], sl_k)
     r_b = gl.allocate_shared_memory(kv_ty, [BLOCK_N, D_R], sl_r)
     q_smem = gl.allocate_shared_memory(dtype, [BLOCK_H, D_V], sl_q)
-    qr_smem = gl.allocate_shared_memory(dtype, [BLOCK_H, D_R], sl_q)
+    p_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, BLOCK_H], sl_p)
+    m_smem = gl.allocate_shared_memory(gl.float32, [W, BLOCK_H], sl_s)
     slots_smem = gl.allocate_shared_memory(gl.int32, [MAX_SLOTS // BLOCK_N, BLOCK_N], sl_s)
 
     count = gl.load(Counts + t)
@@ -246,54 +250,56 @@ def _sparse_mla_fp8_kernel(
     e = (amax.to(gl.int32, bitcast=True) >> 23) & 255
     q_mul = (gl.minimum(gl.maximum(267 - e, 1), 254) << 23).to(gl.float32, bitcast=True)
     q_smem.store((q * q_mul[:, None]).to(dtype))
+    # the rope queries pass through P's buffer (the same size) on their way to registers
+    qr_smem = p_smem._reinterpret(dtype, [BLOCK_H, D_R], sl_q)
     qr_smem.store((qr * q_mul[:, None]).to(dtype))
     # the per-tensor fp8 scale on the scores and the output; base-2 softmax
     v_scale = gl.load(KScale)
     h_scale = sm_scale * 1.4426950408889634 * v_scale / q_mul
-    h_scale = gl.convert_layout(h_scale, gl.SliceLayout(0, wh))[None, None, :]
+    h_scale = gl.convert_layout(h_scale, hv)[None, None, :]
 
     cp.wait_group(0)
-    gl.thread_barrier()  # the slot ids (and the queries) are in shared memory
+    gl.thread_barrier()  # the slot ids and the queries are in shared memory
+    # the rope queries as the score dot's operand, in registers for the whole loop (the
+    # loop's first barrier orders P's first writes after these reads)
+    q_op: gl.constexpr = gl.DotOperandLayout(1, mma, 8)
+    qr_op = gl.broadcast(gl.expand_dims(
+        qr_smem.permute([1, 0]).load(gl.SliceLayout(0, q_op)), 0),
+        gl.zeros([W, D_R, BLOCK_H], dtype, q_op))[0]
     _copy_rows(KV, slots_smem, 0, count, stride_kv, k_a, r_a, BLOCK_N, D_V, D_R)
     cp.commit_group()
 
-    m_i = gl.full([W, BLOCK_H], float("-inf"), gl.float32, wh)
-    l_i = gl.zeros([W, BLOCK_H], gl.float32, wh)
-    acc0 = gl.zeros([W, 128, BLOCK_H], gl.float32, mma)
-    acc1 = gl.zeros([W, 128, BLOCK_H], gl.float32, mma)
-    acc2 = gl.zeros([W, 128, BLOCK_H], gl.float32, mma)
-    acc3 = gl.zeros([W, 128, BLOCK_H], gl.float32, mma)
+    m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, hv)
+    l_w = gl.zeros([W, BLOCK_H], gl.float32, wh)
+    acc = gl.zeros([W, 128, BLOCK_H], gl.float32, mma)
     wr: gl.constexpr = gl.SliceLayout(2, mma)
     offs_n = (gl.arange(0, W, gl.SliceLayout(1, wr))[:, None] * R
               + gl.arange(0, R, gl.SliceLayout(0, wr))[None, :])
     for it in range(0, n_iters, 2):
-        m_i, l_i, acc0, acc1, acc2, acc3 = _tile(
-            KV, slots_smem, count, stride_kv, it, k_a, r_a, k_b, r_b, q_smem, qr_smem, h_scale,
-            offs_n, m_i, l_i, acc0, acc1, acc2, acc3, HEAD_WARPS)
+        m_i, l_w, acc = _tile(
+            KV, slots_smem, count, stride_kv, it, k_a, r_a, k_b, r_b, q_smem, qr_op, p_smem,
+            m_smem, h_scale, offs_n, m_i, l_w, acc)
         if it + 1 < n_iters:
-            m_i, l_i, acc0, acc1, acc2, acc3 = _tile(
-                KV, slots_smem, count, stride_kv, it + 1, k_b, r_b, k_a, r_a, q_smem, qr_smem,
-                h_scale, offs_n, m_i, l_i, acc0, acc1, acc2, acc3, HEAD_WARPS)
+            m_i, l_w, acc = _tile(
+                KV, slots_smem, count, stride_kv, it + 1, k_b, r_b, k_a, r_a, q_smem, qr_op,
+                p_smem, m_smem, h_scale, offs_n, m_i, l_w, acc)
     cp.wait_group(0)
 
-    # the row groups' results, merged by their maxima
-    m_tot = gl.max(m_i, 0)
-    wgt = gl.exp2(m_i - gl.where(m_tot == float("-inf"), 0.0, m_tot)[None, :])
-    l_tot = gl.sum(l_i * wgt, 0)
+    # warp w's output columns [128 w, 128 w + 128) of every head
+    l_tot = gl.sum(l_w, 0)
     l_safe = gl.where(l_tot > 0.0, l_tot, 1.0)
-    head_l: gl.constexpr = gl.SliceLayout(0, gl.SliceLayout(0, mma))
-    inv_l = gl.convert_layout(v_scale / l_safe, head_l)
-    offs_h = hb * BLOCK_H + gl.arange(0, BLOCK_H, head_l)
-    o_base = t * stride_ot + s * stride_os
-    _store(acc0, 0, wgt, inv_l, O, o_base, offs_h, stride_oh, num_heads)
-    _store(acc1, 1, wgt, inv_l, O, o_base, offs_h, stride_oh, num_heads)
-    _store(acc2, 2, wgt, inv_l, O, o_base, offs_h, stride_oh, num_heads)
-    _store(acc3, 3, wgt, inv_l, O, o_base, offs_h, stride_oh, num_heads)
+    inv_l = v_scale / l_safe
+    offs_h = hb * BLOCK_H + gl.arange(0, BLOCK_H, hv)
+    m = (gl.arange(0, W, gl.SliceLayout(1, wr))[:, None] * 128
+         + gl.arange(0, 128, gl.SliceLayout(0, wr))[None, :])
+    o_ptr = (O + t * stride_ot + s * stride_os + offs_h[None, None, :] * stride_oh
+             + _latent_column(m)[:, :, None])
+    gl.store(o_ptr, (acc * inv_l[None, None, :]).to(O.dtype.element_ty),
+             mask=(offs_h < num_heads)[None, None, :])
     if PARTIAL:
         # base-2 log-sum-exp of the split; -inf without valid slots
-        lse = gl.where(l_tot > 0.0, m_tot + gl.log2(l_safe), float("-inf"))
-        offs_hl = hb * BLOCK_H + gl.arange(0, BLOCK_H, gl.SliceLayout(0, wh))
-        gl.store(Lse + t * stride_lt + offs_hl * stride_lh + s, lse, mask=offs_hl < num_heads)
+        lse = gl.where(l_tot > 0.0, m_i + gl.log2(l_safe), float("-inf"))
+        gl.store(Lse + t * stride_lt + offs_h * stride_lh + s, lse, mask=offs_h < num_heads)
 
 
 def supports(kv_lora_rank: int, rope_dim: int, q_dtype: torch.dtype,

@@ -254,21 +254,21 @@ def launch_config(
     # Hopper's (and SM100's) shared memory holds two programs of up to 32 heads per SM
     two_per_sm = max_shared_mem >= HOPPER_SHARED_MEM
     hopper = capability // 10 == 9 and two_per_sm
-    # H200, kernel-only, fp8 cache, top-k 2048: the 8-head tile takes 0.60-0.61x the
-    # 16-bit cache's time at 8 heads from 256 tokens on, and 0.46-0.83x the 64-head fp8
-    # tile's from 32 tokens (16 tokens: 1.01x, 1: 1.47x); the 16-head tile 0.89-0.93x
-    # the 16-bit cache's at 16 heads from 256 tokens (two 8-head programs: 1.17-1.23x;
-    # 64 tokens: 1.0x the 64-head fp8 tile); at 32 heads 1.8x.
+    # H200, fp8 cache, top-k 2048 (benchmarks/results/h200-sparse-mla-gather.json): the
+    # rows tile takes 0.5x the 16-bit cache's time at 8 heads and 0.65-0.67x at 16 from
+    # 256 tokens on. Kernel-only: 0.46-0.83x the 64-head fp8 tile's time at 8 heads
+    # from 32 tokens (16 tokens: 1.01x, 1: 1.47x, an earlier version of the tile), 0.88x
+    # at 16 heads and 64 tokens; an earlier 32-head version 1.8x the 16-bit cache's.
     # Batch-invariant mode takes it at every token count: the tile must not depend on
     # the batch
     if (warp_specialized and hopper and kv_fp8 and num_heads <= 16
-            and (num_tokens >= (32 if num_heads <= 8 else 128) or envs.VLLM_BATCH_INVARIANT)):
+            and (num_tokens >= (32 if num_heads <= 8 else 64) or envs.VLLM_BATCH_INVARIANT)):
         block_h = 8 if num_heads <= 8 else 16
-        # about one wave of programs, of one program an SM at 8 heads (H200: 2 splits at
-        # 64 tokens 42.9 us, 4 splits 45.5) and two at 16 (128 tokens: 2 splits 100.0 us,
-        # 1 split 103.6), and a split's slot ids fit the tile's shared memory
-        per_wave = num_sms * (block_h // 8)
-        splits = max(_num_splits(num_tokens, num_heads, block_h, topk, kv_lora_rank, per_wave),
+        # about one wave of one program an SM (H200 kernel-only: 16 heads at 128 tokens,
+        # 1 split 74.9 us, 2 splits 79.4; 8 heads at 64 tokens, an earlier version of the
+        # tile, 2 splits 42.9 us, 4 splits 45.5), and a split's slot ids fit the tile's
+        # shared memory
+        splits = max(_num_splits(num_tokens, num_heads, block_h, topk, kv_lora_rank, num_sms),
                      triton.next_power_of_2(triton.cdiv(topk, ROWS_IN_M_MAX_SLOTS)))
         return {"BLOCK_H": block_h, "BLOCK_N": 64, "num_warps": 4, "num_stages": 2,
                 "splits": splits, "V_SPLITS": 1, "V_RELOAD": False, "K_DEQUANT": False,
