@@ -255,10 +255,11 @@ def launch_config(
     two_per_sm = max_shared_mem >= HOPPER_SHARED_MEM
     hopper = capability // 10 == 9 and two_per_sm
     # H200, fp8 cache, top-k 2048 (benchmarks/results/h200-sparse-mla-gather.json): the
-    # rows tile takes 0.5x the 16-bit cache's time at 8 heads and 0.65-0.67x at 16 from
-    # 256 tokens on. Kernel-only: 0.46-0.83x the 64-head fp8 tile's time at 8 heads
-    # from 32 tokens (16 tokens: 1.01x, 1: 1.47x, an earlier version of the tile), 0.88x
-    # at 16 heads and 64 tokens; an earlier 32-head version 1.8x the 16-bit cache's.
+    # rows tile takes 0.48-0.52x the 16-bit cache's time at 8 heads and 0.67-0.68x at 16
+    # from 256 tokens on, 0.71x / 0.87x at 64 tokens (at 16 heads the 64-head fp8 tile
+    # took 1.16x on the previous wheel). Kernel-only, an earlier version of the tile:
+    # 0.46-0.83x the 64-head fp8 tile's time at 8 heads from 32 tokens (16 tokens: 1.01x,
+    # 1: 1.47x); an earlier 32-head version 1.8x the 16-bit cache's.
     # Batch-invariant mode takes it at every token count: the tile must not depend on
     # the batch
     if (warp_specialized and hopper and kv_fp8 and num_heads <= 16
