@@ -103,6 +103,21 @@ def count_launches(monkeypatch, module, name: str) -> list:
     return calls
 
 
+def captured_launch(monkeypatch, module, kernel: str, launch) -> tuple:
+    """The grid and keyword arguments of the one launch of module.<kernel> that
+    `launch()` makes (the kernel replaced: nothing compiles or runs)."""
+    launched = []
+
+    class Kernel:
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: launched.append((grid, kwargs))
+
+    monkeypatch.setattr(module, kernel, Kernel())
+    launch()
+    (grid, kwargs), = launched
+    return grid, kwargs
+
+
 def check_against_float64_and_the_triton_tile(q, cache, slots, counts, scale, k_scale, outs):
     """Each output (float64 copies of a kernel's) within twice the error of the Triton
     tile the launch table gives without the Gluon tiles (at least 1e-2) from float64 on

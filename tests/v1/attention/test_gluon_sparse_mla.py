@@ -1,7 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
 """The warp-specialized Hopper tile of sparse MLA (`gluon_sparse_mla`).
 
-CPU: which tiles the launch table gives it, and that it compiles for sm_90 into a
+CPU: which tiles the launch table gives it, that its launch constants survive JSON
+(vLLM's Triton JIT monitor), and that it compiles for sm_90 into a
 producer and two consumers within Hopper's shared memory, with pipelined wgmma
 dots (ptxas serializes every wgmma of a kernel when it cannot prove them
 independent, at about 1.6x the time on the H200). GPU (`gpu` marker, SM90):
@@ -20,6 +21,7 @@ from sparse_mla_cases import (
     HEAD,
     KV_LORA,
     ROPE,
+    captured_launch,
     check_against_float64_and_the_triton_tile,
     compile_gluon_kernel,
     count_launches,
@@ -30,6 +32,22 @@ from sparse_mla_cases import (
 from vllm.v1.attention.ops import triton_sparse_mla as tsm
 
 HOPPER_GPU = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.float8_e4m3fn])
+def test_launch_constants_are_plain_values(monkeypatch, kv_dtype):
+    # after warm-up vLLM's Triton JIT monitor (vllm/triton_utils/jit_monitor.py) makes
+    # Triton serialize the kernel's constexprs as JSON: a layout object among them
+    # fails the first compile at a new shape (as it did for the fp8 rows tile)
+    from vllm.v1.attention.ops import gluon_sparse_mla as gsm
+
+    q = torch.empty(3, 40, HEAD, dtype=torch.bfloat16)
+    grid, kwargs = captured_launch(monkeypatch, gsm, "_sparse_mla_ws_kernel", lambda: (
+        gsm.sparse_mla_attention_ws(q, torch.empty(8, HEAD, dtype=kv_dtype),
+                                    torch.empty(3, 2048), None, None, None, None, (0, 0, 0),
+                                    (0, 0), 0.1, 1024, 2)))
+    assert grid == (1, 3, 2) and kwargs["PARTIAL"] is True
+    assert json.loads(json.dumps(kwargs)) == kwargs
 
 
 def compile_for_sm90(partial: bool, kv_fp8: bool = False) -> dict:

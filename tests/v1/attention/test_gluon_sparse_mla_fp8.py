@@ -20,6 +20,7 @@ from sparse_mla_cases import (
     HEAD,
     KV_LORA,
     ROPE,
+    captured_launch,
     check_against_float64_and_the_triton_tile,
     compile_gluon_kernel,
     count_launches,
@@ -95,17 +96,11 @@ def test_launch_constants_are_plain_values(monkeypatch, block_h):
     # as JSON: a layout object among them fails the first compile at a new shape
     from vllm.v1.attention.ops import gluon_sparse_mla_fp8 as g
 
-    launched = []
-
-    class Kernel:
-        def __getitem__(self, grid):
-            return lambda *args, **kwargs: launched.append((grid, kwargs))
-
-    monkeypatch.setattr(g, "_sparse_mla_fp8_kernel", Kernel())
     q = torch.empty(3, 12, HEAD, dtype=torch.bfloat16)
-    g.sparse_mla_attention_fp8(q, torch.empty(8, HEAD), torch.empty(3, 2048), None, None,
-                               None, None, (0, 0, 0), (0, 0), 0.1, 1024, 2, block_h=block_h)
-    (grid, kwargs), = launched
+    grid, kwargs = captured_launch(monkeypatch, g, "_sparse_mla_fp8_kernel", lambda: (
+        g.sparse_mla_attention_fp8(q, torch.empty(8, HEAD), torch.empty(3, 2048), None, None,
+                                   None, None, (0, 0, 0), (0, 0), 0.1, 1024, 2,
+                                   block_h=block_h)))
     assert grid == (math.ceil(12 / block_h), 3, 2) and kwargs["BLOCK_H"] == block_h
     assert json.loads(json.dumps(kwargs)) == kwargs
 
