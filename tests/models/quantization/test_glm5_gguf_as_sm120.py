@@ -10,8 +10,8 @@ A second test does the same with 64 attention heads (GLM-5's count at TP1): with
 SM120's 99 KiB of shared memory reported as well, the sparse MLA kernel runs the
 smaller 64-head tiles of such GPUs, which must give the outputs of the H200's. A
 third does it with an fp8 KV cache (per-tensor scale): SM120's Triton fp8 tiles
-against the H200's warp-specialized fp8 tile; a fourth with 8 heads (GLM-5 at TP8)
-against the H200's 8-head fp8 tile, which runs its prefills."""
+against the H200's warp-specialized fp8 tile; a fourth with 8 and 16 heads (GLM-5 at
+TP8 and TP4) against the H200's 8/16-head fp8 tile, which runs its prefills."""
 
 import importlib.util
 import os
@@ -24,8 +24,12 @@ from glm5_runs import compare, generate, within_rerun
 from glm5_tiny import make_tiny_glm5
 
 
-def gguf_64_heads(glm5_gguf, tmp_path, heads=64):
-    """The tiny GLM-5 with 64 (or `heads`) attention heads, as a bf16 GGUF from llama.cpp."""
+# the H200's own paths and tiles, forced (no capability reported)
+FORCED = dict(dtype="float16", attention_backend="TRITON_MLA_SPARSE", indexer="triton")
+
+
+def gguf_with_heads(glm5_gguf, tmp_path, heads=64):
+    """The tiny GLM-5 with `heads` attention heads, as a bf16 GGUF from llama.cpp."""
     llama_cpp = glm5_gguf[0]
     model = make_tiny_glm5(tmp_path / f"tiny-{heads}-heads", num_attention_heads=heads,
                            num_key_value_heads=heads)
@@ -44,6 +48,21 @@ def sm120_env():
     return env
 
 
+def fp8_cache_runs(gguf, tmp_path, env, gluon_calls: str):
+    """With an fp8 KV cache, one run as on SM120 (`env`: its Triton fp8 tiles, so the
+    Gluon tile counted by `gluon_calls` never launches) and two with the H200's own
+    tiles (that tile launched where the GPU is a Hopper one)."""
+    sm120 = generate(gguf, tmp_path / "sm120-fp8.json", env=env, dtype="auto",
+                     kv_cache_dtype="fp8")
+    assert sm120["attention_backend"] == "TRITON_MLA_SPARSE"
+    assert sm120["kv_cache_dtype"] == "fp8" and sm120[gluon_calls] == 0
+    hopper = [generate(gguf, tmp_path / f"h200-fp8-{i}.json", kv_cache_dtype="fp8", **FORCED)
+              for i in range(2)]
+    gpu_hopper = torch.cuda.get_device_capability()[0] == 9
+    assert all((run[gluon_calls] > 0) == gpu_hopper for run in hopper)
+    return sm120, hopper
+
+
 @pytest.mark.gpu
 def test_gguf_as_on_sm120(glm5_ggufs, tmp_path):
     env = sm120_env()
@@ -52,8 +71,7 @@ def test_gguf_as_on_sm120(glm5_ggufs, tmp_path):
     assert auto["triton_indexer_calls"]["prefill"] > 0
     assert auto["attention_backend"] == "TRITON_MLA_SPARSE"
     assert auto["dtype"] == "torch.float16"
-    forced = [generate(glm5_ggufs["bf16"], tmp_path / f"forced-{i}.json", dtype="float16",
-                       attention_backend="TRITON_MLA_SPARSE", indexer="triton")
+    forced = [generate(glm5_ggufs["bf16"], tmp_path / f"forced-{i}.json", **FORCED)
               for i in range(2)]
     # The same paths and dtype, so the outputs may differ only as much as two
     # runs of the forced setting do (this engine is not bitwise reproducible
@@ -66,14 +84,12 @@ def test_gguf_as_on_sm120(glm5_ggufs, tmp_path):
 @pytest.mark.gpu
 def test_gguf_as_on_sm120_64_heads(glm5_gguf, tmp_path):
     env = sm120_env()
-    gguf = gguf_64_heads(glm5_gguf, tmp_path)
+    gguf = gguf_with_heads(glm5_gguf, tmp_path)
     small_tiles = generate(gguf, tmp_path / "sm120.json", env=env, dtype="auto")
     assert small_tiles["attention_backend"] == "TRITON_MLA_SPARSE"
     assert small_tiles["dtype"] == "torch.float16"
     # the same paths with the H200's own capability and shared memory (its tiles)
-    hopper = [generate(gguf, tmp_path / f"h200-{i}.json", dtype="float16",
-                       attention_backend="TRITON_MLA_SPARSE", indexer="triton")
-              for i in range(2)]
+    hopper = [generate(gguf, tmp_path / f"h200-{i}.json", **FORCED) for i in range(2)]
     same, rerun = compare(hopper[0], small_tiles), compare(hopper[0], hopper[1])
     print("SM120_64_HEADS_REPORT", {"sm120_tiles_vs_h200_tiles": same, "h200_rerun": rerun})
     assert within_rerun(same, rerun), (same, rerun)
@@ -83,18 +99,10 @@ def test_gguf_as_on_sm120_64_heads(glm5_gguf, tmp_path):
 @pytest.mark.parametrize("heads", [8, 16])
 def test_fp8_kv_cache_as_on_sm120_few_heads(glm5_gguf, tmp_path, heads):
     env = sm120_env()
-    gguf = gguf_64_heads(glm5_gguf, tmp_path, heads=heads)
-    sm120 = generate(gguf, tmp_path / "sm120-fp8.json", env=env, dtype="auto",
-                     kv_cache_dtype="fp8")
-    assert sm120["attention_backend"] == "TRITON_MLA_SPARSE"
-    assert sm120["kv_cache_dtype"] == "fp8" and sm120["rows_sparse_mla_calls"] == 0
+    gguf = gguf_with_heads(glm5_gguf, tmp_path, heads=heads)
     # the H200's own tiles: the 8- or 16-head fp8 tile for the prefills (300-1000
     # tokens), the warp-specialized one for decode steps of a few tokens
-    forced = dict(dtype="float16", attention_backend="TRITON_MLA_SPARSE", indexer="triton")
-    hopper = [generate(gguf, tmp_path / f"h200-fp8-{i}.json", kv_cache_dtype="fp8", **forced)
-              for i in range(2)]
-    gpu_hopper = torch.cuda.get_device_capability()[0] == 9
-    assert all((run["rows_sparse_mla_calls"] > 0) == gpu_hopper for run in hopper)
+    sm120, hopper = fp8_cache_runs(gguf, tmp_path, env, "rows_sparse_mla_calls")
     same, rerun = compare(hopper[0], sm120), compare(hopper[0], hopper[1])
     print("FP8_KV_FEW_HEADS_REPORT", {"heads": heads, "sm120_tiles_vs_h200_tiles": same,
                                       "h200_rerun": rerun,
@@ -106,18 +114,10 @@ def test_fp8_kv_cache_as_on_sm120_few_heads(glm5_gguf, tmp_path, heads):
 @pytest.mark.gpu
 def test_fp8_kv_cache_as_on_sm120_64_heads(glm5_gguf, tmp_path):
     env = sm120_env()
-    gguf = gguf_64_heads(glm5_gguf, tmp_path)
-    sm120 = generate(gguf, tmp_path / "sm120-fp8.json", env=env, dtype="auto",
-                     kv_cache_dtype="fp8")
-    assert sm120["attention_backend"] == "TRITON_MLA_SPARSE"
-    assert sm120["kv_cache_dtype"] == "fp8" and sm120["ws_sparse_mla_calls"] == 0
+    gguf = gguf_with_heads(glm5_gguf, tmp_path)
     # the H200's own tiles: 64 heads of an fp8 e4m3 cache run the warp-specialized one
-    forced = dict(dtype="float16", attention_backend="TRITON_MLA_SPARSE", indexer="triton")
-    hopper = [generate(gguf, tmp_path / f"h200-fp8-{i}.json", kv_cache_dtype="fp8", **forced)
-              for i in range(2)]
-    gpu_hopper = torch.cuda.get_device_capability()[0] == 9
-    assert all((run["ws_sparse_mla_calls"] > 0) == gpu_hopper for run in hopper)
-    cache16 = generate(gguf, tmp_path / "h200-16bit.json", **forced)
+    sm120, hopper = fp8_cache_runs(gguf, tmp_path, env, "ws_sparse_mla_calls")
+    cache16 = generate(gguf, tmp_path / "h200-16bit.json", **FORCED)
     same, rerun = compare(hopper[0], sm120), compare(hopper[0], hopper[1])
     # what the fp8 cache changes against a 16-bit one (reported, not a bound)
     print("FP8_KV_REPORT", {"sm120_tiles_vs_h200_tiles": same, "h200_rerun": rerun,
