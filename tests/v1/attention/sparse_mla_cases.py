@@ -1,9 +1,12 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Inputs, a float64 reference and launch counting for the sparse MLA kernel tests
+"""Inputs, a float64 reference, launch counting and SASS reading for the sparse MLA
+kernel tests
 (imported as a top-level module: pytest puts this folder on sys.path, as does
 running a test file as a script)."""
 
+import collections
 import os
+import re
 import subprocess
 
 import torch
@@ -56,6 +59,19 @@ def compile_gluon_kernel(fn, pointers: dict, consts: dict, arch: int, options: d
             if os.path.exists(path):
                 os.remove(path)
     return kernel, proc.stderr, sass
+
+
+def main_loop_opcodes(sass: str) -> collections.Counter:
+    """Opcodes (with their modifiers; "@" first for a predicated one) of the SASS's longest
+    loop: the instructions from a backward branch's target to the branch."""
+    ins = [(int(addr, 16), "@" + op if pred else op, rest) for addr, pred, op, rest in re.findall(
+        r"/\*([0-9a-f]{4,})\*/\s+(@!?U?P[0-9T]+ )?([A-Z][A-Z0-9_.]*)([^;]*);", sass)]
+    loops = [(int(m.group(1), 16), addr) for addr, op, rest in ins
+             if op.lstrip("@").startswith("BRA") and (m := re.search(r"0x([0-9a-f]+)", rest))
+             and int(m.group(1), 16) < addr]
+    assert loops, "no loop in the SASS"
+    start, end = max(loops, key=lambda loop: loop[1] - loop[0])
+    return collections.Counter(op for addr, op, _ in ins if start <= addr <= end)
 
 
 def sparse_case(num_tokens, num_heads, dtype, seed, pool=65536, topk=2048, kv_dtype=None,

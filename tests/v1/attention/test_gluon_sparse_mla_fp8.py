@@ -24,6 +24,7 @@ from sparse_mla_cases import (
     check_against_float64_and_the_triton_tile,
     compile_gluon_kernel,
     count_launches,
+    main_loop_opcodes,
     reference,
     sparse_case,
 )
@@ -135,7 +136,8 @@ def compile_tile(arch: int, partial: bool, block_h: int) -> dict:
             "spill_bytes": sum(map(int, re.findall(r"(\d+) bytes spill stores", report))),
             "hmma": len(re.findall(r"\bHMMA\.16816\.F32 ", sass)),
             "bf16_hmma": len(re.findall(r"\bHMMA\.16816\.F32\.BF16 ", sass)),
-            "fp8_to_f16": sass.count("F2FP.F16.E4M3.UNPACK_B")}
+            "fp8_to_f16": sass.count("F2FP.F16.E4M3.UNPACK_B"),
+            "loop": dict(main_loop_opcodes(sass))}
 
 
 @pytest.mark.parametrize("arch", [90, 120])
@@ -154,6 +156,15 @@ def test_compiles_without_padded_dots(run_without_gpu, arch, partial, block_h):
     # each fp8 value of the 64-row tile converted once per dot that reads it, whatever
     # the heads: 576 for the scores, 512 for PV, over 4 warps, two per instruction
     assert got["fp8_to_f16"] == 2 * 64 * (576 + 512) // 4 // 2 // 32
+    # the dots' operands arrive in the registers the dots read: the queries by ldmatrix
+    # (stored in the order of the relabelled fp8 columns), a loop's 144 (8 heads) or 288
+    # registers of them with no register moves (the loop's few moves are addresses and the
+    # running maximum; the query layout before took 208 at 16 heads), and the V operand's
+    # row pairs with one byte permute per four values of the tile's 64 x 512
+    loop = got["loop"]
+    moves = sum(n for op, n in loop.items() if re.match(r"@?(IMAD\.)?MOV\b", op))
+    assert moves <= 12, loop
+    assert loop.get("PRMT", 0) == 2 * 64 * 512 // 4 // 32 // 4
 
 
 def fp8_case(*args, **kwargs):

@@ -16,13 +16,19 @@ once per dot that reads it, whatever the number of heads:
   copies into one of two buffers while the other is computed;
 - scores: warp w takes the tile's rows [16 w, 16 w + 16) for every head, S^T = K Q^T
   (rows in M, heads in N; the rope queries stay in registers for the whole loop).
+  The dot's index is relabelled within each block of 64 latent columns
+  (`_relabel_k`): the 8 contiguous fp8 bytes a thread loads from a row are the
+  columns its fp16 operand holds, and the queries are stored in shared memory in
+  that order, so ldmatrix loads them straight into the registers the dots read.
   The warps' maxima meet in shared memory, so every warp keeps the same running
   maximum; each writes its rows of P (fp16) to shared memory;
 - output: warp w takes the output columns [128 w, 128 w + 128) for every head over
   all 64 rows, O^T += V^T P^T, with its own accumulator [128, heads]. V^T is read as
   16-byte rows and relabelled in registers: output column m of the dot is latent
   column 128 c + 16 g + 2 i + b for m = 128 c + 16 i + 8 b + g (`_latent_column`),
-  the order in which each thread's mma operand is 16 contiguous bytes of a row;
+  the order in which each thread's mma operand is 16 contiguous bytes of a row. The
+  operand pairs two rows' values of a column: one byte permute per four values puts
+  them side by side before the packed conversion (`_E4M3_ROW_PAIRS`);
 - three barriers a tile: the copies, the maxima, P;
 - shared layouts without bank conflicts for the dots' loads: the rows' 16-byte units
   XORed by row bits (the two dots read a 128-byte line as 4 rows x 32 bytes and as
@@ -78,9 +84,41 @@ def _copy_rows(KV, slots_smem, n0, count, stride_kv, k_buf, r_buf,
 
 
 @gluon.jit
+def _relabel_k(x):
+    """x [A, B, 64] with its last dimension relabelled for the score dot: latent column
+    p of the block is dot index k', whose bits are p's bits (0, 3, 4, 1, 2, 5). A
+    thread's fp16 operand (kWidth 2) holds k' = 2 t + {0, 1} + 8 {0, 1} + 16 {0, .., 3}
+    of its rows, t = lane % 4: these are the columns [8 t, 8 t + 8) and [32 + 8 t,
+    40 + 8 t), 8 contiguous bytes of fp8 twice. Applied to the fp8 rows as loaded and
+    to the queries as stored, it leaves the dot unchanged."""
+    A: gl.constexpr = x.type.shape[0]
+    B: gl.constexpr = x.type.shape[1]
+    x = gl.reshape(x, [A, B, 2, 2, 2, 2, 2, 2])  # the bits of p, 5 first
+    return gl.reshape(gl.permute(x, [0, 1, 2, 5, 6, 3, 4, 7]), [A, B, 64])
+
+
+@gluon.jit
 def _latent_column(m):
     """The latent column of output column m (see the module docstring)."""
     return (m >> 7) * 128 + (m & 7) * 16 + ((m >> 4) & 7) * 2 + ((m >> 3) & 1)
+
+
+# Two rows' fp8 values ($4: row 2 r, $5: row 2 r + 1, four columns each) to fp16 pairs
+# of one column's two values ($0..$3 for the columns in order): a byte permute pairs
+# the rows before each two packed conversions. The PV dot's operand holds such pairs;
+# converting each row first and pairing the halves after takes a permute per two values.
+_E4M3_ROW_PAIRS = gl.constexpr("""{
+.reg .b32 t<2>;
+.reg .b16 h<4>;
+prmt.b32 t0, $4, $5, 0x5140;
+prmt.b32 t1, $4, $5, 0x7362;
+mov.b32 {h0, h1}, t0;
+mov.b32 {h2, h3}, t1;
+cvt.rn.f16x2.e4m3x2 $0, h0;
+cvt.rn.f16x2.e4m3x2 $1, h1;
+cvt.rn.f16x2.e4m3x2 $2, h2;
+cvt.rn.f16x2.e4m3x2 $3, h3;
+}""")
 
 
 @gluon.jit
@@ -99,7 +137,16 @@ def _pv(k_cur, k: gl.constexpr, p_smem, acc, dtype: gl.constexpr):
         reg_bases=[[0, 1], [0, 2], [0, 4], [0, 8], [1, 0], [8, 0]],
         lane_bases=[[2, 0], [4, 0], [0, 16], [0, 32], [0, 64]],
         warp_bases=[[0, 128], [0, 256]], block_bases=[], shape=[16, D_V])
-    x = k_cur.slice(k * 16, 16, dim=0).load(v_ld).to(dtype)
+    x8 = k_cur.slice(k * 16, 16, dim=0).load(v_ld)
+    ev, od = gl.split(gl.permute(gl.reshape(x8, [8, 2, D_V]), [0, 2, 1]))  # even, odd rows
+    c01, c23 = gl.inline_asm_elementwise(
+        _E4M3_ROW_PAIRS, "=r,=r,=r,=r,r,r",
+        [ev.to(gl.uint8, bitcast=True), od.to(gl.uint8, bitcast=True)],
+        dtype=(gl.float16, gl.float16), is_pure=True, pack=4)
+    # c01 at (row pair, column 4 q + 2 a + b): row 2 pair + b, column 4 q + a; c23 the
+    # same for columns 4 q + 2 + a. Back to [rows, columns]:
+    x = gl.reshape(gl.join(c01, c23), [8, D_V // 4, 2, 2, 2])  # pair, q, a, b, c01/c23
+    x = gl.reshape(gl.permute(x, [0, 3, 1, 4, 2]), [16, D_V])
     x = gl.permute(gl.reshape(x, [16, W, 128]), [1, 0, 2])
     x = gl.reshape(gl.permute(gl.reshape(x, [W, 16, 8, 8, 2]), [0, 1, 3, 4, 2]), [W, 16, 128])
     v = gl.convert_layout(gl.permute(x, [0, 2, 1]), v_op)
@@ -114,7 +161,8 @@ def _tile(KV, slots_smem, count, stride_kv, it, k_cur, r_cur, k_nxt, r_nxt, q_sm
           p_smem, m_smem, h_scale, offs_n, m_i, l_w, acc):
     """Tile `it` from one buffer, while tile it + 1 is copied into the other (separate
     allocations: no barrier between those copies and these reads). m_i: the running
-    maximum (every warp's copy the same), l_w: each warp's sum over its rows."""
+    maximum (every warp's copy the same), l_w: the sums of P by row and head, summed
+    over the rows after the loop."""
     W: gl.constexpr = acc.type.shape[0]
     BLOCK_H: gl.constexpr = acc.type.shape[2]
     BLOCK_N: gl.constexpr = k_cur.type.shape[0]
@@ -124,8 +172,10 @@ def _tile(KV, slots_smem, count, stride_kv, it, k_cur, r_cur, k_nxt, r_nxt, q_sm
     dtype: gl.constexpr = q_smem.dtype
     mma: gl.constexpr = acc.type.layout
     hv: gl.constexpr = gl.SliceLayout(0, gl.SliceLayout(1, mma))
-    k_op: gl.constexpr = gl.DotOperandLayout(0, mma, 8)
-    q_op: gl.constexpr = gl.DotOperandLayout(1, mma, 8)
+    # fp8 rows as loaded: 8 contiguous bytes a thread (also the rope dot's operand)
+    k_ld: gl.constexpr = gl.DotOperandLayout(0, mma, 8)
+    k_op: gl.constexpr = gl.DotOperandLayout(0, mma, 2)
+    q_op: gl.constexpr = gl.DotOperandLayout(1, mma, 2)
     q_sl: gl.constexpr = gl.SliceLayout(0, q_op)
     # this thread's copies of tile `it` have landed; after the barrier, everyone's, and
     # every warp is done with tile it - 1, whose buffer the next copies overwrite
@@ -143,7 +193,8 @@ def _tile(KV, slots_smem, count, stride_kv, it, k_cur, r_cur, k_nxt, r_nxt, q_sm
     qk1 = gl.zeros([W, R, BLOCK_H], gl.float32, mma)
     qk2 = gl.zeros([W, R, BLOCK_H], gl.float32, mma)
     for j in gl.static_range(D_V // 64):
-        kk = k3.slice(j * 64, 64, dim=2).load(k_op).to(dtype)
+        kk = k3.slice(j * 64, 64, dim=2).load(k_ld).to(dtype)
+        kk = gl.convert_layout(_relabel_k(kk), k_op)  # the same registers
         # every warp's copy of the same queries
         qq = gl.broadcast(gl.expand_dims(
             q_smem.slice(j * 64, 64, dim=1).permute([1, 0]).load(q_sl), 0), q_zero)[0]
@@ -153,7 +204,7 @@ def _tile(KV, slots_smem, count, stride_kv, it, k_cur, r_cur, k_nxt, r_nxt, q_sm
             qk1 = mma_v2(kk, qq, qk1)
         else:
             qk2 = mma_v2(kk, qq, qk2)
-    kk = r3.load(k_op).to(dtype)
+    kk = r3.load(k_ld).to(dtype)
     qk = mma_v2(kk, qr_op, qk2) + qk0 + qk1
     mask_n = (it * BLOCK_N + offs_n) < count
     qk = gl.where(mask_n[:, :, None], qk * h_scale, float("-inf"))
@@ -168,7 +219,7 @@ def _tile(KV, slots_smem, count, stride_kv, it, k_cur, r_cur, k_nxt, r_nxt, q_sm
     m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
     p = gl.exp2(qk - m_use[None, None, :])
     alpha = gl.exp2(m_i - m_use)
-    l_w = l_w * alpha[None, :] + gl.sum(p, 1)
+    l_w = l_w * alpha[None, None, :] + p
     p_smem.reshape([W, R, BLOCK_H]).store(p.to(dtype))
     gl.thread_barrier()  # every warp's rows of P
     acc = acc * alpha[None, None, :]
@@ -210,9 +261,10 @@ def _sparse_mla_fp8_kernel(
     sl_r: gl.constexpr = gl.SharedLinearLayout(
         offset_bases=[[0, 1], [0, 2], [0, 4], [0, 8], [0, 16], [0, 32], [1, 0], [2, 32],
                       [4, 0], [8, 0], [16, 0], [32, 0]])
-    # queries: 64-byte units XORed by row bit 0 (the two heads of a quarter-warp's
-    # 16-byte loads in different halves of the banks)
-    sl_q: gl.constexpr = gl.SwizzledSharedLayout(32, 1, 2, [1, 0])
+    # queries: 16-byte units XORed by the head's low 3 bits (ldmatrix reads 8 heads x 16
+    # bytes); the rope queries on their way to registers: 64-byte units by head bit 0
+    sl_q: gl.constexpr = gl.SwizzledSharedLayout(8, 1, 8, [1, 0])
+    sl_qr: gl.constexpr = gl.SwizzledSharedLayout(32, 1, 2, [1, 0])
     sl_s: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
     # P's rows (32 bytes): 16-byte units XORed by row bit 2 (ldmatrix reads 8 rows)
     sl_p: gl.constexpr = gl.SwizzledSharedLayout(8, 4, 2, [1, 0])
@@ -249,9 +301,10 @@ def _sparse_mla_fp8_kernel(
     amax = gl.maximum(gl.max(gl.abs(q), 1), gl.max(gl.abs(qr), 1))
     e = (amax.to(gl.int32, bitcast=True) >> 23) & 255
     q_mul = (gl.minimum(gl.maximum(267 - e, 1), 254) << 23).to(gl.float32, bitcast=True)
-    q_smem.store((q * q_mul[:, None]).to(dtype))
+    q16 = gl.reshape((q * q_mul[:, None]).to(dtype), [BLOCK_H, D_V // 64, 64])
+    q_smem.store(gl.reshape(_relabel_k(q16), [BLOCK_H, D_V]))  # in the dot's order
     # the rope queries pass through P's buffer (the same size) on their way to registers
-    qr_smem = p_smem._reinterpret(dtype, [BLOCK_H, D_R], sl_q)
+    qr_smem = p_smem._reinterpret(dtype, [BLOCK_H, D_R], sl_qr)
     qr_smem.store((qr * q_mul[:, None]).to(dtype))
     # the per-tensor fp8 scale on the scores and the output; base-2 softmax
     v_scale = gl.load(KScale)
@@ -270,7 +323,7 @@ def _sparse_mla_fp8_kernel(
     cp.commit_group()
 
     m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, hv)
-    l_w = gl.zeros([W, BLOCK_H], gl.float32, wh)
+    l_w = gl.zeros([W, R, BLOCK_H], gl.float32, mma)
     acc = gl.zeros([W, 128, BLOCK_H], gl.float32, mma)
     wr: gl.constexpr = gl.SliceLayout(2, mma)
     offs_n = (gl.arange(0, W, gl.SliceLayout(1, wr))[:, None] * R
@@ -286,7 +339,7 @@ def _sparse_mla_fp8_kernel(
     cp.wait_group(0)
 
     # warp w's output columns [128 w, 128 w + 128) of every head
-    l_tot = gl.sum(l_w, 0)
+    l_tot = gl.convert_layout(gl.sum(gl.sum(l_w, 1), 0), hv)
     l_safe = gl.where(l_tot > 0.0, l_tot, 1.0)
     inv_l = v_scale / l_safe
     offs_h = hb * BLOCK_H + gl.arange(0, BLOCK_H, hv)
