@@ -39,20 +39,24 @@ def cfg(tokens, heads, kv_fp8=True, cap=90, smem=tsm.HOPPER_SHARED_MEM, topk=204
 
 
 def test_launch_table_takes_it_for_few_heads_of_an_fp8_cache():
-    # 8 heads (and fewer) from 32 tokens on, 9-16 heads from 64
+    # 8 heads (and fewer) from 32 tokens on, 9-16 heads from 64, 17-32 from 256
     for heads in (1, 5, 8):
         assert [cfg(t, heads)["ROWS_IN_M"] for t in (1, 8, 16, 31, 32, 64, 4096)] == [
             False] * 4 + [True] * 3
     for heads in (12, 16):
         assert [cfg(t, heads)["ROWS_IN_M"] for t in (32, 63, 64, 4096)] == [
             False, False, True, True]
+    for heads in (17, 32):
+        assert [cfg(t, heads)["ROWS_IN_M"] for t in (64, 255, 256, 4096)] == [
+            False, False, True, True]
     c = cfg(4096, 8)
     assert (c["BLOCK_H"], c["BLOCK_N"], c["num_warps"]) == (8, 64, 4)
     assert not c["WARP_SPECIALIZED"] and not c["V_RELOAD"]
-    # 9-16 heads in one program (the rows read once for all of them)
-    assert [cfg(4096, h)["BLOCK_H"] for h in (1, 8, 9, 12, 16)] == [8, 8, 16, 16, 16]
+    # 9-16 heads in one program (the rows read once for all of them), 17-32 in two
+    assert [cfg(4096, h)["BLOCK_H"] for h in (1, 8, 9, 12, 16, 17, 32)] == [
+        8, 8, 16, 16, 16, 16, 16]
     # not for more heads, a 16-bit cache, another GPU, or without the Gluon tiles
-    assert not cfg(4096, 17)["ROWS_IN_M"] and not cfg(4096, 32)["ROWS_IN_M"]
+    assert not cfg(4096, 33)["ROWS_IN_M"] and not cfg(4096, 64)["ROWS_IN_M"]
     assert not cfg(4096, 8, kv_fp8=False)["ROWS_IN_M"]
     for cap, smem in ((100, tsm.HOPPER_SHARED_MEM), (120, 99 * 1024), (89, 99 * 1024),
                       (80, 163 * 1024), (90, 99 * 1024)):
@@ -62,6 +66,7 @@ def test_launch_table_takes_it_for_few_heads_of_an_fp8_cache():
     # split-K to one wave of programs
     assert [cfg(t, 8)["splits"] for t in (32, 64, 128, 4096)] == [4, 2, 1, 1]
     assert [cfg(t, 16)["splits"] for t in (64, 128, 256, 4096)] == [2, 1, 1, 1]
+    assert [cfg(t, 32)["splits"] for t in (256, 4096)] == [1, 1]
     # a split holds at most the tile's slot buffer: a longer top-k takes more splits
     for topk in (2049, 4096, 5000):
         c = cfg(4096, 8, topk=topk)
@@ -71,7 +76,7 @@ def test_launch_table_takes_it_for_few_heads_of_an_fp8_cache():
 
 def test_batch_invariant_mode_takes_it_at_every_token_count(monkeypatch):
     monkeypatch.setenv("VLLM_BATCH_INVARIANT", "1")
-    for heads in (8, 16):
+    for heads in (8, 16, 32):
         entries = {json.dumps(cfg(t, heads), sort_keys=True) for t in (1, 2, 31, 64, 4096)}
         assert len(entries) == 1
         assert json.loads(entries.pop())["ROWS_IN_M"]
@@ -183,7 +188,8 @@ def launches(monkeypatch):
 @pytest.mark.skipif(not HOPPER_GPU, reason="SM90 only")
 @pytest.mark.parametrize("num_tokens,num_heads,dtype", [
     (64, 8, torch.bfloat16), (40, 8, torch.float16), (300, 5, torch.bfloat16),
-    (33, 1, torch.bfloat16), (128, 16, torch.bfloat16), (130, 12, torch.float16)])
+    (33, 1, torch.bfloat16), (128, 16, torch.bfloat16), (130, 12, torch.float16),
+    (256, 32, torch.bfloat16), (260, 20, torch.float16)])
 def test_matches_float64_and_the_triton_tile(launches, num_tokens, num_heads, dtype):
     q, cache, slots, counts = fp8_case(num_tokens, num_heads, dtype,
                                        seed=num_tokens * 100 + num_heads)

@@ -2,9 +2,10 @@
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """Sparse MLA attention over an fp8 cache for 8 or 16 heads a program, in Gluon.
 
-`triton_sparse_mla` launches this tile on Hopper for an fp8 e4m3 cache with few
-local heads (`launch_config(...)["ROWS_IN_M"]`: GLM-5 or DeepSeek-V3.2 at tensor
-parallel 4 and up). It writes the same split-K partial outputs for the same merge.
+`triton_sparse_mla` launches this tile on Hopper for an fp8 e4m3 cache with up to
+32 local heads (`launch_config(...)["ROWS_IN_M"]`: GLM-5 at tensor parallel 2 and
+up, DeepSeek-V3.2 at 4 and up; 17-32 heads as two programs of 16). It writes the
+same split-K partial outputs for the same merge.
 
 The 64-head tiles pad 8 heads to 64 and convert every fp8 row to 16 bits in shared
 memory. Here mma.sync dots take the fp8 rows from shared memory to registers, where

@@ -245,7 +245,7 @@ def launch_config(
     WARP_SPECIALIZED (Hopper; 64-head tiles, and fewer heads where it is faster; fp8
     caches in e4m3) runs the tile as `gluon_sparse_mla`'s warp-specialized kernel
     instead of `_sparse_mla_kernel` (the Triton parameters above stay its fallback);
-    ROWS_IN_M (Hopper, an fp8 e4m3 cache, up to 16 heads) runs
+    ROWS_IN_M (Hopper, an fp8 e4m3 cache, up to 32 heads) runs
     `gluon_sparse_mla_fp8`'s tile of BLOCK_H (8 or 16) heads. warp_specialized=False
     gives the Triton tile's entry instead of either Gluon tile (where they cannot run:
     `sparse_mla_attention` falls back to it).
@@ -259,11 +259,14 @@ def launch_config(
     # from 256 tokens on, 0.71x / 0.87x at 64 tokens (at 16 heads the 64-head fp8 tile
     # took 1.16x on the previous wheel). Kernel-only, an earlier version of the tile:
     # 0.46-0.83x the 64-head fp8 tile's time at 8 heads from 32 tokens (16 tokens: 1.01x,
-    # 1: 1.47x); an earlier 32-head version 1.8x the 16-bit cache's.
+    # 1: 1.47x); an earlier 32-head version 1.8x the 16-bit cache's. 17-32 heads as two
+    # 16-head programs (the second reads the rows from L2; kernel-only): 0.85-0.89x the
+    # 64-head fp8 tile's time at 256 and 4096 tokens, 1.11x at 64.
     # Batch-invariant mode takes it at every token count: the tile must not depend on
     # the batch
-    if (warp_specialized and hopper and kv_fp8 and num_heads <= 16
-            and (num_tokens >= (32 if num_heads <= 8 else 64) or envs.VLLM_BATCH_INVARIANT)):
+    rows_from = 32 if num_heads <= 8 else (64 if num_heads <= 16 else 256)
+    if (warp_specialized and hopper and kv_fp8 and num_heads <= 32
+            and (num_tokens >= rows_from or envs.VLLM_BATCH_INVARIANT)):
         block_h = 8 if num_heads <= 8 else 16
         # about one wave of one program an SM (H200 kernel-only: 16 heads at 128 tokens,
         # 1 split 74.9 us, 2 splits 79.4; 8 heads at 64 tokens, an earlier version of the
