@@ -255,13 +255,14 @@ def launch_config(
     two_per_sm = max_shared_mem >= HOPPER_SHARED_MEM
     hopper = capability // 10 == 9 and two_per_sm
     # H200, fp8 cache, top-k 2048 (benchmarks/results/h200-sparse-mla-gather.json): the
-    # rows tile takes 0.48-0.52x the 16-bit cache's time at 8 heads and 0.67-0.68x at 16
-    # from 256 tokens on, 0.71x / 0.87x at 64 tokens (at 16 heads the 64-head fp8 tile
-    # took 1.16x on the previous wheel). Kernel-only, an earlier version of the tile:
-    # 0.46-0.83x the 64-head fp8 tile's time at 8 heads from 32 tokens (16 tokens: 1.01x,
-    # 1: 1.47x); an earlier 32-head version 1.8x the 16-bit cache's. 17-32 heads as two
-    # 16-head programs (the second reads the rows from L2; kernel-only): 0.85-0.89x the
-    # 64-head fp8 tile's time at 256 and 4096 tokens, 1.11x at 64.
+    # rows tile takes 0.46-0.49x the 16-bit cache's time at 8 heads and 0.62-0.65x at 16
+    # from 256 tokens on, 0.67x / 0.85x at 64 tokens (at 16 heads the 64-head fp8 tile
+    # took 1.16x on an earlier wheel); 32 heads, as two 16-head programs (the second
+    # reads the rows from L2), 1.19x / 1.04x at 256 / 4096 tokens, where the 64-head fp8
+    # tile took 1.35x / 1.24x on the previous wheel (kernel-only at 64 tokens: 71.6 vs
+    # 64.6 us). Kernel-only, an earlier version of the tile: 0.46-0.83x the 64-head fp8
+    # tile's time at 8 heads from 32 tokens (16 tokens: 1.01x, 1: 1.47x); an earlier
+    # 32-head version 1.8x the 16-bit cache's.
     # Batch-invariant mode takes it at every token count: the tile must not depend on
     # the batch
     rows_from = 32 if num_heads <= 8 else (64 if num_heads <= 16 else 256)
