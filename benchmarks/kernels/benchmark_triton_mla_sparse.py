@@ -16,7 +16,8 @@ gather kernel and reports each candidate and the best per shape (to tune
 of Hopper's Gluon tiles (SM90: the warp-specialized tile at 64 and 128 heads, 32
 heads from 8 tokens and an fp8 e4m3 cache's other shapes; the rows-in-M fp8 tile
 of 8 or 16 heads for an fp8 e4m3 cache's 1-8 heads from 32 tokens, 9-16 from 64
-and 17-32, as two programs, from 256), the row also times the Triton tile the table gives where those cannot run.
+and 17-32, as two programs, from 256), the row also times the Triton tile the
+table gives where those cannot run.
 Each gather row also reports what Triton compiled for its Triton tile:
 registers and spills per thread, shared memory, and counts of TTGIR ops (async
 copies into shared memory, register-to-shared stores, wgmma dots) that show
