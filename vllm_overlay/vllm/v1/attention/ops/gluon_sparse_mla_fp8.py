@@ -26,10 +26,14 @@ once per dot that reads it, whatever the number of heads:
 - output: warp w takes the output columns [128 w, 128 w + 128) for every head over
   all 64 rows, O^T += V^T P^T, with its own accumulator [128, heads]. V^T is read as
   16-byte rows and relabelled in registers: output column m of the dot is latent
-  column 128 c + 16 g + 2 i + b for m = 128 c + 16 i + 8 b + g (`_latent_column`),
-  the order in which each thread's mma operand is 16 contiguous bytes of a row. The
-  operand pairs two rows' values of a column: one byte permute per four values puts
-  them side by side before the packed conversion (`_E4M3_ROW_PAIRS`);
+  column 128 c + 16 g + 2 i + b for m = 128 c + 16 i + 8 b + g, the order in which
+  each thread's mma operand is 16 contiguous bytes of a row. The operand pairs two
+  rows' values of a column: one byte permute per four values puts them side by side
+  before the packed conversion (`_E4M3_ROW_PAIRS`);
+- the output goes through shared memory (the rows' buffers, free by then) back to
+  [heads, latent columns] for 16-byte stores: from the accumulator's layout each
+  store would write 2 bytes a 32-byte sector (at 256 tokens and 16 heads, one wave
+  with every program's stores at its end, 109 us instead of 93 on the H200);
 - three barriers a tile: the copies, the maxima, P;
 - shared layouts without bank conflicts for the dots' loads: the rows' 16-byte units
   XORed by row bits (the two dots read a 128-byte line as 4 rows x 32 bytes and as
@@ -96,12 +100,6 @@ def _relabel_k(x):
     B: gl.constexpr = x.type.shape[1]
     x = gl.reshape(x, [A, B, 2, 2, 2, 2, 2, 2])  # the bits of p, 5 first
     return gl.reshape(gl.permute(x, [0, 1, 2, 5, 6, 3, 4, 7]), [A, B, 64])
-
-
-@gluon.jit
-def _latent_column(m):
-    """The latent column of output column m (see the module docstring)."""
-    return (m >> 7) * 128 + (m & 7) * 16 + ((m >> 4) & 7) * 2 + ((m >> 3) & 1)
 
 
 # Two rows' fp8 values ($4: row 2 r, $5: row 2 r + 1, four columns each) to fp16 pairs
@@ -339,20 +337,26 @@ def _sparse_mla_fp8_kernel(
                 p_smem, m_smem, h_scale, offs_n, m_i, l_w, acc)
     cp.wait_group(0)
 
-    # warp w's output columns [128 w, 128 w + 128) of every head
     l_tot = gl.convert_layout(gl.sum(gl.sum(l_w, 1), 0), hv)
     l_safe = gl.where(l_tot > 0.0, l_tot, 1.0)
     inv_l = v_scale / l_safe
-    offs_h = hb * BLOCK_H + gl.arange(0, BLOCK_H, hv)
-    m = (gl.arange(0, W, gl.SliceLayout(1, wr))[:, None] * 128
-         + gl.arange(0, 128, gl.SliceLayout(0, wr))[None, :])
-    o_ptr = (O + t * stride_ot + s * stride_os + offs_h[None, None, :] * stride_oh
-             + _latent_column(m)[:, :, None])
-    gl.store(o_ptr, (acc * inv_l[None, None, :]).to(O.dtype.element_ty),
-             mask=(offs_h < num_heads)[None, None, :])
+    # warp w's output columns m = 128 w + 16 i + 8 b + g of every head are the latent
+    # columns 128 w + 16 g + 2 i + b: [heads, latent columns] in a layout of 16-byte
+    # stores, a warp's 512 contiguous bytes of a row (the conversion goes through shared
+    # memory)
+    o = gl.reshape((acc * inv_l[None, None, :]).to(O.dtype.element_ty), [W, 8, 2, 8, BLOCK_H])
+    o = gl.reshape(gl.permute(o, [4, 0, 3, 1, 2]), [BLOCK_H, D_V])
+    VEC: gl.constexpr = 128 // O.dtype.element_ty.primitive_bitwidth
+    st: gl.constexpr = gl.BlockedLayout([1, VEC], [1, 32], [num_warps, 1], [1, 0])
+    o = gl.convert_layout(o, st)
+    offs_ho = hb * BLOCK_H + gl.arange(0, BLOCK_H, gl.SliceLayout(1, st))
+    o_ptr = (O + t * stride_ot + s * stride_os + offs_ho[:, None] * stride_oh
+             + gl.arange(0, D_V, gl.SliceLayout(0, st))[None, :])
+    gl.store(o_ptr, o, mask=(offs_ho < num_heads)[:, None])
     if PARTIAL:
         # base-2 log-sum-exp of the split; -inf without valid slots
         lse = gl.where(l_tot > 0.0, m_i + gl.log2(l_safe), float("-inf"))
+        offs_h = hb * BLOCK_H + gl.arange(0, BLOCK_H, hv)
         gl.store(Lse + t * stride_lt + offs_h * stride_lh + s, lse, mask=offs_h < num_heads)
 
 
