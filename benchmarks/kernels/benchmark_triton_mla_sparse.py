@@ -14,10 +14,9 @@ FLASHMLA_SPARSE does). `--sweep` also times alternative launch parameters of the
 gather kernel and reports each candidate and the best per shape (to tune
 `launch_config`; the candidates are Triton tiles). Where the gather step runs one
 of Hopper's Gluon tiles (SM90: the warp-specialized tile at 64 and 128 heads, 32
-heads from 8 tokens and an fp8 e4m3 cache's other shapes; the rows-in-M fp8 tile
-of 8 or 16 heads for an fp8 e4m3 cache's 1-8 heads from 32 tokens, 9-16 from 64
-and 17-32, as two programs, from 256), the row also times the Triton tile the
-table gives where those cannot run.
+heads from 8 tokens and an fp8 e4m3 cache's 33-63; the rows-in-M fp8 tile of 8
+or 16 heads for an fp8 e4m3 cache's 1-32 heads, 17-32 as two programs), the row
+also times the Triton tile the table gives where those cannot run.
 Each gather row also reports what Triton compiled for its Triton tile:
 registers and spills per thread, shared memory, and counts of TTGIR ops (async
 copies into shared memory, register-to-shared stores, wgmma dots) that show

@@ -11,7 +11,7 @@ SM120's 99 KiB of shared memory reported as well, the sparse MLA kernel runs the
 smaller 64-head tiles of such GPUs, which must give the outputs of the H200's. A
 third does it with an fp8 KV cache (per-tensor scale): SM120's Triton fp8 tiles
 against the H200's warp-specialized fp8 tile; a fourth with 8 and 16 heads (GLM-5 at
-TP8 and TP4) against the H200's 8/16-head fp8 tile, which runs its prefills."""
+TP8 and TP4) against the H200's 8/16-head fp8 tile, which runs all its steps."""
 
 import importlib.util
 import os
@@ -101,8 +101,9 @@ def test_fp8_kv_cache_as_on_sm120_few_heads(glm5_gguf, tmp_path, heads):
     env = sm120_env()
     gguf = gguf_with_heads(glm5_gguf, tmp_path, heads=heads)
     # the H200's own tiles: the 8- or 16-head fp8 tile for the prefills (300-1000
-    # tokens), the warp-specialized one for decode steps of a few tokens
+    # tokens) and the decode steps, not the warp-specialized one
     sm120, hopper = fp8_cache_runs(gguf, tmp_path, env, "rows_sparse_mla_calls")
+    assert all(run["ws_sparse_mla_calls"] == 0 for run in hopper)
     same, rerun = compare(hopper[0], sm120), compare(hopper[0], hopper[1])
     print("FP8_KV_FEW_HEADS_REPORT", {"heads": heads, "sm120_tiles_vs_h200_tiles": same,
                                       "h200_rerun": rerun,

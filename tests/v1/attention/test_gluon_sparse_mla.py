@@ -107,18 +107,18 @@ def test_launch_table_takes_hopper_warp_specialized_tiles():
 
     assert ws(64) and ws(128) and ws(40) and ws(64, tokens=4096)
     assert ws(64, kv_fp8=True) and ws(128, kv_fp8=True, tokens=300)
-    # fewer heads (masked in the 64-head tile): 32 of a 16-bit cache from 8 tokens
-    # on, any count of an fp8 one
+    # fewer heads (masked in the 64-head tile): 17-32 of a 16-bit cache from 8 tokens
+    # on, 33-63 of an fp8 one at any count
     assert ws(32) and ws(20, tokens=4096) and not ws(32, tokens=4) and not ws(32, tokens=1)
     assert not ws(16) and not ws(8) and not ws(16, tokens=4096)
-    for heads in (8, 16, 32):
-        for tokens in (1, 8, 4096):
+    for tokens in (1, 8, 4096):
+        for heads in (33, 40, 63):
             c = cfg(heads, kv_fp8=True, tokens=tokens)
-            # (up to 32 heads at many tokens: the fp8 rows tile, test_gluon_sparse_mla_fp8)
-            assert c["ROWS_IN_M"] == (tokens == 4096)
-            assert c["WARP_SPECIALIZED"] != c["ROWS_IN_M"]
-            if c["WARP_SPECIALIZED"]:
-                assert (c["BLOCK_H"], c["V_RELOAD"]) == (64, False)
+            assert c["WARP_SPECIALIZED"] and (c["BLOCK_H"], c["V_RELOAD"]) == (64, False)
+        for heads in (8, 16, 32):
+            # (up to 32 heads: the fp8 rows tile, test_gluon_sparse_mla_fp8)
+            c = cfg(heads, kv_fp8=True, tokens=tokens)
+            assert c["ROWS_IN_M"] and not c["WARP_SPECIALIZED"]
             # without it, the Triton tile's own entry (what runs where it cannot)
             t = cfg(heads, kv_fp8=True, tokens=tokens, warp_specialized=False)
             assert not t["WARP_SPECIALIZED"] and t["BLOCK_H"] == (16 if heads <= 16 else 32)
@@ -136,8 +136,8 @@ def test_launch_table_takes_hopper_warp_specialized_tiles():
     assert cfg(64, tokens=4, cap=100)["splits"] == 32
     assert cfg(64, tokens=16)["splits"] == 8 and cfg(64, tokens=64)["splits"] == 2
     # fewer heads: one program per (token, split) as at 64 heads
-    assert cfg(8, kv_fp8=True, tokens=1)["splits"] == 32
-    assert cfg(8, kv_fp8=True, tokens=8)["splits"] == cfg(32)["splits"] == 16
+    assert cfg(40, kv_fp8=True, tokens=1)["splits"] == 32
+    assert cfg(40, kv_fp8=True, tokens=8)["splits"] == cfg(32)["splits"] == 16
 
 
 def test_dispatch_needs_a_gpu_tensor_and_the_glm5_shapes():
@@ -224,7 +224,7 @@ def test_matches_float64_and_the_triton_tile(launches, num_tokens, num_heads, dt
 @pytest.mark.parametrize("num_tokens,num_heads,dtype", [
     (1, 64, torch.bfloat16), (8, 64, torch.bfloat16), (300, 64, torch.bfloat16),
     (5, 128, torch.bfloat16), (8, 64, torch.float16), (3, 40, torch.bfloat16),
-    (1, 8, torch.bfloat16), (8, 16, torch.float16), (64, 32, torch.bfloat16)])
+    (1, 33, torch.bfloat16), (8, 48, torch.float16), (64, 63, torch.bfloat16)])
 def test_fp8_cache_matches_float64_and_the_triton_tile(launches, num_tokens, num_heads, dtype):
     # an fp8 e4m3 cache with a per-tensor scale: the producer converts the rows
     q, cache, slots, counts = sparse_case(num_tokens, num_heads, dtype, seed=num_tokens + 7,

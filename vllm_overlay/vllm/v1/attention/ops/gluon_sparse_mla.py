@@ -4,8 +4,8 @@
 
 The tile `triton_sparse_mla` launches on SM90 for blocks of 64 heads of a 16-bit
 or fp8 e4m3 cache, and for fewer heads (masked) where it beats the smaller Triton
-tiles: 32 heads of a 16-bit cache from 8 tokens on, an fp8 one at the head and token
-counts `gluon_sparse_mla_fp8` does not take (`launch_config(...)["WARP_SPECIALIZED"]`).
+tiles: 17-32 heads of a 16-bit cache from 8 tokens on, 33-63 of an fp8 one
+(`gluon_sparse_mla_fp8` takes up to 32; `launch_config(...)["WARP_SPECIALIZED"]`).
 It writes the same split-K partial outputs for the same merge. One program per
 (64-head block, token, split), three partitions over two shared-memory stages of 64
 gathered rows:

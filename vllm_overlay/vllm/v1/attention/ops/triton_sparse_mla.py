@@ -254,38 +254,34 @@ def launch_config(
     # Hopper's (and SM100's) shared memory holds two programs of up to 32 heads per SM
     two_per_sm = max_shared_mem >= HOPPER_SHARED_MEM
     hopper = capability // 10 == 9 and two_per_sm
-    # H200, fp8 cache, top-k 2048 (benchmarks/results/h200-sparse-mla-gather.json): the
-    # rows tile takes 0.46-0.49x the 16-bit cache's time at 8 heads and 0.62-0.65x at 16
-    # from 256 tokens on, 0.67x / 0.85x at 64 tokens (at 16 heads the 64-head fp8 tile
-    # took 1.16x on an earlier wheel); 32 heads, as two 16-head programs (the second
-    # reads the rows from L2), 1.19x / 1.04x at 256 / 4096 tokens, where the 64-head fp8
-    # tile took 1.35x / 1.24x on the previous wheel (kernel-only at 64 tokens: 71.6 vs
-    # 64.6 us). Kernel-only, an earlier version of the tile: 0.46-0.83x the 64-head fp8
-    # tile's time at 8 heads from 32 tokens (16 tokens: 1.01x, 1: 1.47x); an earlier
-    # 32-head version 1.8x the 16-bit cache's.
-    # Batch-invariant mode takes it at every token count: the tile must not depend on
-    # the batch
-    rows_from = 32 if num_heads <= 8 else (64 if num_heads <= 16 else 256)
-    if (warp_specialized and hopper and kv_fp8 and num_heads <= 32
-            and (num_tokens >= rows_from or envs.VLLM_BATCH_INVARIANT)):
+    # An fp8 cache's 1-32 heads take the rows tile at every token count: on the H200
+    # (kernel-only, top-k 2048) it took 8.4 / 9.7 / 9.7 us at one token and 8 / 16 / 32
+    # heads where the 64-head fp8 tile took 11.4 / 11.8 / 12.2, 21.7 vs 36.6 us at 32
+    # tokens and 16 heads, 86.7 vs 116.1 at 128 tokens and 32 heads (as two 16-head
+    # programs, the second reading the rows from L2), and from 256 tokens on
+    # (benchmarks/results/h200-sparse-mla-gather.json) 0.46-0.49x the 16-bit cache's
+    # time at 8 heads, 0.62-0.65x at 16 (before its output stores were coalesced).
+    if warp_specialized and hopper and kv_fp8 and num_heads <= 32:
         block_h = 8 if num_heads <= 8 else 16
-        # about one wave of one program an SM (H200 kernel-only: 16 heads at 128 tokens,
-        # 1 split 74.9 us, 2 splits 79.4; 8 heads at 64 tokens, an earlier version of the
-        # tile, 2 splits 42.9 us, 4 splits 45.5), and a split's slot ids fit the tile's
-        # shared memory
-        splits = max(_num_splits(num_tokens, num_heads, block_h, topk, kv_lora_rank, num_sms),
+        # about one wave of two programs an SM, at least two 64-row tiles a split (H200
+        # kernel-only: 8 heads at 1-4 tokens, 16 splits 8.4-9.0 us, 32 splits 8.7-9.7;
+        # 16 heads at 64 tokens, 4 splits 33.1, 2 splits 36.3; 32 heads at 32 tokens, 4
+        # splits 29.8, 2 splits 33.1), and a split's slot ids fit the tile's shared
+        # memory (batch-invariant mode: the fewest splits, whatever the batch)
+        splits = max(_num_splits(num_tokens, num_heads, block_h, topk, kv_lora_rank,
+                                 2 * num_sms, 128),
                      triton.next_power_of_2(triton.cdiv(topk, ROWS_IN_M_MAX_SLOTS)))
         return {"BLOCK_H": block_h, "BLOCK_N": 64, "num_warps": 4, "num_stages": 2,
                 "splits": splits, "V_SPLITS": 1, "V_RELOAD": False, "K_DEQUANT": False,
                 "WARP_SPECIALIZED": False, "ROWS_IN_M": True}
     # H200, kernel-only: the warp-specialized 64-head tile, its heads past num_heads
-    # masked, takes 0.7-0.9x the time of the 16- and 32-head Triton tiles with an fp8
-    # cache (8-32 heads, 1-4096 tokens), and 0.65-0.88x the 32-head one's with a
-    # 16-bit cache from 8 tokens on (1.09x at one token; 8 and 16 heads: within 7%).
+    # masked, takes 0.65-0.88x the 32-head Triton tile's time with a 16-bit cache from
+    # 8 tokens on (1.09x at one token; 8 and 16 heads: within 7%; with an fp8 cache it
+    # took 0.7-0.9x the 16- and 32-head Triton tiles', where the rows tile now runs).
     # Batch-invariant mode takes it at every token count: the tile must not depend on
     # the batch
-    if (warp_specialized and hopper and block_h < 64
-            and (kv_fp8 or (block_h == 32 and (num_tokens >= 8 or envs.VLLM_BATCH_INVARIANT)))):
+    if (warp_specialized and hopper and block_h == 32
+            and (num_tokens >= 8 or envs.VLLM_BATCH_INVARIANT)):
         block_h = 64
     if (block_h == 32 and two_per_sm and not kv_fp8
             and _num_splits(num_tokens, num_heads, 32, topk, kv_lora_rank, 2 * num_sms) > 1):
