@@ -33,7 +33,7 @@ once per dot that reads it, whatever the number of heads:
 - the output goes through shared memory (the rows' buffers, free by then) back to
   [heads, latent columns] for 16-byte stores: from the accumulator's layout each
   store would write 2 bytes a 32-byte sector (at 256 tokens and 16 heads, one wave
-  with every program's stores at its end, 109 us instead of 93 on the H200);
+  with every program's stores at its end: 109 us instead of 93, H200 kernel-only);
 - three barriers a tile: the copies, the maxima, P;
 - shared layouts without bank conflicts for the dots' loads: the rows' 16-byte units
   XORed by row bits (the two dots read a 128-byte line as 4 rows x 32 bytes and as

@@ -258,9 +258,9 @@ def launch_config(
     # (kernel-only, top-k 2048) it took 8.4 / 9.7 / 9.7 us at one token and 8 / 16 / 32
     # heads where the 64-head fp8 tile took 11.4 / 11.8 / 12.2, 21.7 vs 36.6 us at 32
     # tokens and 16 heads, 86.7 vs 116.1 at 128 tokens and 32 heads (as two 16-head
-    # programs, the second reading the rows from L2), and from 256 tokens on
-    # (benchmarks/results/h200-sparse-mla-gather.json) 0.46-0.49x the 16-bit cache's
-    # time at 8 heads, 0.62-0.65x at 16 (before its output stores were coalesced).
+    # programs, the second reading the rows from L2). In the benchmark
+    # (benchmarks/results/h200-sparse-mla-gather.json) it takes 0.42-0.44x the 16-bit
+    # cache's time at 8 heads, 0.55-0.56x at 16 and 0.98-1.01x at 32 from 256 tokens on.
     if warp_specialized and hopper and kv_fp8 and num_heads <= 32:
         block_h = 8 if num_heads <= 8 else 16
         # about one wave of two programs an SM, at least two 64-row tiles a split (H200
