@@ -162,8 +162,9 @@ def test_dispatch_needs_a_gpu_tensor_and_the_glm5_shapes():
 def test_falls_back_to_the_triton_tiles_own_entry(monkeypatch):
     # Where the table chose the warp-specialized tile but that kernel does not take
     # the tensors (an e5m2 cache on the GPU, the interpreter's CPU tensors), the Triton
-    # tile runs with the table's entry for it (16 heads here), not with the 64-head
-    # tile's parameters; against float64.
+    # tile runs with the table's entry for it (40 heads of an fp8 cache: the 64-head
+    # tile's, as in `test_launch_table_takes_hopper_warp_specialized_tiles`); against
+    # float64.
     calls = []
     table = tsm.device_launch_config
 
@@ -174,7 +175,7 @@ def test_falls_back_to_the_triton_tiles_own_entry(monkeypatch):
     monkeypatch.setattr(tsm, "device_launch_config", recorded)
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     g = torch.Generator().manual_seed(5)
-    q = (torch.randn(2, 8, HEAD, generator=g) * 0.5).half().to(dev)
+    q = (torch.randn(2, 40, HEAD, generator=g) * 0.5).half().to(dev)
     cache = (torch.randn(4, 16, HEAD, generator=g) * 0.5).to(
         torch.float8_e5m2 if dev == "cuda" else torch.float8_e4m3fn).to(dev)
     slots = torch.stack([torch.randperm(64, generator=g)[:32] for _ in range(2)]).int().to(dev)
@@ -182,7 +183,8 @@ def test_falls_back_to_the_triton_tiles_own_entry(monkeypatch):
     scale, k_scale = 1 / math.sqrt(192 + ROPE), torch.full((1,), 0.5, device=dev)
     out = tsm.sparse_mla_attention(q, cache, slots, counts, KV_LORA, scale, k_scale, 132)
     assert [c["WARP_SPECIALIZED"] for c in calls] == [True, False]
-    assert (calls[0]["BLOCK_H"], calls[1]["BLOCK_H"]) == (64, 16)
+    assert calls[1] == tsm.launch_config(2, 40, 32, KV_LORA, 132, kv_fp8=True,
+                                         warp_specialized=False)
     ref = reference(q, cache, slots, counts, scale, range(2), k_scale=0.5)
     for t in range(2):
         torch.testing.assert_close(out[t].double(), ref[t], rtol=1e-2, atol=1e-2)
