@@ -1,13 +1,20 @@
 #!/usr/bin/env python3
-"""Build the GLM-5 overlay of vLLM: the pinned upstream wheel with the files of vllm_overlay/ copied in.
+"""Build the GLM-5 overlay of vLLM: the pinned upstream wheels with the files of vllm_overlay/ copied in.
+
+Two upstreams are pinned in upstream.lock: vLLM ([upstream]) and vLLM's GGUF support,
+vllm-gguf-plugin ([plugin]). Overlay files live under vllm_overlay/<package>/ by their path in
+that upstream's wheel. Both wheels get the version <upstream version>+<label>.<overlay digest>
+and require each other exactly.
 
     python build.py wheel  [--out DIR] [--platform P]      build dist/vllm-<ver>+<label>.<digest>-...whl
+                                                           and dist/vllm_gguf_plugin-<ver>+...whl
     python build.py check  [--platform P]                  lock/overlay consistency, byte-compile
     python build.py diff   [PATH ...]                      overlay files against their upstream base
-    python build.py sdist                                  fetch the pinned sdist (upstream tests/)
-    python build.py bundle --wheel W --exclude-from FREEZE.txt [--max-part 60M] [--out DIR]
+    python build.py sdist  [PACKAGE]                       fetch a pinned sdist (upstream tests/)
+    python build.py bundle --wheel W [--wheel W2] --exclude-from FREEZE.txt [--max-part 60M] [--out DIR]
                                                            offline install bundle for an air-gapped host
-    python build.py rebase --to X.Y.Z | --check latest     carry the overlay onto another release
+    python build.py rebase [--package P] --to X.Y.Z | --check latest
+                                                           carry the overlay onto another release
 
 Every command takes -q/-v. Exit codes: 0 ok, 2 usage, 3 download failed, 4 hash mismatch,
 5 lock/overlay inconsistent or upstream drifted, 6 bundle dependency resolution failed,
@@ -72,6 +79,22 @@ def write_atomic(path: Path, data: bytes) -> None:
     tmp.replace(path)
 
 
+def remove_stale_temps(folder: Path, prefix: str) -> None:
+    """Remove `prefix<pid>-*` files an interrupted run of this tool left in `folder` (their
+    process is gone); a live run's files stay."""
+    for path in folder.glob(f"{prefix}*"):
+        m = re.match(rf"{re.escape(prefix)}(\d+)-", path.name)
+        if m is None or not path.is_file():
+            continue
+        try:
+            os.kill(int(m.group(1)), 0)
+        except ProcessLookupError:
+            path.unlink(missing_ok=True)
+            log(f"removed {path}, left by an interrupted run", 2)
+        except PermissionError:  # alive, another user's
+            pass
+
+
 def cache_dir() -> Path:
     base = os.environ.get("VLLM_OVERLAY_CACHE") or os.path.join(
         os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "vllm-overlay")
@@ -83,6 +106,21 @@ def cache_dir() -> Path:
 # ---------------------------------------------------------------------------------------------
 # Step 1: read the lock
 # ---------------------------------------------------------------------------------------------
+# The pinned upstreams, by their table in upstream.lock: vLLM itself, then (optional) the
+# out-of-tree package that carries vLLM's GGUF support since vLLM 0.24.
+PINS = ("upstream", "plugin")
+
+
+def dist_name(package: str) -> str:
+    """The package's name in wheel and dist-info names (PEP 427: runs of -_. become _)."""
+    return re.sub(r"[-_.]+", "_", package)
+
+
+def module_name(package: str) -> str:
+    """The import package a pinned project's overlay files live under (vllm_overlay/<it>/)."""
+    return dist_name(package).lower()
+
+
 def load_lock(path: Path = LOCK) -> dict:
     try:
         lock = tomllib.loads(path.read_text())
@@ -98,15 +136,47 @@ def load_lock(path: Path = LOCK) -> dict:
             or "cpu" in up["label"]:
         raise BuildError(f"{path.name}: label {up['label']!r} must be lower-case letters and "
                          f"digits, not start with 'g' and not contain 'cpu'", EXIT_LOCK)
+    for key in PINS[1:]:
+        if key in lock:
+            if not isinstance(lock[key], dict):
+                raise BuildError(f"{path.name}: [{key}] must be a table", EXIT_LOCK)
+            for field in ("package", "version", "sdist", "wheels"):
+                if field not in lock[key]:
+                    raise BuildError(f"{path.name}: [{key}] lacks '{field}'", EXIT_LOCK)
+    for key in pins(lock):
+        for field in ("package", "version"):
+            if not isinstance(lock[key][field], str):
+                raise BuildError(f"{path.name}: [{key}] {field} must be a quoted string, not "
+                                 f"{lock[key][field]!r}", EXIT_LOCK)
+        if not re.fullmatch(r"\d+(\.\d+)*", lock[key]["version"]):
+            raise BuildError(f"{path.name}: [{key}] version {lock[key]['version']!r} is not a "
+                             f"release number (X.Y.Z)", EXIT_LOCK)
+        for name, entry in [("sdist", lock[key]["sdist"])] + [
+                (f"wheels.{plat}", w) for plat, w in lock[key]["wheels"].items()]:
+            for field in ("filename", "sha256"):
+                if not isinstance(entry, dict) or not isinstance(entry.get(field), str):
+                    raise BuildError(f"{path.name}: [{key}.{name}] needs {field} = \"...\"",
+                                     EXIT_LOCK)
     lock.setdefault("overlay", {})
     lock.setdefault("requires", {})
     return lock
 
 
-def wheel_entry(lock: dict, platform: str) -> dict:
-    wheels = lock["upstream"]["wheels"]
+def pins(lock: dict) -> list[str]:
+    """The lock's pinned upstreams, vLLM first."""
+    return [key for key in PINS if key in lock]
+
+
+def pin_of(lock: dict, rel: str) -> str | None:
+    """The pin an overlay path ('vllm/...', 'vllm_gguf_plugin/...') belongs to."""
+    top = rel.split("/", 1)[0]
+    return next((k for k in pins(lock) if module_name(lock[k]["package"]) == top), None)
+
+
+def wheel_entry(lock: dict, platform: str, key: str = "upstream") -> dict:
+    wheels = lock[key]["wheels"]
     if platform not in wheels:
-        raise BuildError(f"upstream.lock pins no wheel for platform {platform!r} "
+        raise BuildError(f"upstream.lock [{key}] pins no wheel for platform {platform!r} "
                          f"(pinned: {', '.join(sorted(wheels))})", EXIT_LOCK)
     return wheels[platform]
 
@@ -154,7 +224,7 @@ def download(url: str, dest: Path) -> None:
                 now = time.monotonic()
                 if VERBOSITY >= 1 and (now - last > 2 or done == total):
                     pct = f" {100 * done / total:5.1f}%" if total else ""
-                    log(f"  {dest.name.removeprefix('.partial-')}: {done / 2**20:8.1f} MiB{pct}")
+                    log(f"  {dest.name.split('-', 2)[-1]}: {done / 2**20:8.1f} MiB{pct}")
                     last = now
     except OSError as e:
         raise BuildError(f"download of {url} failed: {e}", EXIT_DOWNLOAD) from e
@@ -163,6 +233,10 @@ def download(url: str, dest: Path) -> None:
 def fetch(package: str, filename: str, sha256: str) -> Path:
     """Return the cached, hash-checked file; download it first if it is not cached."""
     path = cache_dir() / filename
+    remove_stale_temps(path.parent, ".partial-")
+    if path.is_dir() or (path.exists() and not path.is_file()):
+        raise BuildError(f"cached {path} is not a file (a directory?); upstream.lock expects the "
+                         f"file {filename} there: remove it", EXIT_HASH)
     if path.exists():
         got = sha256_file(path)
         if got != sha256:
@@ -178,7 +252,7 @@ def fetch(package: str, filename: str, sha256: str) -> Path:
         raise BuildError(f"the index lists {filename} with sha256 {listed}, "
                          f"upstream.lock expects {sha256}", EXIT_HASH)
     log(f"[fetch] {filename}")
-    partial = path.with_name(f".partial-{filename}")
+    partial = path.with_name(f".partial-{os.getpid()}-{filename}")
     try:
         download(files[filename]["url"], partial)
         got = sha256_file(partial)
@@ -191,24 +265,31 @@ def fetch(package: str, filename: str, sha256: str) -> Path:
     return path
 
 
-def fetch_wheel(lock: dict, platform: str) -> Path:
-    entry = wheel_entry(lock, platform)
-    return fetch(lock["upstream"]["package"], entry["filename"], entry["sha256"])
+def fetch_wheel(lock: dict, platform: str, key: str = "upstream") -> Path:
+    entry = wheel_entry(lock, platform, key)
+    return fetch(lock[key]["package"], entry["filename"], entry["sha256"])
 
 
-def fetch_sdist(lock: dict) -> Path:
-    entry = lock["upstream"]["sdist"]
-    return fetch(lock["upstream"]["package"], entry["filename"], entry["sha256"])
+def fetch_wheels(lock: dict, platform: str) -> dict[str, Path]:
+    """Every pinned upstream wheel for `platform`, by pin."""
+    return {key: fetch_wheel(lock, platform, key) for key in pins(lock)}
+
+
+def fetch_sdist(lock: dict, key: str = "upstream") -> Path:
+    entry = lock[key]["sdist"]
+    return fetch(lock[key]["package"], entry["filename"], entry["sha256"])
 
 
 # ---------------------------------------------------------------------------------------------
 # Step 3: check the overlay against the lock and the upstream wheel
 # ---------------------------------------------------------------------------------------------
-def overlay_files() -> dict[str, Path]:
-    """Wheel path ('vllm/...') -> file under vllm_overlay/; refuses anything outside vllm/."""
+def overlay_files(lock: dict) -> dict[str, Path]:
+    """Wheel path ('vllm/...', 'vllm_gguf_plugin/...') -> file under vllm_overlay/; refuses
+    anything outside the pinned upstreams' packages."""
     found = {}
     if not OVERLAY.is_dir():
         return found
+    tops = sorted(module_name(lock[k]["package"]) for k in pins(lock))
     for path in sorted(OVERLAY.rglob("*")):
         if "__pycache__" in path.parts or path.suffix == ".pyc":
             continue
@@ -217,9 +298,10 @@ def overlay_files() -> dict[str, Path]:
             raise BuildError(f"vllm_overlay/{rel}: symbolic links are not allowed", EXIT_LOCK)
         if path.is_dir():
             continue
-        if not rel.startswith("vllm/"):
-            raise BuildError(f"vllm_overlay/{rel}: overlay files must live under vllm_overlay/vllm/",
-                             EXIT_LOCK)
+        if pin_of(lock, rel) is None:
+            raise BuildError(f"vllm_overlay/{rel}: overlay files must live under "
+                             + " or ".join(f"vllm_overlay/{t}/" for t in tops)
+                             + " (the packages upstream.lock pins)", EXIT_LOCK)
         found[rel] = path
     return found
 
@@ -227,9 +309,12 @@ def overlay_files() -> dict[str, Path]:
 def check_lock_paths(lock: dict) -> None:
     for rel, entry in lock["overlay"].items():
         parts = rel.split("/")
-        if parts[0] != "vllm" or ".." in parts or "" in parts or rel.startswith("/"):
-            raise BuildError(f"upstream.lock: overlay path {rel!r} escapes vllm/", EXIT_LOCK)
-        if entry.get("new") is not True and not entry.get("base_sha256"):
+        if pin_of(lock, rel) is None or ".." in parts or "" in parts or rel.startswith("/"):
+            raise BuildError(f"upstream.lock: overlay path {rel!r} escapes the pinned "
+                             f"packages ({', '.join(module_name(lock[k]['package']) + '/' for k in pins(lock))})",
+                             EXIT_LOCK)
+        if not isinstance(entry, dict) or (entry.get("new") is not True
+                                           and not entry.get("base_sha256")):
             raise BuildError(f"upstream.lock: overlay entry {rel!r} needs base_sha256 = ... "
                              f"(replaces an upstream file) or new = true", EXIT_LOCK)
 
@@ -247,36 +332,47 @@ def marker_problems(rel: str, base: str, ours: str) -> list[str]:
     return problems
 
 
-def check_overlay(lock: dict, wheel: Path) -> dict[str, Path]:
-    """All consistency checks; returns the overlay map. Raises BuildError listing every problem."""
+def check_overlay(lock: dict, wheels: dict[str, Path]) -> dict[str, Path]:
+    """All consistency checks against the pinned wheels (by pin); returns the overlay map.
+    Raises BuildError listing every problem."""
     check_lock_paths(lock)
-    files = overlay_files()
+    files = overlay_files(lock)
     problems = []
-    for rel in sorted(set(files) - set(lock["overlay"])):
-        problems.append(f"vllm_overlay/{rel} is not listed in upstream.lock [overlay]")
-    for rel in sorted(set(lock["overlay"]) - set(files)):
-        problems.append(f"upstream.lock lists {rel}, but vllm_overlay/{rel} does not exist")
-    with zipfile.ZipFile(wheel) as zf:
-        names = set(zf.namelist())
+    zips = {key: zipfile.ZipFile(path) for key, path in wheels.items()}
+    try:
+        names = {key: set(zf.namelist()) for key, zf in zips.items()}
+        for rel in sorted(set(files) - set(lock["overlay"])):
+            key = pin_of(lock, rel)
+            entry = (f'base_sha256 = "{hashlib.sha256(zips[key].read(rel)).hexdigest()}"'
+                     if rel in names[key] else "new = true")
+            problems.append(f"vllm_overlay/{rel} is not listed in upstream.lock [overlay] "
+                            f"(record it as [overlay.\"{rel}\"] {entry})")
+        for rel in sorted(set(lock["overlay"]) - set(files)):
+            problems.append(f"upstream.lock lists {rel}, but vllm_overlay/{rel} does not exist")
         for rel, entry in sorted(lock["overlay"].items()):
             if rel not in files:
                 continue
+            key = pin_of(lock, rel)
+            wheel = wheels[key]
             if entry.get("new") is True:
-                if rel in names:
+                if rel in names[key]:
                     problems.append(f"{rel} is marked new but upstream has it: record its "
                                     f"base_sha256 instead")
                 continue
-            if rel not in names:
+            if rel not in names[key]:
                 problems.append(f"{rel}: upstream {wheel.name} has no such file (deleted or "
                                 f"renamed upstream?): rebase the overlay")
                 continue
-            data = zf.read(rel)
+            data = zips[key].read(rel)
             got = hashlib.sha256(data).hexdigest()
             if got != entry["base_sha256"]:
                 problems.append(f"{rel}: upstream file drifted (sha256 {got}, upstream.lock "
                                 f"base {entry['base_sha256']}): rebase the overlay onto it")
                 continue
             problems += marker_problems(rel, data.decode(), files[rel].read_text())
+    finally:
+        for zf in zips.values():
+            zf.close()
     for rel, path in sorted(files.items()):
         if re.search(r"^(<<<<<<< |>>>>>>> )", path.read_text(errors="replace"), re.M):
             problems.append(f"vllm_overlay/{rel} has unresolved merge conflict markers")
@@ -311,26 +407,48 @@ def record_hash(data: bytes) -> str:
     return f"sha256={digest}"
 
 
-def rewrite_metadata(text: str, version: str, requires: dict[str, str]) -> str:
-    lines, seen = [], set()
+def requirement_name(line: str) -> str:
+    """The normalized project name of a 'Requires-Dist: ...' line."""
+    name = re.split(r"[\s;<>=!~\[(]", line[len("Requires-Dist: "):], maxsplit=1)[0]
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def rewrite_metadata(text: str, version: str, requires: dict[str, str],
+                     pinned: dict[str, str] | None = None) -> str:
+    """METADATA with the overlay version; unconditional requirements named in `requires`
+    replaced (each must exist upstream); every requirement on a project in `pinned` (the
+    sibling overlay wheel) replaced by the exact pin, keeping its marker, and an
+    unconditional one added where upstream has none."""
+    pinned = pinned or {}
+    lines, seen, seen_pinned = [], set(), set()
+    last_requirement = None
     for line in text.split("\n"):
         if line.startswith("Version: "):
             line = f"Version: {version}"
         elif line.startswith("Requires-Dist: "):
-            name = re.split(r"[\s;<>=!~\[(]", line[len("Requires-Dist: "):], maxsplit=1)[0]
-            key = re.sub(r"[-_.]+", "-", name).lower()
-            if key in requires:
-                marker = line.split(";", 1)[1] if ";" in line else None
-                if "extra ==" not in (marker or ""):
-                    if key in seen:
-                        continue
-                    seen.add(key)
-                    line = f"Requires-Dist: {requires[key]}"
+            key = requirement_name(line)
+            marker = line.split(";", 1)[1] if ";" in line else None
+            if key in pinned:
+                line = f"Requires-Dist: {pinned[key]}" + (f";{marker}" if marker else "")
+                if marker is None:
+                    seen_pinned.add(key)
+            elif key in requires and "extra ==" not in (marker or ""):
+                if key in seen:
+                    continue
+                seen.add(key)
+                line = f"Requires-Dist: {requires[key]}"
+            last_requirement = len(lines)
         lines.append(line)
     missing = set(requires) - seen
     if missing:
         raise BuildError(f"upstream.lock [requires] names {sorted(missing)}, which upstream "
                          f"METADATA does not require", EXIT_LOCK)
+    add = [f"Requires-Dist: {pinned[k]}" for k in sorted(set(pinned) - seen_pinned)]
+    if add:
+        at = len(lines) if last_requirement is None else last_requirement + 1
+        if last_requirement is None:  # after the header fields, before the description
+            at = next((i for i, ln in enumerate(lines) if ln == ""), len(lines))
+        lines[at:at] = add
     return "\n".join(lines)
 
 
@@ -368,34 +486,63 @@ def copy_raw(src: zipfile.ZipFile, info: zipfile.ZipInfo, dst: zipfile.ZipFile,
     dst._didModify = True
 
 
-def build_wheel(lock: dict, platform: str, out_dir: Path) -> Path:
+def overlay_version(lock: dict, key: str, digest: str) -> str:
+    return f"{lock[key]['version']}+{lock['upstream']['label']}.{digest}"
+
+
+def build_wheels(lock: dict, platform: str, out_dir: Path) -> list[Path]:
+    """The overlay wheel of every pinned upstream, vLLM first; all carry one digest (of the
+    lock and every overlay file) and require each other exactly."""
     t0 = time.monotonic()
-    up = lock["upstream"]
-    wheel = fetch_wheel(lock, platform)
-    files = check_overlay(lock, wheel)
+    wheels = fetch_wheels(lock, platform)
+    files = check_overlay(lock, wheels)
     byte_compile(files)
-    version = f"{up['version']}+{up['label']}.{overlay_digest(LOCK.read_bytes(), files)}"
-    old_info = f"{up['package']}-{up['version']}.dist-info/"
-    new_info = f"{up['package']}-{version}.dist-info/"
-    requires = {re.sub(r"[-_.]+", "-", k).lower(): v for k, v in lock["requires"].items()}
+    digest = overlay_digest(LOCK.read_bytes(), files)
+    exact = {re.sub(r"[-_.]+", "-", lock[k]["package"]).lower():
+             f"{lock[k]['package']}=={overlay_version(lock, k, digest)}" for k in pins(lock)}
+    built = []
+    for key in pins(lock):
+        own = re.sub(r"[-_.]+", "-", lock[key]["package"]).lower()
+        requires = lock["requires"] if key == "upstream" else {}
+        built.append(write_wheel(
+            lock, key, wheels[key], {r: p for r, p in files.items() if pin_of(lock, r) == key},
+            overlay_version(lock, key, digest), requires,
+            {k: v for k, v in exact.items() if k != own}, out_dir))
+    log(f"[wheel] {', '.join(w.name for w in built)} ({len(files)} overlay files, "
+        f"{time.monotonic() - t0:.1f} s)")
+    return built
+
+
+def write_wheel(lock: dict, key: str, wheel: Path, files: dict[str, Path], version: str,
+                requires: dict[str, str], pinned: dict[str, str], out_dir: Path) -> Path:
+    """`wheel` with `files` copied in, as version `version`, written atomically to out_dir."""
+    up = lock[key]
+    dist = dist_name(up["package"])
+    old_info = f"{dist}-{up['version']}.dist-info/"
+    new_info = f"{dist}-{version}.dist-info/"
+    requires = {re.sub(r"[-_.]+", "-", k).lower(): v for k, v in requires.items()}
     out_name = wheel.name.replace(f"-{up['version']}-", f"-{version}-", 1)
     date_time = zip_time()
 
     replaced: dict[str, bytes] = {rel: path.read_bytes() for rel, path in files.items()}
     with zipfile.ZipFile(wheel) as src:
         infos = {i.filename: i for i in src.infolist()}
-        if "vllm/_version.py" not in infos or old_info + "RECORD" not in infos:
-            raise BuildError(f"{wheel.name} lacks vllm/_version.py or its RECORD", EXIT_LOCK)
-        replaced["vllm/_version.py"] = version_module(src.read("vllm/_version.py").decode(),
-                                                      version)
+        if old_info + "RECORD" not in infos or old_info + "METADATA" not in infos:
+            raise BuildError(f"{wheel.name} lacks {old_info}RECORD or METADATA", EXIT_LOCK)
+        if key == "upstream":  # vLLM reports its version from its generated module
+            if "vllm/_version.py" not in infos:
+                raise BuildError(f"{wheel.name} lacks vllm/_version.py", EXIT_LOCK)
+            replaced["vllm/_version.py"] = version_module(
+                src.read("vllm/_version.py").decode(), version)
         record = {row[0]: row for row in csv.reader(io.StringIO(
             src.read(old_info + "RECORD").decode())) if row}
-        meta = {old_info + n: src.read(old_info + n).decode() for n in ("METADATA", "WHEEL")}
-        meta[old_info + "METADATA"] = rewrite_metadata(meta[old_info + "METADATA"], version,
-                                                       requires)
+        meta = {old_info + "METADATA": rewrite_metadata(
+            src.read(old_info + "METADATA").decode(), version, requires, pinned)}
 
         out_dir.mkdir(parents=True, exist_ok=True)
-        fd, tmp_name = tempfile.mkstemp(prefix=".building-", suffix=".whl", dir=out_dir)
+        remove_stale_temps(out_dir, ".building-")
+        fd, tmp_name = tempfile.mkstemp(prefix=f".building-{os.getpid()}-", suffix=".whl",
+                                        dir=out_dir)
         os.close(fd)
         tmp = Path(tmp_name)
         try:
@@ -417,7 +564,7 @@ def build_wheel(lock: dict, platform: str, out_dir: Path) -> Path:
                                              EXIT_LOCK)
                         rows.append(record[name])
                 for name in sorted(n for n in infos if n.startswith(old_info)
-                                   and not n.endswith("RECORD")):
+                                   and not n.endswith("RECORD") and not n.endswith("/")):
                     new_name = new_info + name[len(old_info):]
                     data = meta[name].encode() if name in meta else src.read(name)
                     dst.writestr(entry_info(new_name, 0o644, date_time), data,
@@ -436,14 +583,13 @@ def build_wheel(lock: dict, platform: str, out_dir: Path) -> Path:
             tmp.replace(target)
         finally:
             tmp.unlink(missing_ok=True)
-    # dist/ holds one build per platform: older overlay wheels of this pin would shadow it.
-    stem, tail = f"{up['package']}-{up['version']}+{up['label']}.", out_name.split("-", 2)[2]
-    for stale in out_dir.glob(f"{stem}*-{tail}"):
+    # dist/ holds one build of each package per platform: older overlay wheels (of this or
+    # an earlier pin) would shadow it in `pip install dist/*.whl`.
+    tail = out_name.split("-", 2)[2]
+    for stale in out_dir.glob(f"{dist}-*+{lock['upstream']['label']}.*-{tail}"):
         if stale.name != out_name:
             stale.unlink()
             log(f"[wheel] removed older build {stale.name}", 2)
-    log(f"[wheel] {target} ({version}, {len(files)} overlay files, "
-        f"{time.monotonic() - t0:.1f} s)")
     return target
 
 
@@ -466,34 +612,50 @@ def version_module(upstream: str, version: str) -> bytes:
 # ---------------------------------------------------------------------------------------------
 def cmd_check(args) -> int:
     lock = load_lock()
-    files = check_overlay(lock, fetch_wheel(lock, args.platform))
+    files = check_overlay(lock, fetch_wheels(lock, args.platform))
     byte_compile(files)
-    new = sum(1 for r in files if lock["overlay"][r].get("new") is True)
-    log(f"[check] ok: {len(files) - new} replaced and {new} new overlay files")
+    for key in pins(lock):
+        mine = [r for r in files if pin_of(lock, r) == key]
+        new = sum(1 for r in mine if lock["overlay"][r].get("new") is True)
+        log(f"[check] {lock[key]['package']} {lock[key]['version']}: ok, {len(mine) - new} "
+            f"replaced and {new} new overlay files")
     return 0
 
 
 def cmd_diff(args) -> int:
     lock = load_lock()
-    wheel = fetch_wheel(lock, args.platform)
+    wheels = fetch_wheels(lock, args.platform)
     wanted = {p.removeprefix("vllm_overlay/") for p in args.paths}
-    with zipfile.ZipFile(wheel) as zf:
-        for rel, entry in sorted(lock["overlay"].items()):
-            if entry.get("new") is True or (wanted and rel not in wanted):
-                continue
+    unknown = sorted(wanted - set(lock["overlay"]))
+    if unknown:
+        raise BuildError(f"not overlay files in upstream.lock: {', '.join(unknown)}", 2)
+    for rel, entry in sorted(lock["overlay"].items()):
+        if entry.get("new") is True or (wanted and rel not in wanted):
+            continue
+        with zipfile.ZipFile(wheels[pin_of(lock, rel)]) as zf:
             base = zf.read(rel).decode().splitlines(keepends=True)
-            ours = (OVERLAY / rel).read_text().splitlines(keepends=True)
-            sys.stdout.writelines(difflib.unified_diff(base, ours, f"a/{rel}", f"b/{rel}"))
+        ours = (OVERLAY / rel).read_text().splitlines(keepends=True)
+        sys.stdout.writelines(difflib.unified_diff(base, ours, f"a/{rel}", f"b/{rel}"))
     return 0
 
 
 def cmd_sdist(args) -> int:
-    print(fetch_sdist(load_lock()))
+    lock = load_lock()
+    key = next((k for k in pins(lock) if re.sub(r"[-_.]+", "-", lock[k]["package"]).lower()
+                == re.sub(r"[-_.]+", "-", args.package).lower()), None)
+    if key is None:
+        raise BuildError(f"upstream.lock pins no package {args.package!r} (pinned: "
+                         f"{', '.join(lock[k]['package'] for k in pins(lock))})", 2)
+    print(fetch_sdist(lock, key))
     return 0
 
 
 def cmd_wheel(args) -> int:
-    print(build_wheel(load_lock(), args.platform, Path(args.out).resolve()))
+    out = Path(args.out).resolve()
+    if out.exists() and not out.is_dir():
+        raise BuildError(f"--out {out}: exists and is not a directory", 2)
+    for wheel in build_wheels(load_lock(), args.platform, out):
+        print(wheel)
     return 0
 
 
@@ -524,8 +686,8 @@ def cmd_rebase(args) -> int:
     if args.resume or args.abort:
         return rebase.resume(abort=args.abort)
     if args.check:
-        return rebase.rebase(args.check, False, True, report)
-    return rebase.rebase(args.to, args.allow_conflicts, False, report)
+        return rebase.rebase(args.check, False, True, report, args.package)
+    return rebase.rebase(args.to, args.allow_conflicts, False, report, args.package)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -545,10 +707,12 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("diff", parents=[common], help="diff replaced files against upstream")
     p.add_argument("paths", nargs="*", help="overlay paths (vllm/...); default: all")
     p.set_defaults(func=cmd_diff)
-    p = sub.add_parser("sdist", parents=[common], help="fetch the pinned sdist, print its path")
+    p = sub.add_parser("sdist", parents=[common], help="fetch a pinned sdist, print its path")
+    p.add_argument("package", nargs="?", default="vllm", help="pinned package (default vllm)")
     p.set_defaults(func=cmd_sdist)
     p = sub.add_parser("bundle", parents=[common], help="offline install bundle")
-    p.add_argument("--wheel", required=True, help="the wheel to bundle (e.g. dist/vllm-*.whl)")
+    p.add_argument("--wheel", required=True, action="append",
+                   help="a wheel to bundle (e.g. dist/vllm-*.whl); give it again for each wheel")
     p.add_argument("--exclude-from", required=True,
                    help="`pip freeze` of the target: packages it already has")
     p.add_argument("--max-part", type=parse_size, default=parse_size("60M"))
@@ -562,6 +726,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default=str(ROOT / ".bundle"))
     p.set_defaults(func=cmd_bundle)
     p = sub.add_parser("rebase", parents=[common], help="carry the overlay onto another release")
+    p.add_argument("--package", default="vllm",
+                   help="the pinned upstream to move (default vllm; vllm-gguf-plugin for the "
+                        "GGUF plugin, pinned by its first rebase)")
     group = p.add_mutually_exclusive_group(required=True)
     group.add_argument("--to", metavar="X.Y.Z", help="merge the overlay onto this release")
     group.add_argument("--check", metavar="X.Y.Z|latest",
@@ -584,6 +751,10 @@ def main(argv: list[str] | None = None) -> int:
     except BuildError as e:
         print(f"build.py {args.command}: error: {e}", file=sys.stderr)
         return e.code
+    except BrokenPipeError:  # e.g. `build.py diff | head`: the reader has what it wanted
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 0
 
 
 if __name__ == "__main__":

@@ -1,11 +1,12 @@
 """`python build.py bundle`: an offline install bundle for an air-gapped host.
 
-The wheel plus the dependency wheels the host lacks, given its `pip freeze`: either the
-whole dependency closure as pip resolves it for the target (`pip install --dry-run
---report` against a stand-in environment holding the freeze's packages), or just the
-pins of `--only`. Members the host never loads can be dropped from the bundled wheel
-(`--drop`, RECORD rewritten). Output: a deterministic tar split into checksummed parts,
-`SHA256SUMS` and `install.sh`.
+The wheels (`--wheel`, once per wheel: the vLLM and the GGUF plugin overlay wheels) plus
+the dependency wheels the host lacks, given its `pip freeze`: either the whole dependency
+closure as pip resolves it for the target (`pip install --dry-run --report` against a
+stand-in environment holding the freeze's packages), or just the pins of `--only`.
+Members the host never loads can be dropped from the bundled wheels (`--drop`, RECORD
+rewritten; each pattern must match in some wheel). Output: a deterministic tar split into
+checksummed parts, `SHA256SUMS` and `install.sh`.
 """
 from __future__ import annotations
 
@@ -56,14 +57,16 @@ def pinned_lacking(only: Path, freeze: Path) -> list[str]:
     return [f"{n}=={v}" for n, v in sorted(wanted.items()) if have.get(n) != v]
 
 
-def resolve_lacking(wheel: Path, freeze: Path, target: list[str], tmp: Path) -> list[str]:
-    """The wheel's whole dependency closure for the target, minus what it has (pip's resolver
+def resolve_lacking(wheels: list[Path], freeze: Path, target: list[str],
+                    tmp: Path) -> list[str]:
+    """The wheels' whole dependency closure for the target, minus what it has (pip's resolver
     run against a stand-in environment holding the freeze's packages)."""
     python = fake_environment(freeze, tmp / "target")
     report = tmp / "report.json"
-    log(f"[bundle] resolving {wheel.name} against {freeze.name}")
+    log(f"[bundle] resolving {', '.join(w.name for w in wheels)} against {freeze.name}")
     res = subprocess.run([sys.executable, "-m", "pip", "--python", str(python), "install",
-                          "--dry-run", "--quiet", "--report", str(report), *target, str(wheel)],
+                          "--dry-run", "--quiet", "--report", str(report), *target,
+                          *map(str, wheels)],
                          capture_output=True, text=True)
     if "Can not use any platform or abi specific options" in res.stderr:
         raise BuildError("this pip cannot resolve for another platform without --target; "
@@ -77,14 +80,19 @@ def resolve_lacking(wheel: Path, freeze: Path, target: list[str], tmp: Path) -> 
             if not i.get("is_direct")]  # the wheel itself, given as a path
 
 
+def dropped_members(wheel: Path, patterns: list[str]) -> set[str]:
+    with zipfile.ZipFile(wheel) as zf:
+        return {n for n in zf.namelist() if any(fnmatch.fnmatch(n, p) for p in patterns)}
+
+
 def slim_wheel(src_path: Path, dst_path: Path, patterns: list[str]) -> None:
     """Copy a wheel without the members matching any glob; RECORD follows."""
+    dropped = dropped_members(src_path, patterns)
+    if not dropped:
+        shutil.copy2(src_path, dst_path)
+        return
     with zipfile.ZipFile(src_path) as src, zipfile.ZipFile(dst_path, "w") as dst:
         infos = src.infolist()
-        dropped = {i.filename for i in infos
-                   if any(fnmatch.fnmatch(i.filename, p) for p in patterns)}
-        if not dropped:
-            raise BuildError(f"--drop {patterns} matches nothing in {src_path.name}", b.EXIT_BUNDLE)
         for info in infos:
             if info.filename in dropped:
                 continue
@@ -101,26 +109,29 @@ def slim_wheel(src_path: Path, dst_path: Path, patterns: list[str]) -> None:
 
 
 def bundle(args) -> int:
-    wheel, freeze = Path(args.wheel).resolve(), Path(args.exclude_from).resolve()
-    for p in (wheel, freeze):
+    wheels_in = [Path(w).resolve() for w in args.wheel]
+    freeze = Path(args.exclude_from).resolve()
+    for p in (*wheels_in, freeze):
         if not p.is_file():
             raise BuildError(f"{p}: no such file", 2)
+    for pattern in args.drop:
+        if not any(dropped_members(w, [pattern]) for w in wheels_in):
+            raise BuildError(f"--drop {pattern!r} matches nothing in "
+                             f"{', '.join(w.name for w in wheels_in)}", b.EXIT_BUNDLE)
     out = Path(args.out).resolve()
     py = args.python_version
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         wheels = tmp / "bundle" / "wheels"
         wheels.mkdir(parents=True)
-        if args.drop:
+        for wheel in wheels_in:
             slim_wheel(wheel, wheels / wheel.name, args.drop)
-        else:
-            shutil.copy2(wheel, wheels / wheel.name)
         target = ["--only-binary=:all:", "--python-version", py, "--implementation", "cp",
                   *[a for p in args.platform for a in ("--platform", p)]]
         if args.only:
             needed = pinned_lacking(Path(args.only), freeze)
         else:
-            needed = resolve_lacking(wheel, freeze, target, tmp)
+            needed = resolve_lacking(wheels_in, freeze, target, tmp)
         log(f"[bundle] the target lacks {len(needed)} packages")
         if needed:
             reqs = tmp / "reqs.txt"

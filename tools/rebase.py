@@ -1,14 +1,21 @@
 """`python build.py rebase`: carry the overlay onto another upstream release.
 
-For every overlay file that replaces an upstream file: a three-way merge (`git merge-file`)
-with base = the file in the pinned upstream wheel, ours = the overlay file, theirs = the file
-in the new release's wheel. New overlay files are kept unless upstream now has a file at
-their path. upstream.lock gets the new pin (wheel and sdist sha256 as listed on the index)
-and new base hashes only when everything merged cleanly, or with --allow-conflicts.
-Conflicts are written with markers and the rebase waits, as `git rebase` does: resolve
-them, then `--continue` (moves the pin) or `--abort` (restores the overlay files).
-Files upstream deleted, or added at an overlay path, stop the rebase before anything
-is written.
+upstream.lock pins vLLM ([upstream]) and, optionally, vllm-gguf-plugin ([plugin]); a
+rebase moves one of them (`--package`, default vllm). For every overlay file of that
+package that replaces an upstream file: a three-way merge (`git merge-file`) with base =
+the file in the pinned upstream wheel, ours = the overlay file, theirs = the file in the
+new release's wheel. New overlay files are kept unless upstream now has a file at their
+path. upstream.lock gets the new pin (wheel and sdist sha256 as listed on the index) and
+new base hashes only when everything merged cleanly, or with --allow-conflicts. A package
+the lock does not pin yet is pinned by its first rebase (it has no overlay files then).
+
+Files that need a maintainer make the rebase wait, as `git rebase` does:
+- conflicts are written with markers: resolve them;
+- a replaced file upstream deleted: its change must move to where the mechanism lives now
+  (another upstream file, the plugin, a new file); then remove the overlay file;
+then `--continue` (moves the pin, drops the lock entries of overlay files the maintainer
+removed, reports added ones) or `--abort` (restores the overlay files and the lock). A new
+overlay file at a path upstream now has stops the rebase before anything is written.
 The report (text on stdout, JSON with --report) lists per file the result and hunks, and the
 upstream modules imported by overlay files that changed between the two releases.
 """
@@ -29,32 +36,42 @@ import build as b
 CONFLICT_RE = re.compile(r"^(<<<<<<< |>>>>>>> )", re.M)
 
 
+def normalized(package: str) -> str:
+    return re.sub(r"[-_.]+", "-", package).lower()
+
+
 def release_files(package: str, version: str, platforms: list[str]) -> dict:
     """sdist and per-platform wheel of `version` from the index, with their sha256."""
     files = b.index_files(package)
-    sdist = f"{package}-{version}.tar.gz"
-    if sdist not in files:
-        raise b.BuildError(f"{package} {version} is not on the package index (no {sdist})",
-                           b.EXIT_DOWNLOAD)
+    dist = b.dist_name(package)
+    sdists = [n for n in (f"{package}-{version}.tar.gz", f"{dist}-{version}.tar.gz")
+              if n in files]
+    if not sdists:
+        raise b.BuildError(f"{package} {version} is not on the package index (no "
+                           f"{dist}-{version}.tar.gz)", b.EXIT_DOWNLOAD)
     wheels = {}
     for plat in platforms:
-        plain = f"{package}-{version}-cp38-abi3-{plat}.whl"
-        tagged = sorted(n for n in files if n.startswith(f"{package}-{version}-")
+        plain = f"{dist}-{version}-cp38-abi3-{plat}.whl"
+        tagged = sorted(n for n in files if n.startswith(f"{dist}-{version}-")
                         and n.endswith(f"-{plat}.whl"))
         name = plain if plain in files else (tagged[0] if tagged else None)
         if name is None:
             raise b.BuildError(f"{package} {version} has no wheel for {plat} on the index",
                                b.EXIT_DOWNLOAD)
         wheels[plat] = {"filename": name, "sha256": files[name]["sha256"]}
+    sdist = sdists[0]
     return {"sdist": {"filename": sdist, "sha256": files[sdist]["sha256"]}, "wheels": wheels}
 
 
 def latest_version(package: str) -> str:
     versions = set()
+    names = (re.escape(package), re.escape(b.dist_name(package)))
     for name in b.index_files(package):
-        m = re.fullmatch(rf"{package}-(\d+(?:\.\d+)*)\.tar\.gz", name)
+        m = re.fullmatch(rf"(?:{'|'.join(names)})-(\d+(?:\.\d+)*)\.tar\.gz", name)
         if m:
             versions.add(m.group(1))
+    if not versions:
+        raise b.BuildError(f"no release of {package} on the package index", b.EXIT_DOWNLOAD)
     return max(versions, key=lambda v: tuple(int(x) for x in v.split(".")))
 
 
@@ -79,8 +96,8 @@ def hunks(a: str, b_: str) -> int:
     return sum(1 for op in ops if op[0] != "equal")
 
 
-def imported_modules(source: str, rel: str) -> set[str]:
-    """vllm.* modules a file imports (relative imports resolved against its path)."""
+def imported_modules(source: str, rel: str, top: str) -> set[str]:
+    """`top`.* modules a file imports (relative imports resolved against its path)."""
     package = rel[:-3].replace("/", ".").rsplit(".", 1)[0]
     found = set()
     for node in ast.walk(ast.parse(source)):
@@ -94,7 +111,7 @@ def imported_modules(source: str, rel: str) -> set[str]:
                 mod = node.module or ""
             found.add(mod)
             found |= {f"{mod}.{a.name}" for a in node.names}
-    return {m for m in found if m.split(".")[0] == "vllm"}
+    return {m for m in found if m.split(".")[0] == top}
 
 
 def module_file(module: str, names: set[str]) -> str | None:
@@ -105,30 +122,51 @@ def module_file(module: str, names: set[str]) -> str | None:
     return None
 
 
-def rebase(to: str, allow_conflicts: bool, dry_run: bool, report_path: Path | None) -> int:
+def pin_key(lock: dict, package: str) -> str:
+    """The lock table that pins `package`: [upstream] for vLLM, [plugin] for the other."""
+    for key in b.pins(lock):
+        if normalized(lock[key]["package"]) == normalized(package):
+            return key
+    if "plugin" in lock:
+        raise b.BuildError(f"upstream.lock pins {lock['upstream']['package']} and "
+                           f"{lock['plugin']['package']}; {package} would be a third upstream",
+                           b.EXIT_LOCK)
+    return "plugin"
+
+
+def rebase(to: str, allow_conflicts: bool, dry_run: bool, report_path: Path | None,
+           package: str = "vllm") -> int:
     if PENDING.exists() and not dry_run:
         raise b.BuildError("a rebase is in progress: resolve the conflicts and run "
                            "`build.py rebase --continue`, or `--abort`", b.EXIT_REBASE)
     lock = b.load_lock()
-    up = lock["upstream"]
+    key = pin_key(lock, package)
+    if key not in lock:
+        return pin_new(lock, key, package, to, dry_run, report_path)
+    up = lock[key]
+    top = b.module_name(up["package"])
     if to == "latest":
         to = latest_version(up["package"])
     if to == up["version"]:
         b.log(f"[rebase] already at {to}")
-    new = release_files(up["package"], to, sorted(up["wheels"]))
+    platforms = sorted(lock["upstream"]["wheels"])
+    new = release_files(up["package"], to, platforms)
     platform = b.DEFAULT_PLATFORM if b.DEFAULT_PLATFORM in up["wheels"] else sorted(up["wheels"])[0]
-    old_wheel = b.fetch_wheel(lock, platform)
+    old_wheel = b.fetch_wheel(lock, platform, key)
     new_wheel = b.fetch(up["package"], **new["wheels"][platform])
     b.fetch(up["package"], **new["sdist"])  # verify it too: the lock will pin it
 
-    files = b.overlay_files()
+    files = b.overlay_files(lock)
     results, writes = [], {}
     with zipfile.ZipFile(old_wheel) as old_zf, zipfile.ZipFile(new_wheel) as new_zf:
         old_names, new_names = set(old_zf.namelist()), set(new_zf.namelist())
         for rel, entry in sorted(lock["overlay"].items()):
+            mine = b.pin_of(lock, rel) == key
             ours = files[rel].read_text() if rel in files else None
             row = {"path": rel, "kind": "new" if entry.get("new") is True else "replaced"}
-            if ours is None:
+            if not mine:
+                row["result"] = "other-upstream"
+            elif ours is None:
                 row["result"] = "missing-in-overlay"
             elif row["kind"] == "new":
                 row["result"] = "added-upstream" if rel in new_names else "new"
@@ -156,8 +194,9 @@ def rebase(to: str, allow_conflicts: bool, dry_run: bool, report_path: Path | No
                     row["conflicts"] = conflicts
                     writes[rel] = merged
             if ours is not None:
+                # every overlay file that imports this upstream: re-test what changed under it
                 changed = []
-                for mod in sorted(imported_modules(ours, rel)):
+                for mod in sorted(imported_modules(ours, rel, top)):
                     path = module_file(mod, old_names | new_names)
                     if path is None or path == rel:
                         continue
@@ -168,33 +207,42 @@ def rebase(to: str, allow_conflicts: bool, dry_run: bool, report_path: Path | No
                 row["imports_changed_upstream"] = sorted(set(changed))
             results.append(row)
 
-    blocking = [r for r in results
-                if r["result"] in ("conflict", "deleted-upstream", "added-upstream",
-                                   "missing-in-overlay")]
-    report = {"from": up["version"], "to": to, "wheel": new["wheels"][platform],
-              "sdist": new["sdist"], "files": results, "clean": not blocking,
-              "lock_updated": False, "dry_run": dry_run}
-    structural = [r for r in blocking if r["result"] != "conflict"]
+    waiting = [r for r in results if r["result"] in ("conflict", "deleted-upstream")]
+    blocking = waiting + [r for r in results
+                          if r["result"] in ("added-upstream", "missing-in-overlay")]
+    report = {"package": up["package"], "from": up["version"], "to": to,
+              "wheel": new["wheels"][platform], "sdist": new["sdist"], "files": results,
+              "clean": not blocking, "lock_updated": False, "dry_run": dry_run}
+    structural = [r for r in blocking if r["result"] in ("added-upstream", "missing-in-overlay")]
     new_bases = {r["path"]: r["new_base_sha256"] for r in results if "new_base_sha256" in r}
-    # Files upstream deleted, or added at an overlay path, need a decision first:
-    # then nothing is written (unless --allow-conflicts).
+    # A new overlay file upstream now has, or a listed file that is gone, needs a decision
+    # first: then nothing is written (unless --allow-conflicts).
     if not dry_run and (not structural or allow_conflicts):
-        originals = {rel: files[rel].read_text() for rel in writes}
+        # what --abort puts back: every overlay file of this upstream (the maintainer may
+        # remove some while resolving)
+        originals = {rel: path.read_text() for rel, path in files.items()
+                     if b.pin_of(lock, rel) == key}
         for rel, text in writes.items():
             b.write_atomic(files[rel], text.encode())
         report["written"] = sorted(writes)
-        if blocking and not allow_conflicts:
-            # Conflicts only: like `git rebase`, resolve the markers, then --continue
-            # (or --abort to restore the overlay files).
-            state = {"to": to, "sdist": new["sdist"], "wheels": new["wheels"],
-                     "bases": new_bases, "originals": originals}
+        if waiting and not allow_conflicts:
+            # Like `git rebase`: resolve the markers and move deleted files' changes, then
+            # --continue (or --abort to restore the overlay files).
+            state = {"package": up["package"], "key": key, "to": to, "sdist": new["sdist"],
+                     "wheels": new["wheels"], "bases": new_bases, "originals": originals,
+                     "deleted": sorted(r["path"] for r in waiting
+                                       if r["result"] == "deleted-upstream"),
+                     "overlay": sorted(files), "lock": b.LOCK.read_text()}
             b.write_atomic(PENDING, (json.dumps(state, indent=1) + "\n").encode())
         else:
-            update_lock(lock, to, new["sdist"], new["wheels"], new_bases)
+            update_lock(lock, key, to, new["sdist"], new["wheels"], new_bases)
             report["lock_updated"] = True
 
-    print(f"rebase {up['version']} -> {to}{' (dry run)' if dry_run else ''}")
+    print(f"rebase {up['package']} {up['version']} -> {to}{' (dry run)' if dry_run else ''}")
     for r in results:
+        if r["result"] == "other-upstream":
+            if not r.get("imports_changed_upstream"):
+                continue
         extra = f", {r['conflicts']} conflicts" if r.get("conflicts") else ""
         hunk = (f" (overlay {r['hunks_ours']} hunks, upstream {r['hunks_upstream']} hunks{extra})"
                 if "hunks_ours" in r else "")
@@ -206,42 +254,96 @@ def rebase(to: str, allow_conflicts: bool, dry_run: bool, report_path: Path | No
     print(f"lock {'updated' if report['lock_updated'] else 'not updated'}"
           + ("" if not blocking else f"; {len(blocking)} file(s) need a maintainer"))
     if PENDING.exists() and not dry_run:
-        print("conflicts written with markers: resolve them, then `python build.py rebase "
-              "--continue` (or --abort)")
+        deleted = [r["path"] for r in waiting if r["result"] == "deleted-upstream"]
+        if any(r["result"] == "conflict" for r in waiting):
+            print("conflicts written with markers: resolve them")
+        if deleted:
+            print(f"deleted upstream: {', '.join(deleted)}: move each change to where its "
+                  f"mechanism lives now, then remove the overlay file")
+        print("then `python build.py rebase --continue` (or --abort)")
     if report_path:
         b.write_atomic(report_path, (json.dumps(report, indent=1) + "\n").encode())
     return 0 if not blocking else b.EXIT_REBASE
 
 
+def pin_new(lock: dict, key: str, package: str, to: str, dry_run: bool,
+            report_path: Path | None) -> int:
+    """First pin of a second upstream (no overlay files of it exist yet)."""
+    if to == "latest":
+        to = latest_version(package)
+    new = release_files(package, to, sorted(lock["upstream"]["wheels"]))
+    platform = b.DEFAULT_PLATFORM if b.DEFAULT_PLATFORM in new["wheels"] else sorted(new["wheels"])[0]
+    b.fetch(package, **new["wheels"][platform])
+    b.fetch(package, **new["sdist"])
+    report = {"package": package, "from": None, "to": to, "wheel": new["wheels"][platform],
+              "sdist": new["sdist"], "files": [], "clean": True, "lock_updated": False,
+              "dry_run": dry_run}
+    if not dry_run:
+        lock[key] = {"package": package, "version": to}
+        update_lock(lock, key, to, new["sdist"], new["wheels"], {})
+        report["lock_updated"] = True
+    print(f"rebase {package}: not pinned -> {to}{' (dry run)' if dry_run else ''}")
+    print(f"lock {'updated' if report['lock_updated'] else 'not updated'}; its overlay files go "
+          f"under vllm_overlay/{b.module_name(package)}/")
+    if report_path:
+        b.write_atomic(report_path, (json.dumps(report, indent=1) + "\n").encode())
+    return 0
+
+
 PENDING = b.ROOT / "rebase-pending.json"
 
 
-def update_lock(lock: dict, to: str, sdist: dict, wheels: dict, bases: dict) -> None:
-    lock["upstream"].update(version=to, sdist=sdist, wheels=wheels)
+def update_lock(lock: dict, key: str, to: str, sdist: dict, wheels: dict, bases: dict,
+                dropped: tuple[str, ...] = ()) -> None:
+    lock[key].update(version=to, sdist=sdist, wheels=wheels)
     for rel, sha in bases.items():
-        lock["overlay"][rel]["base_sha256"] = sha
+        if rel in lock["overlay"]:
+            lock["overlay"][rel]["base_sha256"] = sha
+    for rel in dropped:
+        lock["overlay"].pop(rel, None)
     b.write_atomic(b.LOCK, dump_lock(lock).encode())
 
 
 def resume(abort: bool) -> int:
-    """--continue: the conflicts are resolved, move the pin; --abort: restore the files."""
+    """--continue: conflicts resolved and deleted files' changes moved: move the pin;
+    --abort: restore the overlay files (and put back any the maintainer removed)."""
     if not PENDING.exists():
         raise b.BuildError("no rebase in progress", b.EXIT_REBASE)
     state = json.loads(PENDING.read_text())
-    files = b.overlay_files()
+    lock = b.load_lock()
+    files = b.overlay_files(lock)
     if abort:
         for rel, text in state["originals"].items():
-            b.write_atomic(files[rel], text.encode())
+            path = b.OVERLAY / rel
+            path.parent.mkdir(parents=True, exist_ok=True)
+            b.write_atomic(path, text.encode())
+        b.write_atomic(b.LOCK, state["lock"].encode())
         PENDING.unlink()
-        b.log(f"[rebase] aborted; {len(state['originals'])} overlay files restored")
+        b.log(f"[rebase] aborted; {len(state['originals'])} overlay files and the lock restored")
         return 0
-    left = [rel for rel in state["originals"]
-            if CONFLICT_RE.search(files[rel].read_text())]
+    left = [rel for rel in state["bases"]
+            if rel in files and CONFLICT_RE.search(files[rel].read_text())]
     if left:
         raise b.BuildError("unresolved conflict markers in: " + ", ".join(left), b.EXIT_REBASE)
-    update_lock(b.load_lock(), state["to"], state["sdist"], state["wheels"], state["bases"])
+    kept = [rel for rel in state["deleted"] if rel in files]
+    if kept:
+        raise b.BuildError(
+            "deleted upstream, still in the overlay: " + ", ".join(kept) + " (move the change "
+            "to where its mechanism lives now and remove the file)", b.EXIT_REBASE)
+    key = state["key"]
+    mine = [rel for rel in lock["overlay"] if b.pin_of(lock, rel) == key]
+    dropped = tuple(sorted(rel for rel in mine if rel not in files))
+    added = sorted(rel for rel in files if rel not in lock["overlay"])
+    update_lock(lock, key, state["to"], state["sdist"], state["wheels"],
+                {rel: sha for rel, sha in state["bases"].items() if rel not in dropped},
+                dropped)
     PENDING.unlink()
-    b.log(f"[rebase] upstream.lock now pins {state['to']}; run `python build.py check`")
+    for rel in dropped:
+        b.log(f"[rebase] no longer in the overlay: {rel} (lock entry removed)")
+    for rel in added:
+        b.log(f"[rebase] not in upstream.lock yet: {rel} (`build.py check` names its entry)")
+    b.log(f"[rebase] upstream.lock now pins {state['package']} {state['to']}; run "
+          f"`python build.py check`")
     return 0
 
 
@@ -249,33 +351,39 @@ def toml_str(value: str) -> str:
     return json.dumps(value)  # TOML basic strings share JSON's escapes for what we store
 
 
-def dump_lock(lock: dict) -> str:
-    up = lock["upstream"]
-    out = [
-        "# The pinned upstream vLLM release and the base of every overlay file.",
-        "# `python build.py check` verifies this file against vllm_overlay/ and the pinned wheel;",
-        "# `python build.py rebase --to X.Y.Z` rewrites it. Hashes are sha256 of the files on the"
-        " package index.",
-        "",
-        "[upstream]",
-        f"package = {toml_str(up['package'])}",
-        f"version = {toml_str(up['version'])}",
-        "# PEP 440 local label: the overlay wheel is <version>+<label>.<overlay digest>",
-        f"label = {toml_str(up['label'])}",
-        "",
-        "[upstream.sdist]",
-        f"filename = {toml_str(up['sdist']['filename'])}",
-        f"sha256 = {toml_str(up['sdist']['sha256'])}",
-    ]
-    for plat, wheel in sorted(up["wheels"].items()):
-        out += ["", f"[upstream.wheels.{plat}]", f"filename = {toml_str(wheel['filename'])}",
+def dump_pin(out: list[str], key: str, pin: dict, label: str | None = None) -> None:
+    out += [f"[{key}]", f"package = {toml_str(pin['package'])}",
+            f"version = {toml_str(pin['version'])}"]
+    if label is not None:
+        out += ["# PEP 440 local label: the overlay wheels are <version>+<label>.<overlay digest>",
+                f"label = {toml_str(label)}"]
+    out += ["", f"[{key}.sdist]", f"filename = {toml_str(pin['sdist']['filename'])}",
+            f"sha256 = {toml_str(pin['sdist']['sha256'])}"]
+    for plat, wheel in sorted(pin["wheels"].items()):
+        out += ["", f"[{key}.wheels.{plat}]", f"filename = {toml_str(wheel['filename'])}",
                 f"sha256 = {toml_str(wheel['sha256'])}"]
-    out += ["", "# Requirements of the overlay wheel that differ from upstream's METADATA "
+
+
+def dump_lock(lock: dict) -> str:
+    out = [
+        "# The pinned upstream releases and the base of every overlay file.",
+        "# `python build.py check` verifies this file against vllm_overlay/ and the pinned wheels;",
+        "# `python build.py rebase [--package P] --to X.Y.Z` rewrites it.",
+        "# Hashes are sha256 of the files on the package index.",
+        "",
+    ]
+    dump_pin(out, "upstream", lock["upstream"], lock["upstream"]["label"])
+    if "plugin" in lock:
+        out += ["", "# vLLM's GGUF support (out of tree since vLLM 0.24): its overlay files live "
+                "under", "# vllm_overlay/<its package>/; the two overlay wheels require each "
+                "other exactly."]
+        dump_pin(out, "plugin", lock["plugin"])
+    out += ["", "# Requirements of the vLLM overlay wheel that differ from upstream's METADATA "
             "(by project name).", "[requires]"]
     out += [f"{k} = {toml_str(v)}" for k, v in sorted(lock["requires"].items())]
-    out += ["", "# Overlay files, by their path in the wheel. A file that replaces an upstream "
-            "file records the sha256", "# of the upstream file it was made from (base_sha256); "
-            "a file upstream does not have is new = true."]
+    out += ["", "# Overlay files, by their path in their upstream's wheel. A file that replaces an"
+            " upstream file records", "# the sha256 of the upstream file it was made from "
+            "(base_sha256); a file upstream does not have is new = true."]
     for rel, entry in sorted(lock["overlay"].items()):
         out += ["", f"[overlay.{toml_str(rel)}]"]
         out += ["new = true"] if entry.get("new") is True else \

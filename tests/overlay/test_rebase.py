@@ -33,10 +33,16 @@ def overlay_snapshot(proj: Path) -> dict[str, bytes]:
             for p in sorted((proj / "vllm_overlay").rglob("*.py"))}
 
 
+def run_build_env(proj, env, *args):
+    return subprocess.run([sys.executable, "build.py", *args], cwd=proj, env=env,
+                          capture_output=True, text=True)
+
+
 # --------------------------------------------------------------------------------------
 # Real releases
 # --------------------------------------------------------------------------------------
-GGUF_LOADER = "vllm/model_executor/model_loader/gguf_loader.py"
+INDEXER = "vllm/model_executor/layers/sparse_attn_indexer.py"
+MERGED = {"clean", "upstream-unchanged", "new", "other-upstream"}
 
 
 def drop_overlay_file(proj: Path, rel: str) -> None:
@@ -48,36 +54,43 @@ def drop_overlay_file(proj: Path, rel: str) -> None:
     (proj / "upstream.lock").write_text(lock[:start] + (lock[end + 1:] if end > 0 else ""))
 
 
-def test_0_22_1_conflicts_in_gguf_loader_and_abort_restores(tmp_path):
-    """0.23.0 -> 0.22.1 with the real overlay: 0.23.0 reworked the GGUF shard
-    discovery our gguf_loader.py hunk extends, so that file conflicts and every
-    other file merges; the rebase stops with markers and --abort restores the
-    overlay and the lock byte for byte."""
+def test_0_25_0_conflicts_in_the_indexer_and_abort_restores(tmp_path):
+    """0.26.0 -> 0.25.0 with the real overlay: 0.26.0 reworked the sparse indexer op our
+    hunks extend (DCP merge, empty local chunks), so that file conflicts and every other
+    vLLM file merges; the plugin's files are another upstream's and stay as they are. The
+    rebase stops with markers and --abort restores the overlay and the lock byte for
+    byte."""
     proj = copy_project(tmp_path / "proj")
     lock0, files0 = (proj / "upstream.lock").read_text(), overlay_snapshot(proj)
-    res = run_build("rebase", "--to", "0.22.1", "--report", str(tmp_path / "r.json"), cwd=proj)
+    res = run_build("rebase", "--to", "0.25.0", "--report", str(tmp_path / "r.json"), cwd=proj)
     assert res.returncode == 7, res.stdout + res.stderr
     report = json.loads((tmp_path / "r.json").read_text())
     results = {f["path"]: f["result"] for f in report["files"]}
-    assert results.pop(GGUF_LOADER) == "conflict"
-    assert set(results.values()) <= {"clean", "upstream-unchanged", "new"}, results
+    assert results.pop(INDEXER) == "conflict"
+    assert set(results.values()) <= MERGED, results
+    assert {r for r, v in results.items() if v == "other-upstream"} == {
+        r for r in results if r.startswith("vllm_gguf_plugin/")}
     assert not report["lock_updated"]
-    assert "<<<<<<<" in (proj / "vllm_overlay" / GGUF_LOADER).read_text()
+    assert "<<<<<<<" in (proj / "vllm_overlay" / INDEXER).read_text()
     assert (proj / "upstream.lock").read_text() == lock0
+    # The report names what the backend relies on that changed upstream.
+    backend = next(f for f in report["files"] if f["path"].endswith("triton_mla_sparse.py"))
+    assert backend["imports_changed_upstream"]
     back = run_build("rebase", "--abort", cwd=proj)
     assert back.returncode == 0, back.stdout + back.stderr
     assert (proj / "upstream.lock").read_text() == lock0
     assert overlay_snapshot(proj) == files0
 
 
-def test_round_trip_0_22_1(tmp_path):
-    """Without the conflicting file, 0.23.0 -> 0.22.1 merges cleanly and moves the
-    pin; back to 0.23.0 restores the overlay and the lock byte for byte."""
+def test_round_trip_0_25_0(tmp_path):
+    """Without the conflicting file, 0.26.0 -> 0.25.0 merges cleanly and moves the vLLM
+    pin (the plugin's stays); back to 0.26.0 restores the overlay and the lock byte for
+    byte."""
     proj = copy_project(tmp_path / "proj")
-    drop_overlay_file(proj, GGUF_LOADER)
+    drop_overlay_file(proj, INDEXER)
     assert run_build("check", cwd=proj).returncode == 0
     lock0, files0 = (proj / "upstream.lock").read_text(), overlay_snapshot(proj)
-    res = run_build("rebase", "--to", "0.22.1", "--report", str(tmp_path / "r.json"), cwd=proj)
+    res = run_build("rebase", "--to", "0.25.0", "--report", str(tmp_path / "r.json"), cwd=proj)
     assert res.returncode == 0, res.stdout + res.stderr
     report = json.loads((tmp_path / "r.json").read_text())
     assert report["clean"] and report["lock_updated"]
@@ -85,38 +98,18 @@ def test_round_trip_0_22_1(tmp_path):
     assert results["vllm/platforms/cuda.py"] in ("clean", "upstream-unchanged")
     assert results["vllm/v1/attention/backends/mla/triton_mla_sparse.py"] == "new"
     lock = tomllib.loads((proj / "upstream.lock").read_text())
-    assert lock["upstream"]["version"] == "0.22.1"
-    assert lock["upstream"]["sdist"]["filename"] == "vllm-0.22.1.tar.gz"
+    assert lock["upstream"]["version"] == "0.25.0"
+    assert lock["plugin"] == tomllib.loads(lock0)["plugin"]
+    assert lock["upstream"]["sdist"]["filename"] == "vllm-0.25.0.tar.gz"
     assert lock["upstream"]["wheels"]["manylinux_2_28_x86_64"]["sha256"] == report["wheel"]["sha256"]
     cuda = (proj / "vllm_overlay/vllm/platforms/cuda.py").read_text()
-    assert cuda.count("AttentionBackendEnum.TRITON_MLA_SPARSE,") == 2
+    assert cuda.count("AttentionBackendEnum.TRITON_MLA_SPARSE,") == 3
     check = run_build("check", cwd=proj)
     assert check.returncode == 0, check.stderr
-    back = run_build("rebase", "--to", "0.23.0", cwd=proj)
+    back = run_build("rebase", "--to", "0.26.0", cwd=proj)
     assert back.returncode == 0, back.stdout + back.stderr
     assert (proj / "upstream.lock").read_text() == lock0
     assert overlay_snapshot(proj) == files0
-
-
-def test_0_24_0_reports_deleted_gguf_loader(tmp_path):
-    """vLLM 0.24.0 deleted the GGUF loader and GGUF quantization our overlay
-    replaces: both are reported, and nothing is written (no half-rebased tree)."""
-    proj = copy_project(tmp_path / "proj")
-    lock0, files0 = (proj / "upstream.lock").read_text(), overlay_snapshot(proj)
-    res = run_build("rebase", "--to", "0.24.0", "--report", str(tmp_path / "r.json"), cwd=proj)
-    assert res.returncode == 7, res.stdout + res.stderr
-    assert f"deleted-upstream     {GGUF_LOADER}" in res.stdout
-    report = json.loads((tmp_path / "r.json").read_text())
-    results = {f["path"]: f["result"] for f in report["files"]}
-    assert results[GGUF_LOADER] == "deleted-upstream"
-    assert results["vllm/model_executor/layers/quantization/gguf.py"] == "deleted-upstream"
-    assert not report["lock_updated"] and "written" not in report
-    assert (proj / "upstream.lock").read_text() == lock0
-    assert overlay_snapshot(proj) == files0
-    # The report names what the backend relies on that changed upstream.
-    backend = next(f for f in report["files"]
-                   if f["path"].endswith("triton_mla_sparse.py"))
-    assert "vllm/v1/attention/backend.py" in backend["imports_changed_upstream"]
 
 
 # --------------------------------------------------------------------------------------
@@ -127,7 +120,18 @@ OURS = "a = 1\n# overlay: b matters\nb = 20\nc = 3\nd = 4\n"
 
 
 def synthetic(tmp_path, new_files: dict[str, str]):
-    """Project pinned to synthetic 0.23.0 with vllm/mod.py replaced; index with 0.23.1."""
+    """Project pinned to synthetic 0.23.0 with vllm/mod.py replaced; index with 0.23.1,
+    and vllm-gguf-plugin 0.0.3 (not pinned)."""
+    plugin_index = tmp_path / "index" / "vllm-gguf-plugin"
+    plugin_index.mkdir(parents=True)
+    plugin_wheel = plugin_index / "vllm_gguf_plugin-0.0.3-cp310-abi3-manylinux_2_28_x86_64.whl"
+    make_wheel(plugin_wheel, "0.0.3", {"vllm_gguf_plugin/__init__.py": "",
+                                       "vllm_gguf_plugin/mod.py": BASE},
+               name="vllm-gguf-plugin")
+    (plugin_index / "vllm_gguf_plugin-0.0.3.tar.gz").write_bytes(b"plugin sdist")
+    (plugin_index / "index.json").write_text(json.dumps({"files": [
+        {"filename": p.name, "url": p.name, "hashes": {"sha256": sha256(p)}}
+        for p in sorted(plugin_index.iterdir()) if p.suffix != ".json"]}))
     index = tmp_path / "index" / "vllm"
     index.mkdir(parents=True)
     common = {"vllm/__init__.py": "", "vllm/_version.py":
@@ -234,21 +238,91 @@ def test_synthetic_allow_conflicts_moves_pin(tmp_path):
     assert not (proj / "rebase-pending.json").exists()
 
 
-@pytest.mark.parametrize("change,result", [
-    ({"vllm/mod.py": BASE, "vllm/extra.py": "y = 2\n"}, "added-upstream"),
-    ({"vllm/renamed/mod.py": BASE}, "deleted-upstream"),
-])
-def test_synthetic_structural_changes(tmp_path, change, result):
-    proj, env = synthetic(tmp_path, change)
+def test_synthetic_added_upstream_stops(tmp_path):
+    """A new overlay file at a path the release now has: nothing is written."""
+    proj, env = synthetic(tmp_path, {"vllm/mod.py": BASE, "vllm/extra.py": "y = 2\n"})
     lock0, files0 = (proj / "upstream.lock").read_text(), overlay_snapshot(proj)
     res = rebase(proj, env, "--to", "0.23.1", "--report", str(tmp_path / "r.json"))
-    assert res.returncode == 7 and result in res.stdout
+    assert res.returncode == 7 and "added-upstream" in res.stdout
     report = json.loads((tmp_path / "r.json").read_text())
-    assert result in {f["result"] for f in report["files"]}
-    if result == "deleted-upstream":
-        assert "vllm/renamed/mod.py" in res.stdout  # a rename candidate is named
+    assert "added-upstream" in {f["result"] for f in report["files"]}
+    assert not (proj / "rebase-pending.json").exists()
     assert (proj / "upstream.lock").read_text() == lock0
     assert overlay_snapshot(proj) == files0
+
+
+def test_synthetic_deleted_upstream_waits_for_the_move(tmp_path):
+    """The release deleted the file vllm/mod.py replaces (its code moved to
+    vllm/renamed/mod.py): the rebase waits, as for conflicts, until the maintainer has
+    moved the change to where it lives now and removed the old overlay file; then
+    --continue moves the pin and drops the old file's lock entry, and `check` names the
+    entry the new file needs (its base: the new release's file)."""
+    proj, env = synthetic(tmp_path, {"vllm/renamed/mod.py": BASE})
+    lock0 = (proj / "upstream.lock").read_text()
+    res = rebase(proj, env, "--to", "0.23.1", "--report", str(tmp_path / "r.json"))
+    assert res.returncode == 7, res.stdout + res.stderr
+    assert "deleted-upstream     vllm/mod.py" in res.stdout
+    assert "new upstream files of the same name: vllm/renamed/mod.py" in res.stdout
+    assert "move each change to where its mechanism lives now" in res.stdout
+    assert (proj / "rebase-pending.json").exists()
+    assert (proj / "upstream.lock").read_text() == lock0
+    early = rebase(proj, env, "--continue")
+    assert early.returncode == 7
+    assert "deleted upstream, still in the overlay: vllm/mod.py" in early.stderr
+    (proj / "vllm_overlay/vllm/renamed").mkdir()
+    (proj / "vllm_overlay/vllm/renamed/mod.py").write_text(OURS)
+    (proj / "vllm_overlay/vllm/mod.py").unlink()
+    res = rebase(proj, env, "--continue")
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "no longer in the overlay: vllm/mod.py (lock entry removed)" in res.stderr
+    assert "not in upstream.lock yet: vllm/renamed/mod.py" in res.stderr
+    lock = tomllib.loads((proj / "upstream.lock").read_text())
+    assert lock["upstream"]["version"] == "0.23.1" and "vllm/mod.py" not in lock["overlay"]
+    check = subprocess.run([sys.executable, "build.py", "check"], cwd=proj, env=env,
+                           capture_output=True, text=True)
+    sha = hashlib.sha256(BASE.encode()).hexdigest()
+    assert check.returncode == 5
+    assert f'[overlay."vllm/renamed/mod.py"] base_sha256 = "{sha}"' in check.stderr
+
+
+def test_synthetic_deleted_upstream_abort(tmp_path):
+    """--abort after the maintainer removed files puts back every overlay file and the
+    lock."""
+    proj, env = synthetic(tmp_path, {"vllm/renamed/mod.py": BASE})
+    lock0, files0 = (proj / "upstream.lock").read_text(), overlay_snapshot(proj)
+    assert rebase(proj, env, "--to", "0.23.1").returncode == 7
+    (proj / "vllm_overlay/vllm/mod.py").unlink()
+    res = rebase(proj, env, "--abort")
+    assert res.returncode == 0, res.stderr
+    assert overlay_snapshot(proj) == files0 and (proj / "upstream.lock").read_text() == lock0
+    assert not (proj / "rebase-pending.json").exists()
+
+
+def test_synthetic_pin_a_second_upstream(tmp_path):
+    """`rebase --package vllm-gguf-plugin --to 0.0.3` pins the plugin beside vLLM (its
+    wheel and sdist checked against the index); its overlay files then go under
+    vllm_overlay/vllm_gguf_plugin/ and are checked against its wheel."""
+    proj, env = synthetic(tmp_path, {"vllm/mod.py": BASE})
+    res = rebase(proj, env, "--package", "vllm-gguf-plugin", "--to", "0.0.3")
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "rebase vllm-gguf-plugin: not pinned -> 0.0.3" in res.stdout
+    lock = tomllib.loads((proj / "upstream.lock").read_text())
+    assert lock["upstream"]["version"] == "0.23.0"
+    assert lock["plugin"]["package"] == "vllm-gguf-plugin"
+    assert lock["plugin"]["wheels"]["manylinux_2_28_x86_64"]["filename"] == \
+        "vllm_gguf_plugin-0.0.3-cp310-abi3-manylinux_2_28_x86_64.whl"
+    assert lock["plugin"]["sdist"]["filename"] == "vllm_gguf_plugin-0.0.3.tar.gz"
+    (proj / "vllm_overlay/vllm_gguf_plugin").mkdir()
+    (proj / "vllm_overlay/vllm_gguf_plugin/mod.py").write_text(OURS)
+    sha = hashlib.sha256(BASE.encode()).hexdigest()
+    with open(proj / "upstream.lock", "a") as f:
+        f.write(f'\n[overlay."vllm_gguf_plugin/mod.py"]\nbase_sha256 = "{sha}"\n')
+    check = subprocess.run([sys.executable, "build.py", "check"], cwd=proj, env=env,
+                           capture_output=True, text=True)
+    assert check.returncode == 0, check.stderr
+    assert "vllm-gguf-plugin 0.0.3: ok, 1 replaced" in check.stderr
+    third = rebase(proj, env, "--package", "other-plugin", "--to", "1.0")
+    assert third.returncode == 5 and "would be a third upstream" in third.stderr
 
 
 def test_unknown_release(tmp_path):
