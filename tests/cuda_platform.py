@@ -9,14 +9,18 @@ import types
 def import_cuda_platform():
     """Return `vllm.platforms.cuda`.
 
-    It imports vllm._C and vllm._C_stable_libtorch only to register kernels; both
-    link libcuda.so.1, absent on CPU-only machines. Tests that mock the device
-    (capability, selection, configuration) run no kernel, so there the two
-    extensions are replaced by empty modules; any other import error is raised.
+    It imports its compiled extensions (vllm._C_stable_libtorch; vllm._C before
+    0.24) only to register kernels; they link libcuda.so.1, absent on CPU-only
+    machines. Tests that mock the device (capability, selection, configuration) run
+    no kernel, so there the extensions are replaced by empty modules; any other
+    import error is raised.
     """
-    for name in ("vllm._C", "vllm._C_stable_libtorch"):
+    for name in ("vllm._C", "vllm._C_stable_libtorch", "vllm._moe_C_stable_libtorch"):
         try:
             importlib.import_module(name)
+        except ModuleNotFoundError as e:
+            if e.name != name:
+                raise  # the wheel has it, something it needs is missing
         except ImportError as e:
             if "libcuda" not in str(e):
                 raise

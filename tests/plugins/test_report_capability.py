@@ -36,11 +36,23 @@ def test_reports_the_capability(cuda_platform, monkeypatch):
     assert tsm.device_capability(0) == 120  # the sparse MLA launch table's view
     assert cuda_platform.has_device_capability(100)
     assert not cuda_platform.is_device_capability(90)
-    # the GGUF dtype rule and the indexer choice read it
+    # the GGUF dtype rule and the indexer choice read it: since vLLM 0.26 the
+    # platform supports DeepGEMM on SM120 (support_deep_gemm), whose vendored
+    # DeepGEMM has SM120 indexer kernels; as on SM89 the Triton kernels run.
+    from vllm.utils.import_utils import has_deep_gemm
     from vllm.v1.attention.ops import triton_indexer_logits as il
 
+    # (imported here after an engine's platform resolved to CUDA: the same object)
+    monkeypatch.setattr(il, "current_platform", cuda_platform)
     il.indexer_logits_backend.cache_clear()
     monkeypatch.delenv("VLLM_SPARSE_INDEXER_LOGITS", raising=False)
+    assert cuda_platform.support_deep_gemm()
+    assert il.indexer_logits_backend() == ("deepgemm" if has_deep_gemm() else "triton")
+    il.indexer_logits_backend.cache_clear()
+    monkeypatch.setenv(hook.ENV, "8.9")
+    hook.register()
+    assert cuda_platform.get_device_capability().to_int() == 89
+    assert tsm.device_capability(0) == 89
     assert il.indexer_logits_backend() == "triton"
     il.indexer_logits_backend.cache_clear()
 

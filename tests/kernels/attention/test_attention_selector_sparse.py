@@ -1,11 +1,26 @@
 # SPDX-License-Identifier: Apache-2.0
 """Sparse MLA backend selection on every CUDA generation, without a GPU.
 
-The CUDA platform's selection runs with a mocked device capability. The
-reference for "nothing else changed" is the same selection with
-TRITON_MLA_SPARSE removed from the priority lists, i.e. upstream's lists.
+vLLM's CUDA platform selection runs with a mocked device capability, once as
+installed (the overlay's `vllm/platforms/cuda.py`, whose priority lists end in
+TRITON_MLA_SPARSE) and once as upstream ships it: `vllm/platforms/cuda.py` of
+the vLLM wheel pinned in upstream.lock, loaded as a module of its own. Both
+validate the same backend classes, so wherever upstream finds a valid backend
+ours must pick the same one, and TRITON_MLA_SPARSE may appear only where
+upstream finds none.
+
+The selection depends on what the environment offers (which backend modules
+import, FlashAttention's MLA support, FlashInfer's SM120 sparse decode API),
+so it runs twice: in this environment, and "as on a GPU host", where those
+availability probes report every upstream kernel present.
 """
 
+import itertools
+import sys
+import types
+import zipfile
+from pathlib import Path
+from types import SimpleNamespace
 from unittest.mock import patch
 
 import pytest
@@ -18,15 +33,17 @@ from vllm.v1.attention.selector import AttentionSelectorConfig
 
 from cuda_platform import import_cuda_platform
 
+ROOT = Path(__file__).resolve().parents[3]
+
 
 def _unimportable_backends() -> dict[AttentionBackendEnum, str]:
     """Backends whose module cannot be imported in this environment.
 
     On a CPU-only machine some backend modules touch the GPU at import time
-    (FlashInfer MLA allocates a CUDA workspace, CUTLASS MLA counts SMs) and
-    raise RuntimeError instead of ImportError. The selector treats ImportError
-    as "invalid"; `select` below maps these modules to ImportError so that the
-    selection walks past them the same way. On a GPU host this set is empty.
+    (CUTLASS MLA counts SMs) and raise RuntimeError instead of ImportError. The
+    selector treats ImportError as "invalid"; `select` below maps these modules
+    to ImportError so that the selection walks past them the same way. On a GPU
+    host this set is empty.
     """
     broken = {}
     for backend in AttentionBackendEnum:
@@ -39,19 +56,43 @@ def _unimportable_backends() -> dict[AttentionBackendEnum, str]:
     return broken
 
 
+def _upstream_cuda_module(cuda: types.ModuleType) -> types.ModuleType:
+    """`vllm/platforms/cuda.py` of the pinned upstream wheel, as a module of its
+    own beside the installed one (same package, so its relative imports and the
+    backend registry it validates are the installed ones)."""
+    sys.path.insert(0, str(ROOT))
+    try:
+        import build
+    finally:
+        sys.path.remove(str(ROOT))
+    lock = build.load_lock()
+    wheel = build.fetch_wheel(lock, build.DEFAULT_PLATFORM)
+    with zipfile.ZipFile(wheel) as zf:
+        source = zf.read("vllm/platforms/cuda.py").decode()
+    name = "vllm.platforms._upstream_cuda"
+    module = types.ModuleType(name)
+    module.__package__ = cuda.__package__
+    module.__file__ = f"{wheel}/vllm/platforms/cuda.py"
+    sys.modules[name] = module
+    exec(compile(source, module.__file__, "exec"), module.__dict__)
+    return module
+
+
 cuda = import_cuda_platform()
-CudaPlatform = cuda.CudaPlatform
+upstream_cuda = _upstream_cuda_module(cuda)
 UNIMPORTABLE = _unimportable_backends()
 CAPABILITIES = [(8, 0), (8, 6), (8, 9), (9, 0), (10, 0), (12, 0), (12, 1)]
-NATIVE_SPARSE_MAJORS = {9, 10}
-KV_DTYPES = ["auto", "bfloat16", "fp8"]
+KV_DTYPES = ["auto", "bfloat16", "float16", "fp8", "fp8_e4m3", "fp8_ds_mla"]
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 SPARSE = AttentionBackendEnum.TRITON_MLA_SPARSE
+NO_BACKEND = "ValueError: No valid attention backend"
 
 
-def selector_config(use_sparse: bool, kv_cache_dtype: str, use_mla: bool = True):
+def selector_config(use_sparse, kv_cache_dtype, use_mla=True, dtype=torch.bfloat16,
+                    use_batch_invariant=False):
     return AttentionSelectorConfig(
         head_size=576 if use_mla else 128,
-        dtype=torch.bfloat16,
+        dtype=dtype,
         kv_cache_dtype=kv_cache_dtype,
         block_size=None,
         use_mla=use_mla,
@@ -60,18 +101,26 @@ def selector_config(use_sparse: bool, kv_cache_dtype: str, use_mla: bool = True)
         use_mm_prefix=False,
         use_per_head_quant_scales=False,
         attn_type="decoder",
+        use_batch_invariant=use_batch_invariant,
     )
 
 
-def select(capability, config, selected=None, num_heads=64, upstream=False):
-    """Backend class path chosen by CudaPlatform, or the ValueError text."""
-    cuda._get_backend_priorities.cache_clear()
-    original = cuda._get_backend_priorities.__wrapped__
+def glm5_model_config(index_topk: int = 2048):
+    """What the sparse backends read of the model config: GLM-5's MLA dims."""
+    hf = SimpleNamespace(
+        model_type="glm_moe_dsa",
+        index_topk=index_topk,
+        kv_lora_rank=512,
+        qk_nope_head_dim=192,
+        qk_rope_head_dim=64,
+        v_head_dim=256,
+    )
+    return SimpleNamespace(hf_config=hf, hf_text_config=hf)
 
-    def priorities(*args, **kwargs):
-        backends = original(*args, **kwargs)
-        return [b for b in backends if b != SPARSE] if upstream else backends
 
+def select(platform, capability, config, selected=None, num_heads=64):
+    """Backend class path chosen by `platform`, or the ValueError text."""
+    capability = DeviceCapability(*capability)
     real_get_class = AttentionBackendEnum.get_class
 
     def get_class(self):
@@ -79,17 +128,15 @@ def select(capability, config, selected=None, num_heads=64, upstream=False):
             raise ImportError(UNIMPORTABLE[self])
         return real_get_class(self)
 
+    reported = classmethod(lambda cls, device_id=0: capability)
     with (
-        patch.object(
-            CudaPlatform,
-            "get_device_capability",
-            classmethod(lambda cls, device_id=0: DeviceCapability(*capability)),
-        ),
-        patch.object(cuda, "_get_backend_priorities", priorities),
+        # the platform that selects, and the current one that backends consult
+        patch.object(platform, "get_device_capability", reported),
+        patch.object(cuda.CudaPlatform, "get_device_capability", reported),
         patch.object(AttentionBackendEnum, "get_class", get_class),
     ):
         try:
-            return CudaPlatform.get_attn_backend_cls(selected, config, num_heads)
+            return platform.get_attn_backend_cls(selected, config, num_heads)
         except ValueError as e:
             return f"ValueError: {e}"
 
@@ -99,60 +146,158 @@ def cuda_platform_config():
     """The CUDA platform as current platform, and a default VllmConfig."""
     from vllm.config import VllmConfig, set_current_vllm_config
 
-    with patch("vllm.platforms.current_platform", CudaPlatform()):
+    with patch("vllm.platforms.current_platform", cuda.CudaPlatform()):
         config = VllmConfig()
         with set_current_vllm_config(config):
             yield config
 
 
-def test_sparse_backends_importable():
-    # The sparse selection below is exact only if every sparse backend's class
-    # can be validated here; dense ones may be missing on a CPU-only machine.
-    # FlashInfer's needs the flashinfer package (a vLLM dependency, but absent
-    # on the offline GPU host, where SM100 is not selectable anyway).
-    import importlib.util
+def as_on_gpu_host(monkeypatch):
+    """The availability probes of upstream's sparse backends report their kernels
+    present: FlashAttention 3's MLA on SM90, FlashInfer's SM120 sparse decode."""
+    from vllm.platforms import current_platform
+    from vllm.utils import flashinfer
+    from vllm.v1.attention.backends.mla import flashattn_mla_sparse
 
-    required = [SPARSE, AttentionBackendEnum.FLASHMLA_SPARSE]
-    if importlib.util.find_spec("flashinfer") is not None:
-        required.append(AttentionBackendEnum.FLASHINFER_MLA_SPARSE)
-    for backend in required:
+    monkeypatch.setattr(flashattn_mla_sparse, "flash_attn_supports_mla",
+                        lambda: current_platform.is_device_capability_family(90))
+    monkeypatch.setattr(flashinfer, "has_flashinfer_sparse_mla_sm120", lambda: True)
+    for backend in (AttentionBackendEnum.FLASHMLA_SPARSE,
+                    AttentionBackendEnum.FLASH_ATTN_MLA_SPARSE,
+                    AttentionBackendEnum.FLASHINFER_MLA_SPARSE,
+                    AttentionBackendEnum.FLASHINFER_MLA_SPARSE_SM120):
         assert backend not in UNIMPORTABLE, UNIMPORTABLE[backend]
 
 
-@pytest.mark.parametrize("capability", CAPABILITIES)
-@pytest.mark.parametrize("kv_cache_dtype", KV_DTYPES)
-@pytest.mark.parametrize("num_heads", [8, 64])
-def test_sparse_mla_selection(capability, kv_cache_dtype, num_heads):
-    config = selector_config(True, kv_cache_dtype)
-    ours = select(capability, config, num_heads=num_heads)
-    before = select(capability, config, num_heads=num_heads, upstream=True)
-    fp8_without_hw = kv_cache_dtype == "fp8" and capability < (8, 9)
+@pytest.fixture(params=["here", "gpu_host"])
+def environment(request, monkeypatch):
+    """The backends as this environment offers them, and as on a GPU host."""
+    if request.param == "gpu_host":
+        as_on_gpu_host(monkeypatch)
+    return request.param
 
-    if capability[0] not in NATIVE_SPARSE_MAJORS:
-        # Upstream has no sparse MLA backend here at all.
-        assert before.startswith("ValueError: No valid attention backend")
-        if fp8_without_hw:
-            assert ours.startswith("ValueError: No valid attention backend")
-            assert "fp8 KV cache needs compute capability 8.9" in ours
-        else:
-            assert ours == SPARSE.get_path()
-    elif not before.startswith("ValueError"):
-        # A native sparse backend is valid: it keeps its place.
-        assert ours == before
-        assert ours != SPARSE.get_path()
+
+def test_upstream_module_is_the_pinned_release():
+    import vllm
+
+    assert upstream_cuda.__file__.endswith("/vllm/platforms/cuda.py")
+    assert Path(upstream_cuda.__file__).parent.parent.parent.name.startswith(
+        f"vllm-{vllm.__version__.split('+')[0]}-")
+    assert upstream_cuda.CudaPlatform is not cuda.CudaPlatform
+
+
+@pytest.mark.parametrize("capability", CAPABILITIES)
+@pytest.mark.parametrize("kv_cache_dtype", [None, *KV_DTYPES])
+@pytest.mark.parametrize("num_heads", [8, 64])
+@pytest.mark.parametrize("use_mla", [True, False])
+def test_priority_lists_extend_upstream(capability, kv_cache_dtype, num_heads, use_mla):
+    """Our lists are upstream's with TRITON_MLA_SPARSE appended to the MLA ones."""
+    args = (use_mla, DeviceCapability(*capability), num_heads, kv_cache_dtype)
+    ours = cuda._get_backend_priorities(*args)
+    theirs = upstream_cuda._get_backend_priorities(*args)
+    assert SPARSE not in theirs
+    assert ours == (theirs + [SPARSE] if use_mla else theirs)
+
+
+SPARSE_CASES = [
+    pytest.param(cap, dtype, kv, topk, bi, id=f"sm{cap[0]}{cap[1]}-{dtype}-{kv}-topk{topk}"
+                 + ("-batch_invariant" if bi else ""))
+    for cap, dtype, kv, topk, bi in itertools.product(
+        CAPABILITIES, DTYPES, KV_DTYPES, [2048, 1024], [False, True])
+]
+
+
+@pytest.mark.parametrize("capability,dtype,kv_cache_dtype,index_topk,batch_invariant",
+                         SPARSE_CASES)
+@pytest.mark.parametrize("num_heads", [8, 64])
+def test_sparse_mla_selection(cuda_platform_config, monkeypatch, environment, capability,
+                              dtype, kv_cache_dtype, index_topk, batch_invariant, num_heads):
+    monkeypatch.setattr(cuda_platform_config, "model_config", glm5_model_config(index_topk))
+    config = selector_config(True, kv_cache_dtype, dtype=DTYPES[dtype],
+                             use_batch_invariant=batch_invariant)
+    ours = select(cuda.CudaPlatform, capability, config, num_heads=num_heads)
+    theirs = select(upstream_cuda.CudaPlatform, capability, config, num_heads=num_heads)
+    if not theirs.startswith("ValueError"):
+        # An upstream backend is valid: it keeps its place.
+        assert ours == theirs
+        return
+    assert theirs.startswith(NO_BACKEND)
+    # Upstream has none: TRITON_MLA_SPARSE, wherever it is valid itself.
+    reasons = SPARSE.get_class().validate_configuration(
+        device_capability=DeviceCapability(*capability), **config._asdict())
+    if reasons:
+        assert ours.startswith(NO_BACKEND)
+        assert kv_cache_dtype == "fp8_ds_mla" or (
+            kv_cache_dtype.startswith("fp8") and capability < (8, 9)), reasons
     else:
-        # Native ones unusable in this environment (e.g. not importable):
-        # the portable backend is the fallback, as on the other generations.
         assert ours == SPARSE.get_path()
 
 
+def _gpu_host_expectation(capability, dtype, kv, index_topk, batch_invariant):
+    """Who runs sparse MLA on a GPU host with every upstream kernel installed:
+    'upstream' (one of 0.26's sparse backends), 'ours' or 'none'."""
+    major = capability[0]
+    if batch_invariant or major == 8:
+        # None of upstream's sparse backends is batch invariant or runs on SM8x.
+        upstream = False
+    elif major == 9:
+        # FLASH_ATTN_MLA_SPARSE: fp16/bf16 with a 16-bit cache; FLASHMLA_SPARSE:
+        # bf16 with fp8 (stored as fp8_ds_mla) or a 16-bit cache.
+        upstream = kv in ("auto", "bfloat16", "float16") or (
+            dtype == "bf16" and kv in ("fp8", "fp8_ds_mla"))
+    elif major == 10:
+        # FLASHINFER_MLA_SPARSE: fp16/bf16, a 16-bit or fp8 cache;
+        # FLASHMLA_SPARSE: bf16 with fp8_ds_mla too.
+        upstream = kv != "fp8_ds_mla" or dtype == "bf16"
+    else:
+        # FLASHINFER_MLA_SPARSE_SM120: bf16, fp8 stored as fp8_ds_mla, top-k 2048.
+        upstream = (dtype == "bf16" and index_topk == 2048
+                    and kv in ("auto", "fp8", "fp8_e4m3", "fp8_ds_mla"))
+    if upstream:
+        return "upstream"
+    fp8_without_hw = kv.startswith("fp8") and capability < (8, 9)
+    return "none" if kv == "fp8_ds_mla" or fp8_without_hw else "ours"
+
+
+@pytest.mark.parametrize("capability,dtype,kv_cache_dtype,index_topk,batch_invariant",
+                         SPARSE_CASES)
+def test_sparse_mla_selection_on_gpu_hosts(cuda_platform_config, monkeypatch, capability,
+                                           dtype, kv_cache_dtype, index_topk,
+                                           batch_invariant):
+    """Where TRITON_MLA_SPARSE runs on real GPUs: fp16 activations, a 16-bit or
+    fp8_e4m3 cache where upstream's backends want fp8_ds_mla or bf16, index_topk
+    other than 2048 (SM12x), VLLM_BATCH_INVARIANT, and SM80/86/89."""
+    as_on_gpu_host(monkeypatch)
+    monkeypatch.setattr(cuda_platform_config, "model_config", glm5_model_config(index_topk))
+    config = selector_config(True, kv_cache_dtype, dtype=DTYPES[dtype],
+                             use_batch_invariant=batch_invariant)
+    ours = select(cuda.CudaPlatform, capability, config)
+    theirs = select(upstream_cuda.CudaPlatform, capability, config)
+    expect = _gpu_host_expectation(capability, dtype, kv_cache_dtype, index_topk,
+                                   batch_invariant)
+    if expect == "upstream":
+        assert not theirs.startswith("ValueError") and ours == theirs
+    else:
+        assert theirs.startswith(NO_BACKEND)
+        if expect == "ours":
+            assert ours == SPARSE.get_path()
+        else:
+            assert ours.startswith(NO_BACKEND)
+
+
 @pytest.mark.parametrize("capability", CAPABILITIES)
 @pytest.mark.parametrize("kv_cache_dtype", KV_DTYPES)
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("use_mla", [True, False])
-def test_dense_selection_unchanged(capability, kv_cache_dtype, use_mla):
-    config = selector_config(False, kv_cache_dtype, use_mla=use_mla)
-    ours = select(capability, config)
-    assert ours == select(capability, config, upstream=True)
+def test_dense_selection_unchanged(environment, capability, kv_cache_dtype, dtype, use_mla):
+    config = selector_config(False, kv_cache_dtype, use_mla=use_mla, dtype=DTYPES[dtype])
+    ours = select(cuda.CudaPlatform, capability, config)
+    theirs = select(upstream_cuda.CudaPlatform, capability, config)
+    if theirs.startswith(NO_BACKEND):
+        # (our message lists TRITON_MLA_SPARSE's reasons as well)
+        assert ours.startswith(NO_BACKEND)
+    else:
+        assert ours == theirs
     assert ours != SPARSE.get_path()
 
 
@@ -160,29 +305,33 @@ def test_dense_selection_unchanged(capability, kv_cache_dtype, use_mla):
 def test_forced_backend_everywhere(capability):
     backend = AttentionConfig(backend="TRITON_MLA_SPARSE").backend
     assert backend is SPARSE
-    ours = select(capability, selector_config(True, "auto"), selected=backend)
+    ours = select(cuda.CudaPlatform, capability, selector_config(True, "auto"),
+                  selected=backend)
     assert ours == SPARSE.get_path()
 
 
 @pytest.mark.parametrize("capability", CAPABILITIES)
-def test_batch_invariant_selection(capability):
-    """VLLM_BATCH_INVARIANT: FlashMLA-sparse refuses it, so sparse MLA runs on
-    TRITON_MLA_SPARSE on every generation (upstream has no valid backend)."""
-    config = selector_config(True, "auto")._replace(use_batch_invariant=True)
+def test_batch_invariant_selection(environment, capability):
+    """VLLM_BATCH_INVARIANT: no upstream sparse backend supports it, so sparse MLA
+    runs on TRITON_MLA_SPARSE on every generation."""
+    config = selector_config(True, "auto", use_batch_invariant=True)
     assert SPARSE.get_class().supports_batch_invariance()
-    assert not AttentionBackendEnum.FLASHMLA_SPARSE.get_class().supports_batch_invariance()
-    assert select(capability, config) == SPARSE.get_path()
-    assert select(capability, config, upstream=True).startswith(
-        "ValueError: No valid attention backend")
+    for backend in (AttentionBackendEnum.FLASHMLA_SPARSE,
+                    AttentionBackendEnum.FLASH_ATTN_MLA_SPARSE,
+                    AttentionBackendEnum.FLASHINFER_MLA_SPARSE,
+                    AttentionBackendEnum.FLASHINFER_MLA_SPARSE_SM120):
+        assert not backend.get_class().supports_batch_invariance(), backend
+    assert select(cuda.CudaPlatform, capability, config) == SPARSE.get_path()
+    assert select(upstream_cuda.CudaPlatform, capability, config).startswith(NO_BACKEND)
 
 
 def test_forced_backend_rejects_dense_model():
-    ours = select((12, 0), selector_config(False, "auto"), selected=SPARSE)
+    ours = select(cuda.CudaPlatform, (12, 0), selector_config(False, "auto"), selected=SPARSE)
     assert ours.startswith("ValueError") and "sparse" in ours
 
 
 @pytest.mark.parametrize("capability", CAPABILITIES)
-def test_validate_configuration(capability):
+def test_validate_configuration(cuda_platform_config, monkeypatch, capability):
     backend = SPARSE.get_class()
     assert backend.get_name() == "TRITON_MLA_SPARSE"
     assert backend.is_mla() and backend.is_sparse()
@@ -206,6 +355,8 @@ def test_validate_configuration(capability):
             )
             expect_fp8_refusal = kv.startswith("fp8") and capability < (8, 9)
             assert bool(reasons) == expect_fp8_refusal, (dtype, kv, reasons)
+    # Block sizes the KV cache may use with a 64-token kernel block.
+    assert not backend.validate_configuration(**{**glm5, "block_size": 128})
     # What it must refuse, everywhere.
     for change in (
         {"use_sparse": False},
@@ -214,5 +365,11 @@ def test_validate_configuration(capability):
         {"kv_cache_dtype": "fp8_ds_mla"},
         {"block_size": 16},
         {"use_mla": False},
+        {"use_non_causal": True},
+        {"has_sliding_window": True},
     ):
         assert backend.validate_configuration(**{**glm5, **change}), change
+    # An index_topk the index conversion kernel cannot tile.
+    monkeypatch.setattr(cuda_platform_config, "model_config", glm5_model_config(2000))
+    assert backend.validate_configuration(**glm5) == [
+        "index_topk (2000) must be a multiple of 128"]

@@ -113,14 +113,39 @@ def test_backend_choice(monkeypatch):
     il.indexer_logits_backend.cache_clear()
     with pytest.raises(ValueError, match="expected auto, deepgemm or triton"):
         il.indexer_logits_backend()
-    monkeypatch.setenv(il.LOGITS_BACKEND_ENV, "auto")
     il.indexer_logits_backend.cache_clear()
-    from vllm.platforms import current_platform
-    from vllm.utils.import_utils import has_deep_gemm
 
-    native = has_deep_gemm() and current_platform.support_deep_gemm()
-    assert il.indexer_logits_backend() == ("deepgemm" if native else "triton")
+
+# Where vLLM 0.26 runs DeepGEMM's indexer kernels: `support_deep_gemm` is SM90,
+# the SM100 family and (new in 0.26) the SM120 family, whose FP8 MQA logits
+# kernels (sm120_fp8_mqa_logits / sm120_fp8_paged_mqa_logits) the DeepGEMM it
+# vendors ships. Everywhere else the Triton kernels compute the logits.
+DEEPGEMM_CAPABILITIES = {(9, 0), (10, 0), (10, 3), (12, 0), (12, 1)}
+
+
+@pytest.mark.parametrize("capability", [(8, 0), (8, 6), (8, 9), (9, 0), (10, 0), (10, 3),
+                                        (11, 0), (12, 0), (12, 1)])
+@pytest.mark.parametrize("deep_gemm_installed", [True, False])
+def test_auto_backend_follows_vllm_support(monkeypatch, capability, deep_gemm_installed):
+    from cuda_platform import import_cuda_platform
+
+    from vllm.platforms.interface import DeviceCapability
+    from vllm.utils import import_utils
+
+    cuda = import_cuda_platform()
+    monkeypatch.setattr(cuda.CudaPlatform, "get_device_capability",
+                        classmethod(lambda cls, device_id=0: DeviceCapability(*capability)))
+    monkeypatch.setattr(il, "current_platform", cuda.CudaPlatform())
+    monkeypatch.setattr(import_utils, "has_deep_gemm", lambda: deep_gemm_installed)
+    monkeypatch.delenv(il.LOGITS_BACKEND_ENV, raising=False)
     il.indexer_logits_backend.cache_clear()
+    try:
+        native = deep_gemm_installed and capability in DEEPGEMM_CAPABILITIES
+        assert il.indexer_logits_backend() == ("deepgemm" if native else "triton")
+        # the same rule as upstream's DeepGEMM wrappers, less VLLM_USE_DEEP_GEMM
+        assert native == (deep_gemm_installed and cuda.CudaPlatform.support_deep_gemm())
+    finally:
+        il.indexer_logits_backend.cache_clear()
 
 
 # --------------------------------------------------------------------------------------
@@ -131,7 +156,7 @@ def _deep_gemm_or_skip():
     from vllm.utils import deep_gemm
 
     if not (deep_gemm.has_deep_gemm() and current_platform.support_deep_gemm()):
-        pytest.skip("DeepGEMM's MQA logits need SM90/SM100")
+        pytest.skip("DeepGEMM's MQA logits need SM90, SM100 or SM120")
     return deep_gemm
 
 

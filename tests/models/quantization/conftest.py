@@ -5,6 +5,15 @@ import gguf_reference as gr
 from glm5_tiny import make_tiny_glm5
 
 
+@pytest.fixture(scope="session", autouse=True)
+def gguf_plugin():
+    """vLLM's GGUF support is the vllm-gguf-plugin (a general plugin since vLLM 0.24):
+    register it as the engine does at start."""
+    from vllm.plugins import load_general_plugins
+
+    load_general_plugins()
+
+
 @pytest.fixture(scope="session")
 def glm5_gguf(tmp_path_factory):
     """(llama.cpp tree, HF checkpoint dir, bf16 GGUF) of the tiny GLM-5, made once."""

@@ -245,3 +245,18 @@ def dequantized_checkpoint(gguf, gguf_file: Path, hf_dir: Path, out: Path) -> Pa
         if f.suffix == ".json" and f.name != "model.safetensors.index.json":
             shutil.copy(f, out / f.name)
     return out
+
+
+def hf_cache_repo(cache: Path, repo_id: str, files: dict[str, Path],
+                  commit: str = "0" * 40) -> Path:
+    """A Hugging Face hub cache (`cache`, as HF_HUB_CACHE) holding `repo_id` at `commit`
+    with `files` (path in the repo -> local file, linked as the hub links its blobs):
+    what `vllm serve org/repo:QUANT` finds offline after a download."""
+    repo = cache / ("models--" + repo_id.replace("/", "--"))
+    snapshot = repo / "snapshots" / commit
+    for rel, src in files.items():
+        (snapshot / rel).parent.mkdir(parents=True, exist_ok=True)
+        (snapshot / rel).symlink_to(Path(src).resolve())
+    (repo / "refs").mkdir(parents=True, exist_ok=True)
+    (repo / "refs" / "main").write_text(commit)
+    return snapshot

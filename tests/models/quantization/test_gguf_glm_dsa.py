@@ -20,8 +20,8 @@ import torch
 from safetensors.torch import load_file
 
 import gguf_reference as gr  # tests/models/quantization
-from vllm.model_executor.model_loader.glm_dsa_gguf import GlmDsaGGUF
 from vllm.transformers_utils import glm_dsa_gguf as gg
+from vllm_gguf_plugin.weights_adapter.glm_dsa import GlmDsaGGUF
 
 TYPES = ("bf16", "f16", "q8_0", "Q4_K_M")
 # Relative Frobenius error of a dequantized tensor against the bf16 original, by
@@ -100,11 +100,12 @@ def test_config_from_gguf_equals_hf_config(glm5_gguf, glm5_ggufs, kind):
 
 
 def test_config_through_vllm_get_config(glm5_ggufs):
-    """vLLM's get_config on the .gguf path builds it from metadata, with overrides."""
+    """vLLM's get_config on the .gguf path (config format "gguf", the plugin's parser)
+    builds it from metadata, with overrides."""
     from vllm.transformers_utils.config import get_config
 
     config = get_config(str(glm5_ggufs["bf16"]), trust_remote_code=False,
-                        hf_overrides_kw={"index_topk": 64})
+                        config_format="gguf", hf_overrides_kw={"index_topk": 64})
     assert config.model_type == "glm_moe_dsa" and config.index_topk == 64
     assert config.architectures == ["GlmMoeDsaForCausalLM"]
 
@@ -238,7 +239,7 @@ def test_quantized_types_go_to_gguf_layers(glm5_ggufs):
 
 
 def test_unquantized_experts_select_fused_moe_method():
-    from vllm.model_executor.layers.quantization.gguf import is_experts_unquantized_gguf
+    from vllm_gguf_plugin.quantization.config import is_experts_unquantized_gguf
 
     unquantized = ["model.layers.1.mlp.experts.0.gate_proj", "model.layers.1.mlp.experts.0.up_proj",
                    "model.layers.2.mlp.shared_experts.gate_proj"]
@@ -248,19 +249,25 @@ def test_unquantized_experts_select_fused_moe_method():
 
 
 def test_split_loads_like_single_file(glm5_ggufs):
-    from vllm.config.load import LoadConfig
-    from vllm.model_executor.model_loader.gguf_loader import GGUFModelLoader
+    from types import SimpleNamespace
+    from unittest.mock import patch
+
+    from vllm_gguf_plugin.weights_adapter import get_weights_adapter
 
     first = glm5_ggufs["split"]
     parts = gg.split_files(first)
     assert len(parts) >= 3 and parts[0] == first
-    # any part names the set; the loader's discovery returns all of it
+    # any part names the set; the plugin's glm-dsa adapter loads all of it
     assert gg.split_files(parts[-1]) == parts
-    loader = GGUFModelLoader(LoadConfig(load_format="gguf"))
-    assert loader._get_all_gguf_files(str(first)) == [str(p) for p in parts]
+    config = gg.config_from_gguf(first)
+    adapter = get_weights_adapter(config)
+    parallel = SimpleNamespace(tensor_parallel_size=1, enable_expert_parallel=False)
+    with patch("vllm.config.get_current_vllm_config",
+               lambda: SimpleNamespace(parallel_config=parallel)):
+        spec = adapter.prepare_loading(str(parts[1]), SimpleNamespace(hf_config=config))
+    assert spec.weights_source == [str(p) for p in parts]
     # a directory holding the set means its first part
     assert gg.resolve_gguf_dir(str(first.parent)) == str(first)
-    config = gg.config_from_gguf(first)
     single = yielded([glm5_ggufs["bf16"]], config)
     split = yielded(parts, config)
     assert single.keys() == split.keys()
@@ -341,7 +348,7 @@ def test_unsupported_quant_type(glm5_gguf, tmp_path):
     """TQ1_0 (ternary) is a converter outtype vLLM's GGUF kernels cannot run."""
     llama_cpp, model, _ = glm5_gguf
     f = gr.convert(llama_cpp, model, tmp_path / "tq1.gguf", "tq1_0")
-    with pytest.raises(gg.GGUFError, match=r"has type TQ1_0, which vLLM's GGUF kernels"):
+    with pytest.raises(gg.GGUFError, match=r"has type TQ1_0, which the GGUF plugin's kernels"):
         GlmDsaGGUF([f], gg.config_from_gguf(f))
 
 
@@ -366,21 +373,23 @@ def test_tensor_parallel_split_keeps_whole_quant_blocks(glm5_ggufs):
 
 @pytest.mark.parametrize("expert_parallel", [False, True])
 def test_loader_takes_tensor_parallel_size_from_config(glm5_ggufs, expert_parallel):
-    """GGUFModelLoader checks the split with the engine's TP size (experts are not
-    split along their inputs under expert parallelism; the shared expert is)."""
+    """The plugin's loader, through our adapter, checks the split with the engine's TP
+    size (experts are not split along their inputs under expert parallelism; the shared
+    expert is)."""
     from types import SimpleNamespace
     from unittest.mock import patch
 
     from vllm.config.load import LoadConfig
-    from vllm.model_executor.model_loader import gguf_loader
+    from vllm_gguf_plugin.loader import GGUFModelLoader
 
     k = glm5_ggufs["Q4_K_M"]
-    model_config = SimpleNamespace(model=str(k), revision=None, hf_config=gg.config_from_gguf(k))
+    model_config = SimpleNamespace(model=str(k), model_weights=str(k), revision=None,
+                                   hf_config=gg.config_from_gguf(k))
     parallel = SimpleNamespace(tensor_parallel_size=2, enable_expert_parallel=expert_parallel)
     with patch("vllm.config.get_current_vllm_config",
                lambda: SimpleNamespace(parallel_config=parallel)):
-        loader = gguf_loader.GGUFModelLoader(LoadConfig(load_format="gguf"))
+        loader = GGUFModelLoader(LoadConfig(load_format="gguf"))
         with pytest.raises(gg.GGUFError, match="tensor parallel size 2") as e:
-            loader._glm_dsa(model_config)
+            loader._prepare_adapter(model_config)
     if expert_parallel:  # the refused tensor is not a routed expert stack
         assert "_exps" not in e.value.args[0]

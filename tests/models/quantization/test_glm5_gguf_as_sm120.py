@@ -2,8 +2,10 @@
 """GPU: the tiny GLM-5 from a GGUF file with no flags at all, on an H200 that
 reports compute capability 12.0 (tests/plugins/vllm_report_capability, installed
 and enabled by VLLM_TEST_REPORT_CAPABILITY=12.0): automatic selection must pick
-TRITON_MLA_SPARSE and the portable indexer, and dtype auto must give fp16, as on
-an RTX PRO 6000 / RTX 5090. Outputs are compared with the same file forced onto
+TRITON_MLA_SPARSE, DeepGEMM's indexer (vLLM 0.26.0 ships its SM120 kernels; on the
+H200 it compiles them for the real SM90) and dtype auto must give fp16, as on an
+RTX PRO 6000 / RTX 5090; reported as 8.9 (RTX 40xx, L40), TRITON_MLA_SPARSE with the
+portable Triton indexer in bf16. Outputs are compared with the same file forced onto
 those paths without the hook, within the run-to-run difference of that setting.
 
 A second test does the same with 64 attention heads (GLM-5's count at TP1): with
@@ -37,12 +39,12 @@ def gguf_with_heads(glm5_gguf, tmp_path, heads=64):
     return gr.convert(llama_cpp, model, tmp_path / f"tiny-{heads}-heads-bf16.gguf", "bf16")
 
 
-def sm120_env():
-    """SM120's capability and shared memory per block (99 KiB: the kernels' small
-    tiles), reported by the test plugin."""
+def sm120_env(capability: str = "12.0"):
+    """SM120's (or SM89's) capability and shared memory per block (99 KiB: the
+    kernels' small tiles), reported by the test plugin."""
     if importlib.util.find_spec("vllm_report_capability") is None:
         pytest.skip("pip install --no-deps tests/plugins/vllm_report_capability first")
-    env = dict(os.environ, VLLM_TEST_REPORT_CAPABILITY="12.0",
+    env = dict(os.environ, VLLM_TEST_REPORT_CAPABILITY=capability,
                VLLM_TEST_REPORT_SHARED_MEM="101376")
     env.pop("VLLM_SPARSE_INDEXER_LOGITS", None)
     return env
@@ -64,20 +66,24 @@ def fp8_cache_runs(gguf, tmp_path, env, gluon_calls: str):
 
 
 @pytest.mark.gpu
-def test_gguf_as_on_sm120(glm5_ggufs, tmp_path):
-    env = sm120_env()
+@pytest.mark.parametrize("capability,indexer,dtype", [
+    ("12.0", "deepgemm", "float16"), ("8.9", "triton", "bfloat16")])
+def test_gguf_as_on_sm120(glm5_ggufs, tmp_path, capability, indexer, dtype):
+    env = sm120_env(capability)
     auto = generate(glm5_ggufs["bf16"], tmp_path / "auto.json", env=env, dtype="auto")
-    assert auto["indexer_backend"] == "triton"
-    assert auto["triton_indexer_calls"]["prefill"] > 0
+    assert auto["indexer_backend"] == indexer
+    assert (auto["triton_indexer_calls"]["prefill"] > 0) == (indexer == "triton")
     assert auto["attention_backend"] == "TRITON_MLA_SPARSE"
-    assert auto["dtype"] == "torch.float16"
-    forced = [generate(glm5_ggufs["bf16"], tmp_path / f"forced-{i}.json", **FORCED)
+    assert auto["dtype"] == f"torch.{dtype}"
+    forced = [generate(glm5_ggufs["bf16"], tmp_path / f"forced-{i}.json",
+                       **{**FORCED, "dtype": dtype, "indexer": indexer})
               for i in range(2)]
     # The same paths and dtype, so the outputs may differ only as much as two
     # runs of the forced setting do (this engine is not bitwise reproducible
     # run to run: 0.08 nats mean measured on the H200, test_glm5_gguf_engine).
     same, rerun = compare(forced[0], auto), compare(forced[0], forced[1])
-    print("SM120_REPORT", {"auto_vs_forced": same, "forced_rerun": rerun})
+    print("SM120_REPORT", {"capability": capability, "auto_vs_forced": same,
+                           "forced_rerun": rerun})
     assert within_rerun(same, rerun), (same, rerun)
 
 

@@ -6,6 +6,7 @@ memory-safety cases and CUDA-graph capture; `test_matches_flashmla_sparse`
 compares with upstream's FlashMLA sparse kernel on the same inputs.
 """
 
+import itertools
 import json
 import math
 from types import SimpleNamespace
@@ -203,6 +204,55 @@ def test_gather_kernel_fp8_cache_reads(v_splits, v_reload, k_dequant):
         torch.testing.assert_close(o.double().cpu(), ref, rtol=1e-2, atol=1e-2)
 
 
+def test_forward_mqa_on_the_leading_tokens():
+    # When MLAAttention sends a batch's prefills to dense MHA, forward_mqa gets
+    # only the leading (decode) tokens while the metadata and the top-k buffer
+    # cover the whole batch.
+    case = make_case([1, 1, 5], [40, 70, 90], 16, 128, 16, torch.float16, torch.float16,
+                     seed=9)
+    whole, _ = run_backend(case, 16)
+    lead = SimpleNamespace(**{**vars(case), "q": case.q[:2]})
+    o, _ = run_backend(lead, 16)
+    torch.testing.assert_close(o, whole[:2], rtol=0, atol=0)
+
+
+def mla_impl_args(**changes):
+    args = dict(num_heads=16, head_size=HEAD, scale=0.1, num_kv_heads=1, alibi_slopes=None,
+                sliding_window=None, kv_cache_dtype="auto", logits_soft_cap=None,
+                attn_type="decoder", kv_sharing_target_layer_name=None, q_lora_rank=None,
+                kv_lora_rank=KV_LORA, qk_nope_head_dim=192, qk_rope_head_dim=ROPE,
+                qk_head_dim=192 + ROPE, v_head_dim=256, kv_b_proj=object())
+    return {**args, **changes}
+
+
+def test_impl_construction(monkeypatch):
+    # Constructed as MLAAttention constructs it: an indexer on layers that
+    # compute the top-k, only the shared buffer on IndexCache skip layers.
+    from vllm.platforms import current_platform
+
+    monkeypatch.setattr(type(current_platform), "num_compute_units",
+                        classmethod(lambda cls, device_id=0: 132), raising=False)
+    tms.sparse_mla_kernel.cache_clear()
+    shared = torch.full((8, 128), -1, dtype=torch.int32)
+    own = torch.full((8, 128), -1, dtype=torch.int32)
+    impl = TritonMLASparseImpl(**mla_impl_args(topk_indices_buffer=shared,
+                                               indexer=SimpleNamespace(topk_indices_buffer=own)))
+    assert impl.topk_indices_buffer is own
+    assert impl.is_sparse and not impl.supports_quant_query_input
+    assert (impl.kv_lora_rank, impl.qk_nope_head_dim, impl.v_head_dim) == (KV_LORA, 192, 256)
+    assert impl.dcp_world_size == 1 and not impl.need_to_return_lse_for_decode
+    assert impl._num_sms == 132 and impl._kernel == tms.sparse_mla_kernel()
+    skip_layer = TritonMLASparseImpl(**mla_impl_args(topk_indices_buffer=shared))
+    assert skip_layer.topk_indices_buffer is shared
+    with pytest.raises(ValueError, match="top-k buffer"):
+        TritonMLASparseImpl(**mla_impl_args())
+    with pytest.raises(NotImplementedError, match="fp8_ds_mla"):
+        TritonMLASparseImpl(**mla_impl_args(kv_cache_dtype="fp8_ds_mla",
+                                            topk_indices_buffer=shared))
+    with pytest.raises(NotImplementedError):
+        TritonMLASparseImpl(**mla_impl_args(sliding_window=128, topk_indices_buffer=shared))
+
+
 def test_sparse_mla_chunked_workspace(monkeypatch):
     # A workspace bound below one token's need forces one kernel launch per token.
     case = make_case([3], [30], 16, 128, 16, torch.float16, torch.float16, seed=2)
@@ -243,6 +293,105 @@ def tsm_inputs(case):
     return triton_convert_req_index_to_global_index(
         case.req_id, case.block_table, case.indices, BLOCK_SIZE=case.block_size,
         NUM_TOPK_TOKENS=case.topk, return_valid_counts=True)
+
+
+def make_builder(monkeypatch, num_heads, batch_invariant=False, prefill_backend=None):
+    """TRITON_MLA_SPARSE's metadata builder for GLM-5 shapes (no engine)."""
+    from vllm.v1.attention.backends.mla.triton_mla_sparse import (
+        TritonMLASparseMetadataBuilder,
+    )
+    from vllm.v1.kv_cache_interface import MLAAttentionSpec
+
+    monkeypatch.setenv("VLLM_BATCH_INVARIANT", "1" if batch_invariant else "0")
+    if DEVICE == "cpu":  # no pinned host memory without a driver
+        monkeypatch.setattr("vllm.utils.torch_utils.PIN_MEMORY", False)
+    hf = SimpleNamespace(index_topk=2048, kv_lora_rank=KV_LORA, qk_nope_head_dim=192,
+                         qk_rope_head_dim=ROPE, v_head_dim=256)
+    vllm_config = SimpleNamespace(
+        model_config=SimpleNamespace(
+            hf_config=hf, hf_text_config=hf, max_model_len=8192, dtype=torch.float16,
+            get_num_attention_heads=lambda parallel_config: num_heads),
+        scheduler_config=SimpleNamespace(max_num_batched_tokens=4096, max_num_seqs=8),
+        cache_config=SimpleNamespace(block_size=64),
+        parallel_config=SimpleNamespace(prefill_context_parallel_size=1,
+                                        decode_context_parallel_size=1,
+                                        cp_kv_cache_interleave_size=1),
+        speculative_config=None,
+        # MLAAttention registers itself with the prefill backend it selected
+        compilation_config=SimpleNamespace(
+            static_forward_context={"layer": SimpleNamespace(prefill_backend=prefill_backend)}),
+    )
+    spec = MLAAttentionSpec(block_size=64, num_kv_heads=1, head_size=HEAD, dtype=torch.float16)
+    return TritonMLASparseMetadataBuilder(spec, ["layer"], vllm_config, torch.device(DEVICE))
+
+
+def common_metadata(query_lens, seq_lens):
+    from vllm.v1.attention.backend import CommonAttentionMetadata
+
+    qsl = torch.tensor([0, *itertools.accumulate(query_lens)], dtype=torch.int32)
+    seq = torch.tensor(seq_lens, dtype=torch.int32)
+    blocks = torch.arange(len(seq_lens) * 40, dtype=torch.int32).view(len(seq_lens), 40)
+    return CommonAttentionMetadata(
+        query_start_loc=qsl.to(DEVICE), query_start_loc_cpu=qsl, seq_lens=seq.to(DEVICE),
+        seq_lens_cpu_upper_bound=seq, num_reqs=len(seq_lens),
+        num_actual_tokens=int(qsl[-1]), max_query_len=max(query_lens),
+        max_seq_len=max(seq_lens), block_table_tensor=blocks.to(DEVICE),
+        slot_mapping=torch.zeros(int(qsl[-1]), dtype=torch.int64, device=DEVICE))
+
+
+# A reordered batch: two decodes, an MTP-sized query, a 200-token chunk with
+# context, then a 300-token prefill and a 700-token chunk of a long prompt.
+QUERY_LENS = [1, 1, 4, 200, 300, 700]
+SEQ_LENS = [100, 5000, 50, 1000, 300, 1900]
+
+
+@pytest.mark.parametrize("num_heads,batch_invariant,num_mqa_reqs",
+                         [(64, False, 4), (128, False, 4), (16, False, 3), (32, False, 3),
+                          (64, True, 6), (16, True, 6)])
+def test_metadata_builder_routes_like_upstream(monkeypatch, num_heads, batch_invariant,
+                                               num_mqa_reqs):
+    # 0.26's sparse MLA contract: the builder splits the batch at the reorder
+    # threshold (FLASH_ATTN_MLA_SPARSE's per-head-count table), MLAAttention runs
+    # the leading num_decode_tokens through forward_mqa and the rest on dense MHA
+    # when every prefill fits the top-k. Under VLLM_BATCH_INVARIANT every request
+    # takes forward_mqa, so no request's path depends on its batch.
+    builder = make_builder(monkeypatch, num_heads, batch_invariant)
+    expected_threshold = 4096 if batch_invariant else (128 if num_heads <= 32 else 256)
+    assert builder.reorder_batch_threshold == expected_threshold
+    assert not builder.require_uniform_decodes  # rows attend independently
+    md = builder.build(0, common_metadata(QUERY_LENS, SEQ_LENS))
+    assert isinstance(md, TritonMLASparseMetadata)
+    assert (md.num_decodes, md.num_prefills) == (num_mqa_reqs, 6 - num_mqa_reqs)
+    assert md.num_decode_tokens == sum(QUERY_LENS[:num_mqa_reqs])
+    assert md.num_actual_tokens == sum(QUERY_LENS)
+    assert (md.block_size, md.topk_tokens) == (64, 2048)
+    expected_req = torch.repeat_interleave(torch.arange(6), torch.tensor(QUERY_LENS))
+    assert torch.equal(md.req_id_per_token.cpu().long(), expected_req)
+    # no prefill backend: no dense-MHA metadata, MLAAttention keeps all on MQA
+    assert md.prefill is None and md.prefill_max_seq_len == 0
+
+
+@pytest.mark.parametrize("long_prompt", [
+    700,  # a whole prompt
+    # a later chunk: its 1200 tokens of context are gathered in chunks (whose
+    # metadata vLLM builds in pinned host memory: GPU hosts only)
+    pytest.param(1900, marks=pytest.mark.gpu, id="chunked-context"),
+])
+def test_metadata_builder_dense_prefill_fields(monkeypatch, long_prompt):
+    # With the layer's prefill backend the builder fills what MLAAttention's
+    # dense-MHA routing reads: the prefills' longest sequence (within the top-k
+    # of 2048 here) and the shared MLA prefill metadata.
+    prepared = []
+    backend = SimpleNamespace(prepare_metadata=prepared.append)
+    backend.clone = lambda: backend
+    builder = make_builder(monkeypatch, 64, prefill_backend=backend)
+    md = builder.build(0, common_metadata([1, 1, 300, 700], [100, 5000, 300, long_prompt]))
+    assert (md.num_decodes, md.num_prefills, md.num_decode_tokens) == (2, 2, 2)
+    assert md.prefill_max_seq_len == long_prompt
+    assert md.prefill is not None and prepared == [md.prefill]
+    assert md.prefill.max_query_len == 700
+    assert md.prefill.query_start_loc.cpu().tolist() == [0, 300, 1000]
+    assert (md.prefill.chunked_context is not None) == (long_prompt > 700)
 
 
 def test_gather_launch_config():

@@ -5,7 +5,11 @@
 imported unmodified; its `test_sparse_backend_decode_correctness` is re-applied
 here with every parametrization upstream declares, except that the backend
 list is TRITON_MLA_SPARSE. Its reference (SDPA over the dense context with the
-sparse mask) and tolerances are upstream's.
+sparse mask) and tolerances are upstream's. Since vLLM 0.26 sparse MLA backends
+also run short prefills through the shared dense-MHA path
+(`SparseMLACommonImpl.forward_mha`); upstream's
+`test_sparse_backend_prefill_correctness` checks it on FLASHMLA_SPARSE and is
+re-applied here, with its marks, on TRITON_MLA_SPARSE's metadata builder and impl.
 
 Where the upstream files come from: $VLLM_OVERLAY_UPSTREAM_TESTS (a folder that
 holds `tests/...` as in the sdist), else the sdist pinned in upstream.lock
@@ -16,20 +20,16 @@ Plumbing the offline GPU host needs, and nothing else:
   config.json from the Hugging Face hub. A stand-in with DeepSeek-V2-Lite's
   published dimensions is written to a private hub cache; the test overrides
   every MLA dimension it uses.
-- The module imports FlashInfer's sparse backend; where flashinfer is not
-  installed, that vLLM module is a stand-in during the import (FlashInfer
-  cases are not parametrized here, and need SM100 anyway).
+(Before vLLM 0.26 the FlashInfer sparse backend module that upstream's test
+imports needed the flashinfer package and had a stand-in here; it no longer does.)
 """
 
-import contextlib
-import importlib
 import json
 import os
 import subprocess
 import sys
 import tarfile
 import tempfile
-import types
 from pathlib import Path
 
 import pytest
@@ -109,28 +109,6 @@ def offline_hub_cache() -> Path:
     return cache
 
 
-@contextlib.contextmanager
-def flashinfer_sparse_stand_in():
-    """While upstream's module is imported: FlashInfer's sparse backend module,
-    or, where flashinfer is not installed, a stand-in holding only the class
-    name that upstream's parametrization refers to (replaced here anyway)."""
-    name = "vllm.v1.attention.backends.mla.flashinfer_mla_sparse"
-    try:
-        importlib.import_module(name)
-    except ImportError:
-        stand_in = types.ModuleType(name)
-        stand_in.FlashInferMLASparseBackend = type(
-            "FlashInferMLASparseBackend", (), {"__doc__": "flashinfer is not installed"}
-        )
-        sys.modules[name] = stand_in
-        try:
-            yield
-        finally:
-            del sys.modules[name]
-    else:
-        yield
-
-
 if os.environ.get("HF_HUB_OFFLINE") == "1" and "VLLM_OVERLAY_KEEP_HF_CACHE" not in os.environ:
     os.environ["HF_HUB_CACHE"] = str(offline_hub_cache())
     import huggingface_hub.constants as hub_constants
@@ -138,8 +116,7 @@ if os.environ.get("HF_HUB_OFFLINE") == "1" and "VLLM_OVERLAY_KEEP_HF_CACHE" not 
     hub_constants.HF_HUB_CACHE = os.environ["HF_HUB_CACHE"]
 
 sys.path.insert(0, str(upstream_root()))
-with flashinfer_sparse_stand_in():
-    from tests.v1.attention import test_sparse_mla_backends as upstream  # noqa: E402
+from tests.v1.attention import test_sparse_mla_backends as upstream  # noqa: E402
 
 from vllm.v1.attention.backends.mla.triton_mla_sparse import (  # noqa: E402
     TritonMLASparseBackend,
@@ -151,12 +128,16 @@ _param_marks = [
     if m.name == "parametrize" and m.args[0] != "backend_cls"
 ]
 assert len(_param_marks) == len(UPSTREAM_TEST.pytestmark) - 1, "upstream test changed"
+UPSTREAM_PREFILL_TEST = upstream.test_sparse_backend_prefill_correctness
+# Its marks: the parametrization and upstream's skip below SM100 (FA4 prefill).
+_prefill_marks = list(UPSTREAM_PREFILL_TEST.pytestmark)
+assert {m.name for m in _prefill_marks} == {"parametrize", "skipif"}, "upstream test changed"
 
 
 def _apply(marks):
     def wrap(fn):
         for mark in reversed(marks):
-            fn = pytest.mark.parametrize(*mark.args, **mark.kwargs)(fn)
+            fn = getattr(pytest.mark, mark.name)(*mark.args, **mark.kwargs)(fn)
         return fn
 
     return wrap
@@ -188,4 +169,25 @@ def test_sparse_backend_decode_correctness(
         workspace_init,
         q_scale,
         k_scale,
+    )
+
+
+@pytest.mark.gpu
+@_apply(_prefill_marks)
+def test_sparse_backend_prefill_correctness(
+    default_vllm_config,
+    dist_init,
+    batch_name,
+    kv_cache_dtype,
+    workspace_init,
+    monkeypatch,
+):
+    # Upstream's test takes the backend from its module's FlashMLASparseBackend.
+    monkeypatch.setattr(upstream, "FlashMLASparseBackend", TritonMLASparseBackend)
+    UPSTREAM_PREFILL_TEST(
+        default_vllm_config,
+        dist_init,
+        batch_name,
+        kv_cache_dtype,
+        workspace_init,
     )

@@ -6,7 +6,7 @@ import queue
 from pathlib import Path
 from typing import TypeAlias, TypeVar
 
-from transformers import AutoTokenizer, PreTrainedTokenizer, PreTrainedTokenizerFast
+from transformers import AutoTokenizer, PythonBackend, TokenizersBackend
 
 from vllm.transformers_utils.config import get_sentence_transformer_tokenizer_config
 from vllm.transformers_utils.glm_dsa_gguf import (  # overlay: GLM-5 GGUF tokenizer
@@ -16,7 +16,7 @@ from vllm.transformers_utils.glm_dsa_gguf import (  # overlay: GLM-5 GGUF tokeni
 
 from .protocol import TokenizerLike
 
-HfTokenizer: TypeAlias = PreTrainedTokenizer | PreTrainedTokenizerFast
+HfTokenizer: TypeAlias = PythonBackend | TokenizersBackend
 _T = TypeVar("_T", bound=TokenizerLike)
 
 
@@ -28,7 +28,7 @@ class ThreadSafeHFTokenizerMixin:
 
 def maybe_make_thread_pool(tokenizer: _T, copies: int = 1):
     """
-    If `tokenizer` is a `PreTrainedTokenizerFast`, modify the tokenizer
+    If `tokenizer` is a `TokenizersBackend`, modify the tokenizer
     in-place to make the public interface thread-safe by routing calls
     through a deep-copied tokenizer pool.
 
@@ -38,14 +38,14 @@ def maybe_make_thread_pool(tokenizer: _T, copies: int = 1):
       methods like ``add_special_tokens`` or ``add_tokens``.
     - Adjacent method calls could happen on different deep copies.
     """
-    if not isinstance(tokenizer, PreTrainedTokenizerFast) or isinstance(
+    if not isinstance(tokenizer, TokenizersBackend) or isinstance(
         tokenizer, ThreadSafeHFTokenizerMixin
     ):
         return tokenizer
 
     og_tokenizer = copy.copy(tokenizer)
 
-    tokenizer_pool: queue.Queue[PreTrainedTokenizerFast] = queue.Queue()
+    tokenizer_pool: queue.Queue[TokenizersBackend] = queue.Queue()
     for _ in range(copies):
         tokenizer_pool.put(copy.deepcopy(og_tokenizer))
 
@@ -103,6 +103,9 @@ def maybe_make_thread_pool(tokenizer: _T, copies: int = 1):
     TokenizerPool.__name__ = f"TokenizerPool{og_tokenizer.__class__.__name__}"
 
     tokenizer.__class__ = TokenizerPool
+    # Return the tokenizer: TokenizerPool.__reduce__ reconstructs through this
+    # function, so falling off the end would unpickle to None (issue #45433).
+    return tokenizer
 
 
 def get_cached_tokenizer(tokenizer: HfTokenizer) -> HfTokenizer:
@@ -117,6 +120,16 @@ def get_cached_tokenizer(tokenizer: HfTokenizer) -> HfTokenizer:
     tokenizer_all_special_tokens = tokenizer.all_special_tokens
     tokenizer_vocab = tokenizer.get_vocab()
     tokenizer_len = len(tokenizer)
+    # The underlying tokenizer class could be MistralCommonBackend,
+    # which does not implement is_fast in Transformers
+    tokenizer_is_fast = getattr(tokenizer, "is_fast", True)
+
+    # MistralCommonBackend is tekken-backed and needs byte-fallback-aware tokenization.
+    mistral_tekkenizer = None
+    if getattr(getattr(tokenizer, "tokenizer", None), "instruct_tokenizer", None):
+        from vllm.tokenizers.mistral import mistral_common_tekkenizer
+
+        mistral_tekkenizer = mistral_common_tekkenizer(tokenizer)
 
     max_token_id = max(tokenizer_vocab.values())
     max_chars_per_token = max(len(tok) for tok in tokenizer_vocab)
@@ -146,6 +159,31 @@ def get_cached_tokenizer(tokenizer: HfTokenizer) -> HfTokenizer:
         def max_chars_per_token(self) -> int:
             return max_chars_per_token
 
+        @property
+        def is_fast(self) -> bool:
+            return tokenizer_is_fast
+
+        def convert_ids_to_tokens(self, ids, skip_special_tokens: bool = False):
+            if mistral_tekkenizer is not None:
+                from vllm.tokenizers.mistral import tekken_convert_ids_to_tokens
+
+                return tekken_convert_ids_to_tokens(mistral_tekkenizer, ids)
+            return super().convert_ids_to_tokens(
+                ids, skip_special_tokens=skip_special_tokens
+            )
+
+        def convert_tokens_to_string(self, tokens: list[str]) -> str:
+            if mistral_tekkenizer is not None:
+                from vllm.tokenizers.mistral import tekken_convert_tokens_to_string
+
+                return tekken_convert_tokens_to_string(mistral_tekkenizer, tokens)
+            try:
+                return super().convert_tokens_to_string(tokens)
+            except NotImplementedError:
+                # The underlying tokenizer class could be MistralCommonBackend,
+                # which does not implement convert_tokens_to_string in Transformers
+                return "".join(tokens)
+
         def get_vocab(self) -> dict[str, int]:
             return tokenizer_vocab
 
@@ -172,13 +210,10 @@ class CachedHfTokenizer(TokenizerLike):
         download_dir: str | None = None,
         **kwargs,
     ) -> HfTokenizer:
-        # overlay: transformers cannot read a glm-dsa GGUF's tokenizer; build it
-        # from the GGUF's tokenizer.ggml.* metadata
-        gguf_file = kwargs.get("gguf_file")
-        if gguf_file is not None and is_glm_dsa_gguf(Path(path_or_repo_id) / gguf_file):
-            tokenizer = glm_dsa_tokenizer_from_gguf(
-                Path(path_or_repo_id) / gguf_file, **kwargs
-            )
+        # overlay: a glm-dsa GGUF named as the tokenizer (the model alone) carries
+        # its tokenizer in tokenizer.ggml.* metadata, which transformers cannot read
+        if is_glm_dsa_gguf(path_or_repo_id):
+            tokenizer = glm_dsa_tokenizer_from_gguf(path_or_repo_id, **kwargs)
             return get_cached_tokenizer(tokenizer)
         try:
             tokenizer = AutoTokenizer.from_pretrained(

@@ -12,6 +12,13 @@ the real one. VLLM_TEST_REPORT_SHARED_MEM does the same for the opt-in shared
 memory per block (bytes) that the overlay's kernels read to pick their launch
 parameters (SM120: 99 KiB = 101376). Used to run the engine "as on SM120" on an
 H200; never install it in production. Without the variables it changes nothing.
+
+Kernels built for the reported GPU alone cannot run on the real one: where
+vLLM's choice for the reported capability is such a kernel (since vLLM 0.26 a
+bf16 DSA model with an fp8 or "auto" KV cache selects FLASHINFER_MLA_SPARSE_SM120
+on SM12x), pick what the run is about with flags (e.g. --kv-cache-dtype bfloat16
+or --attention-backend TRITON_MLA_SPARSE). DeepGEMM compiles for the device it
+runs on, so its choice on SM120 (vLLM 0.26) runs on the H200 as its SM90 kernels.
 """
 
 import os

@@ -8,8 +8,10 @@ The lightning indexer scores every key position s of a query token t as
 
 with q and k in fp8 (per-token q scales are folded into w by the caller) and
 one fp32 scale per key. DeepGEMM implements this (`fp8_fp4_mqa_logits`,
-`fp8_fp4_paged_mqa_logits`) for SM90 and SM100 only; the Triton kernels here run
-on every GPU with fp8 support (SM89+), reading the same inputs:
+`fp8_fp4_paged_mqa_logits`) where vLLM's platform supports DeepGEMM: SM90, the
+SM100 family and, with the DeepGEMM vLLM 0.26 vendors, the SM120 family. The
+Triton kernels here run on every GPU with fp8 support (SM89+), reading the same
+inputs:
 
 - prefill: q [M, H, D] fp8, gathered k [N, D] fp8 with scales [N] fp32, per-row
   key bounds [ks, ke); logits [M, N] fp32.
@@ -23,7 +25,9 @@ only read the valid range. No host synchronisation: launch shapes depend only on
 tensor shapes.
 
 `VLLM_SPARSE_INDEXER_LOGITS` = auto (default) | deepgemm | triton chooses the
-implementation; auto takes DeepGEMM where the platform supports it.
+implementation; auto takes DeepGEMM where it is installed and the platform
+supports it (`support_deep_gemm`, which upstream's indexer relies on), so the
+Triton kernels run on SM89 and on GPUs DeepGEMM has no kernels for.
 """
 
 import functools
@@ -46,7 +50,11 @@ PERSISTENT_TOPK_MIN_SMEM = 128 * 1024
 
 @functools.cache
 def indexer_logits_backend() -> str:
-    """'deepgemm' or 'triton' for the indexer logits on this CUDA device."""
+    """'deepgemm' or 'triton' for the indexer logits on this CUDA device.
+
+    Not `is_deep_gemm_supported()`: its VLLM_USE_DEEP_GEMM switch is about
+    DeepGEMM's GEMMs, and upstream's indexer uses DeepGEMM regardless of it.
+    """
     choice = os.environ.get(LOGITS_BACKEND_ENV, "auto").strip().lower()
     if choice not in ("auto", "deepgemm", "triton"):
         raise ValueError(

@@ -5,10 +5,14 @@
 Portable counterpart of FLASHMLA_SPARSE / FLASHINFER_MLA_SPARSE for every CUDA GPU
 that runs Triton (SM80, SM86, SM89, SM90, SM100, SM120, SM121).
 
-Every query token, whether it belongs to a prefill, a decode or a speculative
-decode, attends to the indexer's top-k request-local positions, converted to
-global KV-cache slots (the indexer pads each row with -1 after its valid
-entries). Two kernels implement this, chosen by VLLM_TRITON_MLA_SPARSE_KERNEL:
+As for the other sparse MLA backends, MLAAttention runs the query tokens it
+routes to the MQA path (decodes, speculative decodes and, unless a batch's
+prefills all fit within the top-k, prefills) through `forward_mqa`; short
+prefills may take the shared dense-MHA path of `SparseMLACommonImpl`. In
+`forward_mqa` every token attends to the indexer's top-k request-local
+positions, converted to global KV-cache slots (the indexer pads each row with
+-1 after its valid entries). Two kernels implement this, chosen by
+VLLM_TRITON_MLA_SPARSE_KERNEL:
 
 - "gather" (default, `ops/triton_sparse_mla.py`): gathers each selected row once
   for a block of heads, split-K over the top-k at small batch;
@@ -17,19 +21,22 @@ entries). Two kernels implement this, chosen by VLLM_TRITON_MLA_SPARSE_KERNEL:
   implementation, kept as a fallback).
 """
 
+import functools
+import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar
 
-import functools
-import os
-
-import numpy as np
 import torch
 
 import vllm.envs as envs
 from vllm.config import VllmConfig
 from vllm.config.cache import CacheDType
 from vllm.logger import init_logger
+from vllm.model_executor.layers.attention.mla_attention import MLACommonPrefillMetadata
+from vllm.model_executor.layers.attention.sparse_mla_attention import (
+    SparseMLACommonImpl,
+    SparseMLACommonMetadataBuilder,
+)
 from vllm.platforms import current_platform
 from vllm.platforms.interface import DeviceCapability
 from vllm.triton_utils import triton
@@ -39,11 +46,8 @@ from vllm.v1.attention.backend import (
     AttentionCGSupport,
     AttentionLayer,
     AttentionMetadata,
-    AttentionMetadataBuilder,
     AttentionType,
-    CommonAttentionMetadata,
     MultipleOf,
-    SparseMLAAttentionImpl,
 )
 from vllm.v1.attention.backends.mla.sparse_utils import (
     triton_convert_req_index_to_global_index,
@@ -116,8 +120,9 @@ class TritonMLASparseBackend(AttentionBackend):
     @classmethod
     def supports_batch_invariance(cls) -> bool:
         # Under VLLM_BATCH_INVARIANT both kernels run one KV split per token,
-        # and their tiles depend only on the head count, so a token's result
-        # does not depend on what it is batched with.
+        # their tiles depend only on the head count, and the metadata builder
+        # keeps every request on them (no dense-MHA prefill), so a token's
+        # result does not depend on what it is batched with.
         return True
 
     @classmethod
@@ -130,6 +135,7 @@ class TritonMLASparseBackend(AttentionBackend):
         use_mla: bool,
         has_sink: bool,
         use_sparse: bool,
+        use_mm_prefix: bool,
         device_capability: DeviceCapability,
     ) -> str | None:
         if (
@@ -174,11 +180,25 @@ class TritonMLASparseMetadata(AttentionMetadata):
     block_size: int = 64
     topk_tokens: int = 2048
 
+    # The split MLAAttention routes on: the first num_decode_tokens tokens take
+    # forward_mqa, the rest the dense-MHA prefill (when `prefill` is built and
+    # prefill_max_seq_len fits within topk_tokens).
+    num_decodes: int = 0
+    num_prefills: int = 0
+    num_decode_tokens: int = 0
+    seq_lens: torch.Tensor | None = None
+    prefill_max_seq_len: int = 0
+    prefill: MLACommonPrefillMetadata | None = None
+    cp_kv_cache_interleave_size: int = 1
 
-class TritonMLASparseMetadataBuilder(AttentionMetadataBuilder[TritonMLASparseMetadata]):
+
+class TritonMLASparseMetadataBuilder(
+    SparseMLACommonMetadataBuilder[TritonMLASparseMetadata]
+):
     # Every step is a device-side kernel whose launch shape depends only on the
     # number of tokens, so batches of uniform query length can be captured.
     _cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.UNIFORM_BATCH
+    metadata_cls = TritonMLASparseMetadata
 
     def __init__(
         self,
@@ -187,45 +207,20 @@ class TritonMLASparseMetadataBuilder(AttentionMetadataBuilder[TritonMLASparseMet
         vllm_config: VllmConfig,
         device: torch.device,
     ) -> None:
-        self.kv_cache_spec = kv_cache_spec
-        self.layer_names = layer_names
-        self.vllm_config = vllm_config
-        self.device = device
-        self.topk_tokens = vllm_config.model_config.hf_config.index_topk
-        self.req_id_per_token_buffer = torch.zeros(
-            (vllm_config.scheduler_config.max_num_batched_tokens,),
-            dtype=torch.int32,
-            device=device,
-        )
-
-    def build(
-        self,
-        common_prefix_len: int,
-        common_attn_metadata: CommonAttentionMetadata,
-        fast_build: bool = False,
-    ) -> TritonMLASparseMetadata:
-        cm = common_attn_metadata
-        starts = np.asarray(cm.query_start_loc_cpu, dtype=np.int32)
-        req_id_per_token = np.repeat(
-            np.arange(starts.shape[0] - 1, dtype=np.int32), np.diff(starts)
-        )
-        # Zero-fill so that CUDA-graph padding rows point at a real request.
-        self.req_id_per_token_buffer.fill_(0)
-        self.req_id_per_token_buffer[: req_id_per_token.shape[0]].copy_(
-            torch.from_numpy(req_id_per_token), non_blocking=True
-        )
-        return TritonMLASparseMetadata(
-            num_reqs=cm.num_reqs,
-            max_query_len=cm.max_query_len,
-            max_seq_len=cm.max_seq_len,
-            num_actual_tokens=cm.num_actual_tokens,
-            query_start_loc=cm.query_start_loc,
-            slot_mapping=cm.slot_mapping,
-            block_table=cm.block_table_tensor,
-            req_id_per_token=self.req_id_per_token_buffer[: cm.num_actual_tokens],
-            block_size=self.kv_cache_spec.block_size,
-            topk_tokens=self.topk_tokens,
-        )
+        super().__init__(kv_cache_spec, layer_names, vllm_config, device)
+        if envs.VLLM_BATCH_INVARIANT:
+            # MLAAttention sends a batch's prefills to dense MHA only when all
+            # of them fit within the top-k, so a request's path would depend
+            # on its batch: every request takes the MQA kernels instead.
+            threshold = vllm_config.scheduler_config.max_num_batched_tokens
+        else:
+            # Longest query that takes the MQA path, as FLASH_ATTN_MLA_SPARSE
+            # and FLASHMLA_SPARSE (outside SM100) choose it.
+            num_q_heads = self.model_config.get_num_attention_heads(
+                vllm_config.parallel_config
+            )
+            threshold = {16: 128, 32: 128, 64: 256, 128: 256}.get(num_q_heads, 256)
+        self._init_reorder_batch_threshold(threshold, supports_spec_as_decode=True)
 
 
 def num_kv_splits_for(
@@ -275,7 +270,9 @@ def sparse_mla_decode_fwd(
     seq_lens = valid_counts.clamp(min=1)
     slots = slots.clamp(min=0)
 
-    kv = kv_cache.unsqueeze(2)  # [NB, BS, 1, 576]: one latent "KV head"
+    # [NB * BS, 1, 1, 576]: every slot its own page of one latent "KV head"
+    # (the decode kernel steps pages by the stride of dim -4).
+    kv = kv_cache.view(-1, 1, 1, kv_cache.shape[-1])
     kv_c = kv[..., :kv_lora_rank]
     num_kv_splits = num_kv_splits_for(num_tokens, num_heads, topk, num_sms)
     per_token = num_heads * num_kv_splits * (kv_lora_rank + 1) * 4
@@ -327,7 +324,7 @@ def sparse_mla_kernel() -> str:
     return kernel
 
 
-class TritonMLASparseImpl(SparseMLAAttentionImpl[TritonMLASparseMetadata]):
+class TritonMLASparseImpl(SparseMLACommonImpl[TritonMLASparseMetadata]):
     def __init__(
         self,
         num_heads: int,
@@ -360,17 +357,25 @@ class TritonMLASparseImpl(SparseMLAAttentionImpl[TritonMLASparseMetadata]):
                 "TritonMLASparseImpl reads the standard MLA cache layout; use "
                 "kv_cache_dtype 'fp8' instead of 'fp8_ds_mla'"
             )
-        self.num_heads = num_heads
-        self.head_size = head_size
-        self.scale = float(scale)
-        self.num_kv_heads = num_kv_heads
-        self.kv_cache_dtype = kv_cache_dtype
-        self.kv_lora_rank: int = mla_args["kv_lora_rank"]
-        if indexer is not None:
-            topk_indices_buffer = indexer.topk_indices_buffer
-        if topk_indices_buffer is None:
+        super().__init__(
+            num_heads,
+            head_size,
+            scale,
+            num_kv_heads,
+            alibi_slopes,
+            sliding_window,
+            kv_cache_dtype,
+            logits_soft_cap,
+            attn_type,
+            kv_sharing_target_layer_name,
+            indexer=indexer,
+            topk_indices_buffer=topk_indices_buffer,
+            **mla_args,
+        )
+        # The indexer's buffer, or the shared one passed to the layers that
+        # reuse another layer's top-k (IndexCache skip layers: indexer=None).
+        if self.topk_indices_buffer is None:
             raise ValueError("TritonMLASparseImpl needs the indexer's top-k buffer")
-        self.topk_indices_buffer: torch.Tensor = topk_indices_buffer
         # Queries stay in the model dtype; an fp8 cache is dequantized on load.
         self.supports_quant_query_input = False
         self._num_sms = current_platform.num_compute_units()
@@ -385,7 +390,10 @@ class TritonMLASparseImpl(SparseMLAAttentionImpl[TritonMLASparseMetadata]):
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         if isinstance(q, tuple):
             q = torch.cat(q, dim=-1)
+        # q may be only the leading MQA tokens of the batch (prefills routed
+        # to dense MHA follow them), so slice the per-token inputs to match.
         num_tokens = q.shape[0]
+        assert self.topk_indices_buffer is not None
         topk_indices = self.topk_indices_buffer[:num_tokens]
         slots, valid_counts = triton_convert_req_index_to_global_index(
             attn_metadata.req_id_per_token[:num_tokens],

@@ -1,6 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""Weights of GLM-5 (`glm_moe_dsa`) from llama.cpp's `glm-dsa` GGUF files.
+"""GGUF weights adapter for GLM-5 (`glm_moe_dsa`): llama.cpp's `glm-dsa` files.
 
 llama.cpp's converter (`GlmMoeDsaModel`, a `DeepseekV2Model`) writes MLA's
 `kv_b_proj` split per head into `attn_k_b` (`[n_head, kv_lora, qk_nope]`, the
@@ -16,31 +16,39 @@ and yields the tensors in the form vLLM's GGUF layers take:
 - quantized experts go to the GGUF MoE method as stacks; unquantized ones are
   yielded per expert for the regular fused-MoE method (and its TP/EP sharding);
 - the MTP (nextn) blocks after `num_hidden_layers` are left out;
-- a tensor that maps nowhere, a missing tensor, a wrong shape or a type vLLM's
-  GGUF kernels cannot run is an error naming the tensor, raised before the
-  model is built.
+- a tensor that maps nowhere, a missing tensor, a wrong shape or a type the
+  plugin's GGUF kernels cannot run is an error naming the tensor, raised before
+  the model is built;
+- a split set is checked part by part, the tensor-parallel split must keep
+  whole quant blocks, and a model parameter no tensor filled is an error.
 """
+
+from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import gguf
 import numpy as np
 import regex as re
 import torch
-
 from vllm.logger import init_logger
-from vllm.transformers_utils.glm_dsa_gguf import GGUFError, open_reader
+from vllm.transformers_utils.glm_dsa_gguf import GGUFError, open_reader, split_files
+
+from ..quantization.utils import DEQUANT_TYPES
+from .base import BaseGGUFWeightsAdapter, GGUFLoadSpec
+from .default import GGUFWeightsAdapter
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
+    from vllm.config import ModelConfig
 
 logger = init_logger(__name__)
 
 UNQUANTIZED = ("F32", "F16", "BF16")
-# What vLLM's GGUF kernels run (layers/quantization/gguf.py).
-KERNEL_TYPES = {
-    "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q8_1",
-    "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K",
-    "IQ1_M", "IQ1_S", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S", "IQ4_XS", "IQ4_NL",
-}
+# What the plugin's GGUF kernels run (quantization/utils.py).
+KERNEL_TYPES = {t.name for t in DEQUANT_TYPES}
 
 KV_B = "self_attn.kv_b_proj.weight"
 # Targets whose vLLM module has no GGUF quant method: dequantized on load.
@@ -195,8 +203,8 @@ class GlmDsaGGUF:
                                 f"implies {list(expected[name])}")
             kind = t.tensor_type.name
             if kind not in UNQUANTIZED and kind not in KERNEL_TYPES:
-                raise GGUFError(f"GGUF tensor {name!r} has type {kind}, which vLLM's GGUF "
-                                f"kernels do not support")
+                raise GGUFError(f"GGUF tensor {name!r} has type {kind}, which the GGUF "
+                                f"plugin's kernels do not support")
         for i in range(L):
             stacks = {self._quantized(f"blk.{i}.ffn_{p}_exps.weight")
                       for p in ("gate", "up", "down") if f"blk.{i}.ffn_{p}_exps.weight" in mapping}
@@ -295,3 +303,37 @@ def check_all_loaded(model: torch.nn.Module, loaded: Iterable[str]) -> None:
     if missing:
         raise GGUFError(f"{len(missing)} model parameters were not filled by any GGUF tensor: "
                         f"{', '.join(missing[:8])}" + (" ..." if len(missing) > 8 else ""))
+
+
+class GlmDsaGGUFAdapter(BaseGGUFWeightsAdapter):
+    """llama.cpp's glm-dsa files for vLLM's GlmMoeDsaForCausalLM (DeepseekV2)."""
+
+    load_spec: GGUFLoadSpec | None = None
+
+    @classmethod
+    def matches(cls, config: PretrainedConfig) -> bool:
+        return config.model_type == "glm_moe_dsa"
+
+    def prepare_loading(self, model_path: str, model_config: ModelConfig) -> GGUFLoadSpec:
+        from vllm.config import get_current_vllm_config
+
+        files = split_files(model_path)
+        # the tensor parallel split must keep whole quant blocks per rank
+        parallel = get_current_vllm_config().parallel_config
+        tp = parallel.tensor_parallel_size
+        self.gguf = GlmDsaGGUF(files, model_config.hf_config, tp_size=tp,
+                               experts_tp_size=1 if parallel.enable_expert_parallel else tp)
+        self.load_spec = GGUFLoadSpec(
+            weights_source=[str(f) for f in files],
+            unquantized_modules=GGUFWeightsAdapter.get_unquantized_modules(
+                self.gguf.weight_type_map()),
+            gguf_to_hf_name_map=self.gguf.gguf_to_hf,
+        )
+        return self.load_spec
+
+    def prepare_weights(self, model_config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
+        del model_config
+        yield from self.gguf.weights()
+
+    def check_loaded(self, model: torch.nn.Module, loaded: Iterable[str]) -> None:
+        check_all_loaded(model, loaded)

@@ -1,0 +1,179 @@
+# SPDX-License-Identifier: Apache-2.0
+
+import os  # overlay: glob and itertools no longer used (download_gguf)
+from collections.abc import Generator
+from pathlib import Path
+
+import gguf
+import numpy as np
+import regex as re  # overlay: exact quant names (download_gguf)
+import torch
+from huggingface_hub import snapshot_download
+from vllm.logger import init_logger
+
+logger = init_logger(__name__)
+
+
+# overlay: a quant's files by exact name, split parts included and in any folder of
+# the repo (unsloth puts large quants in a folder per quant), all parts or none; two
+# models for one name (GLM-5-Q4_K_M and GLM-5-UD-Q4_K_M for Q4_K_M) are an error
+# instead of a guess
+_GGUF_PART_RE = re.compile(r"-(\d{5})-of-(\d{5})\.gguf$")
+
+
+def gguf_quant_files(names: list[str], quant_type: str, where: str) -> list[str]:
+    """The files (relative paths, first part first) of the one GGUF model among
+    `names` whose file name ends in `quant_type` (before `.gguf` or the split suffix)."""
+    models: dict[tuple[str, str], list[str]] = {}
+    for name in names:
+        base = name.rsplit("/", 1)[-1]
+        if not base.endswith(".gguf") or base.startswith("mmproj"):
+            continue
+        m = _GGUF_PART_RE.search(base)
+        stem = base[: m.start()] if m else base[: -len(".gguf")]
+        before = stem[: len(stem) - len(quant_type)]
+        if not stem.lower().endswith(quant_type.lower()) or before[-1:] not in ("", "-", "."):
+            continue
+        key = (name[: len(name) - len(base)], stem + ("-of-" + m.group(2) if m else ""))
+        models.setdefault(key, []).append(name)
+    if not models:
+        raise ValueError(f"No GGUF file of quant type {quant_type!r} in {where}")
+    if len(models) > 1:
+        found = ", ".join(sorted(f"{d}{k.split('-of-')[0]} ({len(v)} files)"
+                                 for (d, k), v in models.items()))
+        raise ValueError(f"{where} holds {len(models)} GGUF models for quant type "
+                         f"{quant_type!r}: {found}; name one by its full quant type")
+    files = sorted(next(iter(models.values())))
+    if m := _GGUF_PART_RE.search(files[0]):
+        count = int(m.group(2))
+        numbers = sorted(int(_GGUF_PART_RE.search(f).group(1)) for f in files)
+        if numbers != list(range(1, count + 1)):
+            missing = sorted(set(range(1, count + 1)) - set(numbers))
+            raise ValueError(f"{where}: the {quant_type} GGUF split set lacks parts "
+                             f"{', '.join(map(str, missing))} of {count}")
+    return files
+
+
+def download_gguf(
+    repo_id: str,
+    quant_type: str,
+    cache_dir: str | None = None,
+    revision: str | None = None,
+    ignore_patterns: str | list[str] | None = None,
+    first_part_only: bool = False,  # overlay: a config needs only the first part
+) -> str:
+    """Download the GGUF model of `quant_type` from `repo_id` (every split part, or
+    just the first) and return its (first) file. Offline, the cached snapshot."""
+    # overlay: the quant's files by exact name (gguf_quant_files), not by globs
+    from vllm.transformers_utils.repo_utils import list_repo_files
+
+    names = [n for n in list_repo_files(repo_id, revision=revision) if n.endswith(".gguf")]
+    if names:
+        files = gguf_quant_files(names, quant_type, repo_id)
+        folder = snapshot_download(
+            repo_id=repo_id,
+            cache_dir=cache_dir,
+            allow_patterns=files[:1] if first_part_only else files,
+            revision=revision,
+            ignore_patterns=ignore_patterns,
+        )
+    else:  # overlay: offline (or an empty listing), what the cache holds
+        folder = snapshot_download(
+            repo_id=repo_id,
+            cache_dir=cache_dir,
+            allow_patterns=["*.gguf"],
+            revision=revision,
+            ignore_patterns=ignore_patterns,
+        )
+        cached = [p.relative_to(folder).as_posix() for p in Path(folder).rglob("*.gguf")]
+        files = gguf_quant_files(cached, quant_type, f"{repo_id} (cached in {folder})")
+    return os.path.join(folder, files[0])  # overlay: the first part
+
+
+def resolve_local_gguf(local_dir: str, quant_type: str) -> str:
+    """Find a GGUF file matching *quant_type* in a local directory."""
+    # overlay: by exact name, as download_gguf
+    names = [p.relative_to(local_dir).as_posix() for p in Path(local_dir).rglob("*.gguf")]
+    return os.path.join(local_dir, gguf_quant_files(names, quant_type, local_dir)[0])
+
+
+def get_gguf_extra_tensor_names(
+    gguf_file: str | Path, gguf_to_hf_name_map: dict[str, str]
+) -> list[str]:
+    reader = gguf.GGUFReader(gguf_file)
+    expected_gguf_keys = set(gguf_to_hf_name_map.keys())
+    exact_gguf_keys = {tensor.name for tensor in reader.tensors}
+    extra_keys = expected_gguf_keys - exact_gguf_keys
+    return [gguf_to_hf_name_map[key] for key in extra_keys]
+
+
+def get_gguf_weight_type_map(
+    gguf_file: str | Path, gguf_to_hf_name_map: dict[str, str]
+) -> dict[str, str]:
+    reader = gguf.GGUFReader(gguf_file)
+    return {
+        gguf_to_hf_name_map[tensor.name]: tensor.tensor_type.name
+        for tensor in reader.tensors
+        if tensor.name in gguf_to_hf_name_map
+    }
+
+
+def gguf_quant_weights_iterator(
+    gguf_file: str | Path, gguf_to_hf_name_map: dict[str, str] | None
+) -> Generator[tuple[str, torch.Tensor], None, None]:
+    yield from gguf_quant_weights_iterator_multi([gguf_file], gguf_to_hf_name_map)
+
+
+def gguf_quant_weights_iterator_multi(
+    gguf_files: list[str], gguf_to_hf_name_map: dict[str, str] | None = None
+) -> Generator[tuple[str, torch.Tensor], None, None]:
+    """Yield ``(name, tensor)`` for all tensors in *gguf_files*.
+
+    When *gguf_to_hf_name_map* is ``None``, raw GGUF tensor names are used
+    directly (useful when a caller will apply a :class:`WeightsMapper`
+    afterwards).  When a mapping is provided, tensors not present in the map
+    are skipped and names are translated accordingly.
+    """
+    _QUANT_TYPES = ("F32", "BF16", "F16")
+
+    for gguf_file in gguf_files:
+        reader = gguf.GGUFReader(gguf_file)
+        for tensor in reader.tensors:
+            if gguf_to_hf_name_map is not None:
+                if tensor.name not in gguf_to_hf_name_map:
+                    continue
+                name = gguf_to_hf_name_map[tensor.name]
+            else:
+                name = tensor.name
+
+            weight_type = tensor.tensor_type
+            if weight_type.name not in _QUANT_TYPES:
+                yield name.replace("weight", "qweight_type"), torch.tensor(weight_type)
+                name = name.replace("weight", "qweight")
+
+            weight = tensor.data
+            if weight_type.name == "BF16" and weight.dtype == np.uint8:
+                weight = weight.view(np.uint16)
+                if reader.byte_order == "S":
+                    weight = weight.byteswap()
+                param = torch.tensor(weight).view(torch.bfloat16)
+            else:
+                param = torch.tensor(weight)
+            yield name, param
+
+
+def get_gguf_unquantized_params(gguf_files: list[str]) -> list[str]:
+    _QUANT_TYPES = ("F32", "BF16", "F16")
+    return list(
+        {
+            tensor.name
+            for gguf_file in gguf_files
+            for tensor in gguf.GGUFReader(gguf_file).tensors
+            if tensor.tensor_type.name in _QUANT_TYPES
+        }
+    )
+    # for gguf_file in gguf_files:
+    #     reader = gguf.GGUFReader(gguf_file)
+    #     for tensor in reader.tensors:
+    #         if tensor.tensor_type.name in unquant_types:
+    #             yield tensor.name.rsplit(".", 1)[0]
