@@ -18,13 +18,17 @@
 # brings back only a few files: point OUT_DIR at a /tmp folder and copy the JSON
 # reports into the tool's $OUT; stages on separate GPUs run side by side with
 # CUDA_VISIBLE_DEVICES (and PYTEST_ADDOPTS=--basetemp=... for each pytest stage).
-# The bundle comes from:
-#   python build.py bundle --wheel dist/vllm-*.whl --exclude-from tools/gpu-host/h200-pip-freeze.txt \
+# The bundle comes from (6 parts):
+#   python build.py bundle --wheel dist/vllm-0.26*.whl --wheel dist/vllm_gguf_plugin-*.whl \
+#     --exclude-from tools/gpu-host/h200-pip-freeze.txt \
 #     --only tools/gpu-host/h200-runtime-extras.txt --max-part 56M --out .bundle \
-#     --drop 'vllm/vllm_flash_attn/_vllm_fa2_C.abi3.so' --drop vllm/vllm-rs \
-#     --drop 'vllm/third_party/deep_gemm/_C.cpython-31[01345]-*'
+#     --drop vllm/vllm-rs --drop 'vllm/third_party/deep_gemm/_C.cpython-31[01345]-*'
 # and upstream's test files from `python build.py sdist` (see tests/v1/attention/
 # test_upstream_sparse_mla_backends.py; VLLM_OVERLAY_UPSTREAM_TESTS points at them).
+# FA2 stays (2 of the 6 parts): SM90 prefills MLA with FA3, but with another capability reported
+# (sm120, fp8kv, the SM80 checks) vLLM 0.26 runs sparse MLA's dense-MHA prefill (taken when a
+# batch's prefills all fit in index_topk) on FA2. --drop 'vllm/vllm_flash_attn/_vllm_fa2_C.abi3.so'
+# makes 4 parts for runs that report no other capability.
 set -uo pipefail
 parts="${1:?parts dir}"; out="${2:?out dir}"; shift 2
 stages="${*:-install tests upstream bench}"
