@@ -373,3 +373,55 @@ def test_validate_configuration(cuda_platform_config, monkeypatch, capability):
     monkeypatch.setattr(cuda_platform_config, "model_config", glm5_model_config(2000))
     assert backend.validate_configuration(**glm5) == [
         "index_topk (2000) must be a multiple of 128"]
+
+
+# --------------------------------------------------------------------------------------
+# The README's support table is this selection (generated from it, checked against it)
+# --------------------------------------------------------------------------------------
+README_GPUS = [("SM80, SM86", (8, 0)), ("SM89", (8, 9)), ("SM90", (9, 0)), ("SM100", (10, 0)),
+               ("SM120, SM121", (12, 0))]
+README_COLUMNS = [("bf16", "auto"), ("bf16", "fp8"), ("fp16", "auto"), ("fp16", "fp8")]
+
+
+def readme_table(monkeypatch, config) -> list[str]:
+    """GLM-5's sparse MLA backend (64 heads, top-k 2048) for bf16/fp16 activations with a
+    16-bit or an fp8 KV cache, and the indexer's logits, on a GPU host of each kind."""
+    from vllm.v1.attention.ops import triton_indexer_logits as il
+
+    as_on_gpu_host(monkeypatch)
+    monkeypatch.setattr(config, "model_config", glm5_model_config())
+    monkeypatch.setattr("vllm.utils.import_utils.has_deep_gemm", lambda: True)
+    monkeypatch.setattr(il, "current_platform", cuda.CudaPlatform())
+    monkeypatch.delenv(il.LOGITS_BACKEND_ENV, raising=False)
+    rows = ["| GPU | bf16, 16-bit KV | bf16, fp8 KV | fp16, 16-bit KV | fp16, fp8 KV | indexer |",
+            "|---|---|---|---|---|---|"]
+    for name, capability in README_GPUS:
+        cells = []
+        for dtype, kv in README_COLUMNS:
+            chosen = select(cuda.CudaPlatform, capability,
+                            selector_config(True, kv, dtype=DTYPES[dtype]))
+            cells.append("-" if chosen.startswith("ValueError") else next(
+                b.name for b in AttentionBackendEnum if b.value and b.get_path() == chosen))
+        reported = classmethod(lambda cls, device_id=0: DeviceCapability(*capability))
+        with patch.object(cuda.CudaPlatform, "get_device_capability", reported):
+            il.indexer_logits_backend.cache_clear()
+            indexer = {"deepgemm": "DeepGEMM", "triton": "Triton (ours)"}[
+                il.indexer_logits_backend()]
+            if indexer != "DeepGEMM":
+                try:
+                    il.check_triton_indexer_supported()
+                except RuntimeError:
+                    indexer = "refused (fp8 dots)"
+        il.indexer_logits_backend.cache_clear()
+        rows.append(f"| {name} | " + " | ".join(cells) + f" | {indexer} |")
+    return rows
+
+
+def test_readme_selection_table(cuda_platform_config, monkeypatch):
+    readme = (ROOT / "README.md").read_text()
+    begin, end = "<!-- selection: begin -->\n", "<!-- selection: end -->"
+    assert begin in readme and end in readme, "README lacks the selection table markers"
+    table = readme.split(begin, 1)[1].split(end, 1)[0].strip().splitlines()
+    expect = readme_table(monkeypatch, cuda_platform_config)
+    assert table == expect, "README's selection table is stale; it should read:\n" + \
+        "\n".join(expect)

@@ -1,0 +1,45 @@
+# SPDX-License-Identifier: Apache-2.0
+"""What the docs list that the code also knows: the overlay files (upstream.lock) and
+build.py's exit codes. (The README's backend selection table is checked by
+tests/kernels/attention/test_attention_selector_sparse.py.)"""
+
+import re
+import sys
+import tomllib
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def block(path: Path, name: str) -> list[str]:
+    text = path.read_text()
+    begin, end = f"<!-- {name}: begin -->\n", f"<!-- {name}: end -->"
+    assert begin in text and end in text, f"{path.name} lacks the {name} markers"
+    return text.split(begin, 1)[1].split(end, 1)[0].strip().splitlines()
+
+
+def test_overlay_files_listed():
+    lock = tomllib.loads((ROOT / "upstream.lock").read_text())
+    rows = block(ROOT / "docs" / "overlay.md", "overlay files")[2:]
+    listed = {}
+    for row in rows:
+        m = re.fullmatch(r"\| `([^`]+)` \| (new|replaced) \| .+ \|", row)
+        assert m, row
+        listed[m[1]] = m[2]
+    assert listed == {rel: "new" if e.get("new") is True else "replaced"
+                      for rel, e in lock["overlay"].items()}
+
+
+def test_exit_codes_listed():
+    sys.path.insert(0, str(ROOT))
+    try:
+        import build
+    finally:
+        sys.path.remove(str(ROOT))
+    doc = (ROOT / "docs" / "overlay.md").read_text().split("## Exit codes", 1)[1]
+    table = {int(m[1]) for m in re.finditer(r"^\| (\d+) \|", doc, re.M)}
+    codes = {0, 2} | {v for k, v in vars(build).items() if k.startswith("EXIT_")}
+    assert table == codes
+    # the module docstring (build.py --help) names the same codes
+    assert {int(n) for n in re.findall(r"(\d+) [a-z]", build.__doc__.split("Exit codes:")[1])} \
+        == codes
