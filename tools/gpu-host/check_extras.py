@@ -40,7 +40,10 @@ LLM = ["vllm.entrypoints.llm", "vllm.v1.engine.core", "vllm.v1.engine.core_clien
        "vllm.third_party.deep_gemm", "vllm.model_executor.layers.fused_moe.fused_moe",
        "vllm.model_executor.layers.fused_moe.experts.triton_moe", "vllm.v1.sample.sampler",
        "vllm.v1.structured_output", "vllm_gguf_plugin", "vllm_gguf_plugin.plugin",
-       "vllm_gguf_plugin.loader", "vllm_gguf_plugin.weights_adapter.glm_dsa"]
+       "vllm_gguf_plugin.loader", "vllm_gguf_plugin.weights_adapter.glm_dsa",
+       # get_quantization_config() imports every method's module for any quantization,
+       # gguf included (auto_awq -> compressed_tensors, seen on the H200 2026-12-01)
+       "vllm.model_executor.layers.quantization.auto_awq"]
 # "serve-app" (last: it swaps the platform): build_app() of `vllm serve` for a generate model
 # (its routes import their routers lazily), vLLM's CPU platform standing in for the GPU
 SERVE_APP = """
