@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""A tiny random GLM-5 (`glm_moe_dsa`) checkpoint with GLM-5's attention head dims.
+"""Tiny random GLM-5 and GLM-5.2 (`glm_moe_dsa`) checkpoints with GLM-5's attention head dims.
 
 MLA: kv_lora 512, rope 64, nope 192, v 256; the DSA indexer: 32 heads x 128.
 Few layers (dense first, then MoE), few experts, small hidden size and vocab.
@@ -60,13 +60,70 @@ TINY_GLM5 = {
 }
 
 
+# GLM-5.2/5.3 (same architecture): IndexShare, where "shared" layers reuse the
+# previous "full" layer's top-k and carry no indexer weights; rope_theta 8e6, a
+# 1M-token context, the router in fp32. Here 6 layers (2 dense, 4 MoE) on a
+# schedule that is neither llama.cpp's default for a 1M context (GLM-5.2's,
+# "FFFSSS" on 6 layers) nor all full, with a dense and a MoE shared layer; the
+# MTP block copies the last layer, a full one (GLM-5.2's MTP layer has an indexer).
+GLM52_INDEXER_TYPES = ["full", "shared", "full", "shared", "shared", "full"]
+TINY_GLM52 = {
+    **TINY_GLM5,
+    "num_hidden_layers": 6,
+    "first_k_dense_replace": 2,
+    "mlp_layer_types": ["dense"] * 2 + ["sparse"] * 4,
+    "indexer_types": GLM52_INDEXER_TYPES,
+    # vLLM's DeepseekV2 reads the schedule from index_topk_pattern (else
+    # index_topk_freq/index_skip_topk_offset, which cannot express this one)
+    "index_topk_pattern": "".join("F" if t == "full" else "S" for t in GLM52_INDEXER_TYPES),
+    "index_share_for_mtp_iteration": True,
+    "layer_types": ["deepseek_sparse_attention"] * 6,
+    "max_position_embeddings": 1048576,
+    "rope_parameters": {"rope_theta": 8000000.0, "rope_type": "default"},
+    "moe_router_dtype": "float32",
+}
+
+
 def make_tiny_glm5(path: Path, seed: int = 0, **overrides) -> Path:
     """Write a random tiny GLM-5 checkpoint (config.json + safetensors) to `path`."""
+    return _make_tiny(path, {**TINY_GLM5, **overrides}, seed)
+
+
+def make_tiny_glm52(path: Path, seed: int = 0, **overrides) -> Path:
+    """Write a random tiny GLM-5.2 checkpoint (IndexShare: no indexer weights on
+    shared layers) to `path`."""
+    return _make_tiny(path, {**TINY_GLM52, **overrides}, seed, biases=True)
+
+
+def copy_shared_indexers(src: Path, out: Path) -> Path:
+    """A copy of a GLM-5.2 checkpoint whose shared layers carry indexer weights,
+    those of the full layer before them, as some published GLM-5.2 GGUFs do."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    out = Path(out)
+    shutil.copytree(src, out)
+    cfg = json.loads((out / "config.json").read_text())
+    tensors = load_file(out / "model.safetensors")
+    full = 0
+    for i, kind in enumerate(cfg["indexer_types"]):
+        if kind == "full":
+            full = i
+            continue
+        prefix = f"model.layers.{full}.self_attn.indexer."
+        for name in [n for n in tensors if n.startswith(prefix)]:
+            copy = f"model.layers.{i}.self_attn.indexer." + name[len(prefix):]
+            tensors[copy] = tensors[name].clone()
+    save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
+    return out
+
+
+def _make_tiny(path: Path, cfg: dict, seed: int, biases: bool = False) -> Path:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    cfg = {**TINY_GLM5, **overrides}
     (path / "config.json").write_text(json.dumps(cfg, indent=1))
     config = AutoConfig.from_pretrained(path)
     torch.manual_seed(seed)
@@ -83,6 +140,13 @@ def make_tiny_glm5(path: Path, seed: int = 0, **overrides) -> Path:
                 p.normal_(0.0, 0.5 / p.shape[-1] ** 0.5)
             else:
                 p.zero_()
+        if biases:
+            # nonzero routing biases (a buffer) and indexer key-norm biases, so
+            # that both take part in what the model computes
+            gen = torch.Generator().manual_seed(seed + 2)
+            for name, t in [*model.named_parameters(), *model.named_buffers()]:
+                if name.endswith(("e_score_correction_bias", "k_norm.bias")):
+                    t.copy_(torch.randn(t.shape, generator=gen) * 0.05)
     model.to(torch.bfloat16).save_pretrained(path, safe_serialization=True)
     add_mtp_block(path / "model.safetensors", cfg, seed)
     # save_pretrained rewrites config.json: keep the fields vLLM reads verbatim.

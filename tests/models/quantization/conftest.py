@@ -2,7 +2,7 @@
 import pytest
 
 import gguf_reference as gr
-from glm5_tiny import make_tiny_glm5
+from glm5_tiny import copy_shared_indexers, make_tiny_glm5, make_tiny_glm52
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -39,4 +39,34 @@ def glm5_ggufs(glm5_gguf, tmp_path_factory):
     split.mkdir()
     gr.convert(llama_cpp, model, split / "tiny-glm5-bf16.gguf", "bf16", "--split-max-tensors", "40")
     files["split"] = next(split.glob("*-00001-of-*.gguf"))
+    return files
+
+
+@pytest.fixture(scope="session")
+def glm52_gguf(tmp_path_factory):
+    """(llama.cpp tree, HF checkpoint dir, bf16 GGUF) of the tiny GLM-5.2 (IndexShare:
+    no indexer weights on its shared layers), made once."""
+    llama_cpp = gr.llama_cpp_dir(tmp_path_factory.getbasetemp() / "llama-cpp")
+    tmp = tmp_path_factory.mktemp("gguf52")
+    model = make_tiny_glm52(tmp / "tiny-glm52")
+    gr.write_tokenizer(model, gr.config(model)["vocab_size"])
+    return llama_cpp, model, gr.convert(llama_cpp, model, tmp / "tiny-glm52-bf16.gguf", "bf16")
+
+
+@pytest.fixture(scope="session")
+def glm52_ggufs(glm52_gguf, tmp_path_factory):
+    """The tiny GLM-5.2 as llama.cpp writes it: {"bf16", "q8_0"} from the converter,
+    "Q4_K_M" from llama-quantize; and "copies-bf16", "copies-Q4_K_M": the same model
+    converted from a checkpoint whose shared layers carry indexer weights (copies of
+    the full layer's before them), as some published GLM-5.2 GGUFs do."""
+    llama_cpp, model, bf16 = glm52_gguf
+    tmp = tmp_path_factory.mktemp("ggufs52")
+    files = {"bf16": bf16}
+    files["q8_0"] = gr.convert(llama_cpp, model, tmp / "tiny-glm52-q8_0.gguf", "q8_0")
+    files["Q4_K_M"] = gr.quantize(bf16, tmp / "tiny-glm52-Q4_K_M.gguf", "Q4_K_M")
+    copies = copy_shared_indexers(model, tmp / "tiny-glm52-copies")
+    files["copies-bf16"] = gr.convert(llama_cpp, copies, tmp / "tiny-glm52-copies-bf16.gguf",
+                                      "bf16")
+    files["copies-Q4_K_M"] = gr.quantize(files["copies-bf16"],
+                                         tmp / "tiny-glm52-copies-Q4_K_M.gguf", "Q4_K_M")
     return files

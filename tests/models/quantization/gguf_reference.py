@@ -104,11 +104,14 @@ def quantize(src: Path, out: Path, qtype: str) -> Path:
 
 def rewrite(gguf, src: Path, out: Path, drop: tuple[str, ...] = (), metadata: dict | None = None,
             arch: str | None = None, drop_keys: tuple[str, ...] = (),
-            swap_from: tuple[Path, str] | None = None) -> Path:
+            swap_from: tuple[Path, str] | None = None, add: dict | None = None,
+            replace: dict | None = None) -> Path:
     """A copy of a GGUF without the tensors in `drop` and the metadata keys in
-    `drop_keys`, with metadata values replaced (same value types), and with the
-    tensors whose names match `swap_from`'s regex taken from its file: altered
-    files for the loader's error tests and hybrids for bisection."""
+    `drop_keys`, with metadata values replaced (same value types), keys added
+    (`add`: {key: (value, GGUFValueType[, array element type])}), the tensors
+    whose names match `swap_from`'s regex taken from its file and those in
+    `replace` written as the given float32 arrays: altered files for the loader's
+    error tests and hybrids for bisection."""
     reader = gguf.GGUFReader(src)
     writer = gguf.GGUFWriter(out, arch or reader.fields["general.architecture"].contents())
     metadata = metadata or {}
@@ -117,17 +120,26 @@ def rewrite(gguf, src: Path, out: Path, drop: tuple[str, ...] = (), metadata: di
             continue
         sub = f.types[-1] if f.types[0] == gguf.GGUFValueType.ARRAY else None
         writer.add_key_value(f.name, metadata.get(f.name, f.contents()), f.types[0], sub_type=sub)
+    for key, (value, vtype, *sub) in (add or {}).items():
+        writer.add_key_value(key, value, vtype, sub_type=sub[0] if sub else None)
     kept = [t for t in reader.tensors if t.name not in drop]
     if swap_from is not None:
         other = {t.name: t for t in gguf.GGUFReader(swap_from[0]).tensors}
         kept = [other[t.name] if re.search(swap_from[1], t.name) else t for t in kept]
+    replace = replace or {}
     for t in kept:
-        writer.add_tensor_info(t.name, t.data.shape, t.data.dtype, t.data.nbytes, t.tensor_type)
+        if t.name in replace:
+            a = replace[t.name]
+            writer.add_tensor_info(t.name, a.shape, a.dtype, a.nbytes,
+                                   gguf.GGMLQuantizationType.F32)
+        else:
+            writer.add_tensor_info(t.name, t.data.shape, t.data.dtype, t.data.nbytes,
+                                   t.tensor_type)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_ti_data_to_file()
     for t in kept:
-        writer.write_tensor_data(t.data, tensor_endianess=reader.endianess)
+        writer.write_tensor_data(replace.get(t.name, t.data), tensor_endianess=reader.endianess)
     writer.close()
     return out
 

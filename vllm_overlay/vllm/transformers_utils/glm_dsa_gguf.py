@@ -7,8 +7,10 @@ without this a user also needs `--hf-config-path` and `--tokenizer` pointing to
 the original checkpoint. This module reads the GGUF metadata written by
 llama.cpp's `convert_hf_to_gguf.py` (`GlmMoeDsaModel`) and builds:
 
-- the `GlmMoeDsaConfig` (MLA ranks and head dims, the DSA indexer, experts,
-  leading dense blocks, the MTP/nextn blocks, RoPE);
+- the `GlmMoeDsaConfig` (MLA ranks and head dims, the DSA indexer and its
+  per-layer schedule of GLM-5.2's IndexShare, experts, leading dense blocks, the
+  MTP/nextn blocks, RoPE), reading every key as llama.cpp's glm-dsa loader does:
+  a key it treats as optional takes its default;
 - the tokenizer (`tokenizer.ggml.*`: byte-level BPE with GLM's pre-tokenizer);
 - the list of files of a split GGUF (`*-00001-of-0000N.gguf`, llama.cpp's
   `gguf-split` layout), checked part by part.
@@ -177,8 +179,96 @@ def first_file(path: str | os.PathLike) -> Path:
     return _part_paths(Path(path))[0]
 
 
+# llama.cpp's glm-dsa indexer schedule for a file without
+# `attention.indexer.types` (src/models/glm-dsa.cpp, load_arch_hparams): every
+# layer "full" below a 1M-token context (GLM-5, GLM-5.1), else GLM-5.2's pattern
+# (GLM_5_2_DEFAULT_INDEXER_TYPES): layers 0 and 1, then every fourth layer from 2
+# on, "shared" from layer 78 on (the array's remaining zeros).
+_GLM_5_2_MIN_CONTEXT = 1048576
+
+
+def _glm_5_2_default_full(layer: int) -> bool:
+    return layer < 2 or (layer < 78 and (layer - 2) % 4 == 0)
+
+
+# llama.cpp's expert gating functions (llama_expert_gating_func_type) vLLM's
+# DeepseekV2 MoE routes with, by its scoring_func name; NONE (0) is glm-dsa's
+# default, sigmoid. SOFTMAX_WEIGHT (3) and SQRT_SOFTPLUS (4) have no equivalent
+# in vLLM's grouped top-k router.
+_SCORING_FUNCS = {0: "sigmoid", 1: "softmax", 2: "sigmoid"}
+# llama.cpp's RoPE scaling types (LLAMA_ROPE_SCALING_TYPES); others are refused.
+_ROPE_SCALING_TYPES = ("none", "linear", "yarn", "longrope")
+
+_REQUIRED = object()
+
+
+class _Hparams:
+    """`glm-dsa.*` metadata read the way llama.cpp's loader reads it
+    (`llama_model_loader::get_key`, `get_key_or_arr`): a key llama.cpp requires
+    is required here, an optional one takes llama.cpp's default."""
+
+    def __init__(self, reader, path: Path):
+        self.reader, self.path = reader, path
+
+    def get(self, key: str, default=_REQUIRED):
+        f = self.reader.fields.get(f"{GGUF_ARCH}.{key}")
+        if f is None:
+            if default is _REQUIRED:
+                raise GGUFError(f"{self.path}: metadata key '{GGUF_ARCH}.{key}' is missing")
+            return default
+        return f.contents()
+
+    def per_layer(self, key: str, n: int, default=_REQUIRED):
+        """A key llama.cpp reads with get_key_or_arr: one value, or one per
+        block. glm-dsa's graph uses block 0's (`hparams.n_ff()`, `n_head()`,
+        `n_ff_exp()`, `n_expert_used()`) for every layer, and so does vLLM."""
+        value = self.get(key, default)
+        if not isinstance(value, list):
+            return value
+        if len(value) != n:
+            raise GGUFError(f"{self.path}: '{GGUF_ARCH}.{key}' has {len(value)} entries, "
+                            f"llama.cpp expects one per block ({n})")
+        if len(set(value)) > 1:
+            logger.warning_once("%s: '%s.%s' differs per block (%s); llama.cpp's glm-dsa "
+                                "and vLLM use block 0's value, %s, for every layer",
+                                self.path, GGUF_ARCH, key, value, value[0])
+        return value[0]
+
+
+def indexer_schedule(reader, path: str | os.PathLike) -> list[bool]:
+    """Which main-model layers run the DSA indexer ("full", True) and which reuse
+    the top-k of the full layer before them ("shared", False), as llama.cpp's
+    glm-dsa loader reads `glm-dsa.attention.indexer.types` (a bool per layer, or
+    one value for all; its default depends on the context length)."""
+    hp = _Hparams(reader, Path(path))
+    n_layers = hp.get("block_count") - hp.get("nextn_predict_layers", 0)
+    types = hp.get("attention.indexer.types", None)
+    if types is None:
+        if hp.get("context_length") < _GLM_5_2_MIN_CONTEXT:
+            full = [True] * n_layers
+        else:
+            full = [_glm_5_2_default_full(i) for i in range(n_layers)]
+    elif isinstance(types, list):
+        if len(types) != n_layers:
+            raise GGUFError(f"{path}: '{GGUF_ARCH}.attention.indexer.types' has {len(types)} "
+                            f"entries, llama.cpp expects one per main-model layer ({n_layers})")
+        full = [bool(t) for t in types]
+    else:
+        full = [bool(types)] * n_layers
+    if full and not full[0]:
+        raise GGUFError(f"{path}: '{GGUF_ARCH}.attention.indexer.types' makes layer 0 "
+                        "\"shared\", but no full layer precedes it to share the top-k of")
+    return full
+
+
 def config_from_gguf(path: str | os.PathLike):
-    """A `GlmMoeDsaConfig` built from the `glm-dsa.*` metadata of a GGUF."""
+    """A `GlmMoeDsaConfig` built from the `glm-dsa.*` metadata of a GGUF.
+
+    Keys and defaults follow llama.cpp (src/llama-model.cpp load_hparams,
+    src/models/glm-dsa.cpp load_arch_hparams): what llama.cpp requires is
+    required, an optional key takes llama.cpp's default, and what llama.cpp
+    refuses (or vLLM cannot run) is a `GGUFError` naming the key.
+    """
     from transformers import GlmMoeDsaConfig
 
     first = first_file(path)
@@ -186,90 +276,148 @@ def config_from_gguf(path: str | os.PathLike):
     arch = field(r, "general.architecture")
     if arch != GGUF_ARCH:
         raise GGUFError(f"{first}: architecture is {arch!r}, not {GGUF_ARCH!r}")
+    hp = _Hparams(r, first)
 
-    def a(key, default=None):
-        return field(r, f"{arch}.{key}", default)
+    def refuse(key: str, why: str):
+        raise GGUFError(f"{first}: '{arch}.{key}' {why}")
 
-    n_nextn = a("nextn_predict_layers", 0)
-    n_layers = a("block_count") - n_nextn
-    n_dense = a("leading_dense_block_count")
-    kv_lora = a("attention.kv_lora_rank")
-    rope_dim = a("rope.dimension_count")
-    qk_head = a("attention.key_length_mla")
-    gating = a("expert_gating_func")
-    if gating != 2:  # gguf.ExpertGatingFuncType.SIGMOID
-        raise GGUFError(f"{first}: {arch}.expert_gating_func is {gating}; GLM-5 routes with "
-                        "sigmoid (2)")
-    if a("attention.key_length") != kv_lora + rope_dim:
-        raise GGUFError(f"{first}: {arch}.attention.key_length is "
-                        f"{a('attention.key_length')}, expected kv_lora_rank + rope dims "
-                        f"= {kv_lora + rope_dim}")
-    rope = {"rope_type": "default", "rope_theta": _decimal(a("rope.freq_base"))}
-    scaling = field(r, f"{arch}.rope.scaling.type", "none", required=False)
+    # general hyperparameters (llama_model_base::load_hparams)
+    n_ctx = hp.get("context_length")
+    hidden = hp.get("embedding_length")
+    n_blocks = hp.get("block_count")
+    n_nextn = hp.get("nextn_predict_layers", 0)
+    if not 0 < n_blocks or not 0 <= n_nextn < n_blocks:
+        refuse("nextn_predict_layers", f"is {n_nextn} of {n_blocks} blocks")
+    n_layers = n_blocks - n_nextn
+    n_expert = hp.get("expert_count", 0)
+    n_expert_used = hp.per_layer("expert_used_count", n_blocks, 0)
+    n_groups = hp.get("expert_group_count", 0)
+    n_groups_used = hp.get("expert_group_used_count", 0)
+    n_ff = hp.per_layer("feed_forward_length", n_blocks, 0)
+    n_head = hp.per_layer("attention.head_count", n_blocks, 0)
+    hp.per_layer("attention.head_count_kv", n_blocks, n_head)  # MLA: one latent KV head
+    # key_length (kv_lora_rank + rope dims in a converted file) only serves as
+    # llama.cpp's default for the RoPE dimensions
+    head_k = hp.get("attention.key_length", hidden // n_head if n_head else 0)
+    rope_dim = hp.get("rope.dimension_count", head_k)
+
+    # glm-dsa's own (llama_model_glm_dsa::load_arch_hparams)
+    n_ff_exp = hp.per_layer("expert_feed_forward_length", n_blocks)
+    rms_eps = hp.get("attention.layer_norm_rms_epsilon")
+    n_shared = hp.get("expert_shared_count")
+    n_dense = hp.get("leading_dense_block_count", 0)
+    weights_scale = hp.get("expert_weights_scale", 0.0)
+    weights_norm = hp.get("expert_weights_norm", False)
+    q_lora = hp.get("attention.q_lora_rank")
+    kv_lora = hp.get("attention.kv_lora_rank")
+    key_mla = hp.get("attention.key_length_mla", 0)
+    value_mla = hp.get("attention.value_length_mla", 0)
+    index_heads = hp.get("attention.indexer.head_count")
+    index_dim = hp.get("attention.indexer.key_length")
+    index_topk = hp.get("attention.indexer.top_k")
+    gating = hp.get("expert_gating_func", 0)
+    full = indexer_schedule(r, first)
+
+    # what llama.cpp's glm-dsa refuses, and what vLLM cannot run
+    if not n_head:
+        refuse("attention.head_count", "is 0 or missing: llama.cpp then expects attention "
+               "tensors without heads")
+    if not (key_mla and value_mla):
+        refuse("attention.key_length_mla", f"is {key_mla} and value_length_mla {value_mla}: "
+               "llama.cpp's glm-dsa requires MLA (both set)")
+    if not 0 < rope_dim < key_mla or rope_dim > index_dim:
+        refuse("rope.dimension_count", f"is {rope_dim}; the MLA key has {key_mla} dims and "
+               f"the indexer key {index_dim}")
+    if n_dense < n_blocks and not (n_expert > 0 and 0 < n_expert_used <= n_expert):
+        refuse("expert_count", f"is {n_expert} with {n_expert_used} used; MoE blocks need "
+               "experts (llama.cpp: n_expert must be > 0)")
+    if n_groups > 1 and (n_expert % n_groups or not 0 < n_groups_used < n_groups):
+        refuse("expert_group_count", f"is {n_groups} with {n_groups_used} used for {n_expert} "
+               "experts (llama.cpp: groups must divide the experts, 0 < used < groups)")
+    if gating not in _SCORING_FUNCS:
+        refuse("expert_gating_func", f"is {gating}; vLLM's DeepseekV2 MoE routes with "
+               "sigmoid (2) or softmax (1)")
+
+    rope = {"rope_type": "default", "rope_theta": _decimal(hp.get("rope.freq_base", 10000.0))}
+    scaling = hp.get("rope.scaling.type", "linear")
+    factor = hp.get("rope.scaling.factor", None)
+    if factor is None:
+        factor = hp.get("rope.scale_linear", 0.0)  # llama.cpp's older name
+    factor = _decimal(factor) if factor else 1.0
+    if scaling not in _ROPE_SCALING_TYPES:
+        refuse("rope.scaling.type", f"is {scaling!r}, which llama.cpp does not know")
+    if hp.get("rope.scaling.attn_factor", 1.0) != 1.0:
+        refuse("rope.scaling.attn_factor", "is not 1; vLLM's DeepseekV2 attention has no such "
+               "RoPE scale")
     if scaling == "yarn":
-        rope = {
-            "rope_type": "yarn",
-            "rope_theta": rope["rope_theta"],
-            "factor": _decimal(a("rope.scaling.factor")),
-            "original_max_position_embeddings": a("rope.scaling.original_context_length"),
-        }
-    elif scaling != "none":
-        raise GGUFError(f"{first}: {arch}.rope.scaling.type {scaling!r} is not supported")
-    indexer_types = field(r, f"{arch}.attention.indexer.types", required=False)
-    kwargs = {}
-    if indexer_types is not None:
-        # llama.cpp writes True for a layer that runs its own indexer ("full")
-        kwargs["index_topk_pattern"] = "".join("F" if t else "S"
-                                               for t in indexer_types[:n_layers])
-        kwargs["indexer_types"] = ["full" if t else "shared" for t in indexer_types[:n_layers]]
+        rope.update(rope_type="yarn", factor=factor, original_max_position_embeddings=hp.get(
+            "rope.scaling.original_context_length", n_ctx))
+    elif scaling != "none" and factor != 1.0:
+        # vLLM's DeepseekV2 attention turns every rope_type but "default" into YaRN
+        refuse("rope.scaling.type", f"is {scaling!r} with factor {factor:g}; vLLM's "
+               "DeepseekV2 attention runs no such RoPE scaling")
+
     tok = {}
     for key, name in (("bos_token_id", "bos"), ("eos_token_id", "eos"),
                       ("pad_token_id", "padding")):
         tok[key] = field(r, f"tokenizer.ggml.{name}_token_id", required=False)
+    types = ["full" if f else "shared" for f in full]
     config = GlmMoeDsaConfig(
-        vocab_size=field(r, f"{arch}.vocab_size", required=False)
-        or len(field(r, "tokenizer.ggml.tokens")),
-        hidden_size=a("embedding_length"),
-        intermediate_size=a("feed_forward_length"),
-        moe_intermediate_size=a("expert_feed_forward_length"),
+        # llama.cpp's n_vocab is the token list's length (<arch>.vocab_size aside)
+        vocab_size=len(field(r, "tokenizer.ggml.tokens")),
+        hidden_size=hidden,
+        intermediate_size=n_ff,
+        moe_intermediate_size=n_ff_exp,
         num_hidden_layers=n_layers,
-        num_attention_heads=a("attention.head_count"),
-        num_key_value_heads=a("attention.head_count"),
-        n_shared_experts=a("expert_shared_count"),
-        n_routed_experts=a("expert_count"),
-        routed_scaling_factor=_decimal(a("expert_weights_scale")),
+        num_attention_heads=n_head,
+        num_key_value_heads=n_head,
+        n_shared_experts=n_shared,
+        n_routed_experts=n_expert,
+        # llama.cpp scales the routing weights only by a scale set and not 1
+        routed_scaling_factor=_decimal(weights_scale) if weights_scale else 1.0,
         kv_lora_rank=kv_lora,
-        q_lora_rank=a("attention.q_lora_rank"),
+        q_lora_rank=q_lora,
         qk_rope_head_dim=rope_dim,
-        qk_nope_head_dim=qk_head - rope_dim,
-        v_head_dim=a("attention.value_length_mla"),
-        n_group=a("expert_group_count", 1),
-        topk_group=a("expert_group_used_count", 1),
-        num_experts_per_tok=a("expert_used_count"),
-        norm_topk_prob=bool(a("expert_weights_norm", False)),
-        max_position_embeddings=a("context_length"),
-        rms_norm_eps=_decimal(a("attention.layer_norm_rms_epsilon")),
+        qk_nope_head_dim=key_mla - rope_dim,
+        v_head_dim=value_mla,
+        # llama.cpp groups experts only for more than one group
+        n_group=n_groups if n_groups > 1 else 1,
+        topk_group=n_groups_used if n_groups > 1 else 1,
+        num_experts_per_tok=n_expert_used,
+        norm_topk_prob=bool(weights_norm),
+        max_position_embeddings=n_ctx,
+        rms_norm_eps=_decimal(rms_eps),
         rope_parameters=rope,
         first_k_dense_replace=n_dense,
-        mlp_layer_types=["dense"] * n_dense + ["sparse"] * (n_layers - n_dense),
-        index_topk=a("attention.indexer.top_k"),
-        index_head_dim=a("attention.indexer.key_length"),
-        index_n_heads=a("attention.indexer.head_count"),
+        mlp_layer_types=["dense" if i < n_dense else "sparse" for i in range(n_layers)],
+        index_topk=index_topk,
+        index_head_dim=index_dim,
+        index_n_heads=index_heads,
+        # transformers' per-layer schedule, and vLLM's (index_topk_pattern below)
+        indexer_types=types,
         tie_word_embeddings=not any(t.name == "output.weight" for t in r.tensors),
         architectures=["GlmMoeDsaForCausalLM"],
         # GLM-5's weights are bf16; vLLM's dtype "auto" starts from this
         dtype="bfloat16",
         **{k: v for k, v in tok.items() if v is not None},
-        **kwargs,
     )
-    # Fields GLM-5's config.json carries that the GlmMoeDsaConfig class does not
-    # declare; vLLM reads them (router bias, indexer RoPE layout, MTP blocks).
+    # Fields GLM-5.x's config.json carries that the GlmMoeDsaConfig class does not
+    # declare; vLLM reads them (router bias and dtype, indexer schedule and RoPE
+    # layout, MTP blocks).
     config.update({
         "num_nextn_predict_layers": n_nextn,
+        # every MoE layer has a routing bias (llama.cpp's optional exp_probs_b;
+        # the loader fills an absent one with zeros, which routes the same)
         "topk_method": "noaux_tc",
-        "scoring_func": "sigmoid",
-        # llama.cpp's glm-dsa graph applies the indexer's RoPE interleaved, as
-        # transformers' GlmMoeDsa indexer does
+        "scoring_func": _SCORING_FUNCS[gating],
+        # llama.cpp computes router logits in fp32, as GLM-5.2/5.3 configs ask
+        "moe_router_dtype": "float32",
+        # "F" runs the indexer, "S" reuses the previous full layer's top-k
+        # (vLLM's DeepseekV2 attention; transformers maps it to indexer_types)
+        "index_topk_pattern": "".join("F" if f else "S" for f in full),
+        # the indexer's RoPE: interleaved pairs over the first qk_rope_head_dim
+        # dims of each head, as transformers' GlmMoeDsaIndexer applies it (and
+        # llama.cpp's glm-dsa graph, LLAMA_ROPE_TYPE_NORM)
         "indexer_rope_interleave": True,
     })
     return config
@@ -288,7 +436,8 @@ def tokenizer_from_gguf(path: str | os.PathLike, **kwargs):
         raise GGUFError(f"{first}: tokenizer {model!r} with pre-tokenizer {pre!r} is not "
                         f"GLM's (gpt2 with one of {_GLM_PRE_TOKENIZERS}); pass --tokenizer")
     tokens = field(r, "tokenizer.ggml.tokens")
-    types = field(r, "tokenizer.ggml.token_type")
+    # optional in llama.cpp (every token then NORMAL): no special tokens
+    types = field(r, "tokenizer.ggml.token_type", [], required=False)
     merges = [tuple(m.split(" ", 1)) for m in field(r, "tokenizer.ggml.merges")]
     vocab = {t: i for i, t in enumerate(tokens)}
     if len(vocab) != len(tokens):

@@ -16,6 +16,14 @@ and yields the tensors in the form vLLM's GGUF layers take:
 - quantized experts go to the GGUF MoE method as stacks; unquantized ones are
   yielded per expert for the regular fused-MoE method (and its TP/EP sharding);
 - the MTP (nextn) blocks after `num_hidden_layers` are left out;
+- the DSA indexer is loaded on the layers vLLM builds one for, the "full" layers
+  of GLM-5.2's IndexShare schedule; a "shared" layer reuses the previous full
+  layer's top-k and has no indexer, so indexer tensors a file carries there
+  (copies, in some published GGUFs) are checked and left out, and the file's own
+  schedule must be the model config's;
+- tensors llama.cpp's glm-dsa loader does not require and whose absence changes
+  nothing in its graph (the routing bias, the indexer key norm's affine) are
+  filled with the values that compute the same when a file lacks them;
 - a tensor that maps nowhere, a missing tensor, a wrong shape or a type the
   plugin's GGUF kernels cannot run is an error naming the tensor, raised before
   the model is built;
@@ -34,7 +42,13 @@ import numpy as np
 import regex as re
 import torch
 from vllm.logger import init_logger
-from vllm.transformers_utils.glm_dsa_gguf import GGUFError, open_reader, split_files
+from vllm.transformers_utils.glm_dsa_gguf import (
+    GGUFError,
+    field,
+    indexer_schedule,
+    open_reader,
+    split_files,
+)
 
 from ..quantization.utils import DEQUANT_TYPES
 from .base import BaseGGUFWeightsAdapter, GGUFLoadSpec
@@ -51,7 +65,9 @@ UNQUANTIZED = ("F32", "F16", "BF16")
 KERNEL_TYPES = {t.name for t in DEQUANT_TYPES}
 
 KV_B = "self_attn.kv_b_proj.weight"
-# Targets whose vLLM module has no GGUF quant method: dequantized on load.
+# Targets whose vLLM module has no GGUF quant method: dequantized on load. (The
+# indexer's wq_b, a ReplicatedLinear, keeps its blocks: the plugin's
+# quantization/params.py loads GGUF weights of layers without a v2 loader.)
 DEQUANTIZED = ("self_attn.indexer.wk.weight", "self_attn.indexer.weights_proj.weight",
                "mlp.gate.weight")
 
@@ -70,12 +86,14 @@ _ATTENTION = {
     "attn_k_b.weight": KV_B,
     "attn_v_b.weight": KV_B,
     "attn_output.weight": "self_attn.o_proj.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+}
+_INDEXER = {
     "indexer.attn_k.weight": "self_attn.indexer.wk.weight",
     "indexer.attn_q_b.weight": "self_attn.indexer.wq_b.weight",
     "indexer.k_norm.weight": "self_attn.indexer.k_norm.weight",
     "indexer.k_norm.bias": "self_attn.indexer.k_norm.bias",
     "indexer.proj.weight": "self_attn.indexer.weights_proj.weight",
-    "ffn_norm.weight": "post_attention_layernorm.weight",
 }
 _DENSE = {
     "ffn_gate.weight": "mlp.gate_proj.weight",
@@ -92,6 +110,10 @@ _MOE = {
     "ffn_up_shexp.weight": "mlp.shared_experts.up_proj.weight",
     "ffn_down_shexp.weight": "mlp.shared_experts.down_proj.weight",
 }
+# Tensors llama.cpp's glm-dsa loader marks TENSOR_NOT_REQUIRED whose absence its
+# graph treats as a no-op (no selection bias; a LayerNorm without affine), with
+# the value that computes the same in vLLM's module.
+_OPTIONAL = {"exp_probs_b.bias": 0.0, "indexer.k_norm.weight": 1.0, "indexer.k_norm.bias": 0.0}
 # Layers split along their input dimension under tensor parallelism.
 _ROW_PARALLEL = ("self_attn.o_proj.weight", "mlp.down_proj.weight",
                  "mlp.shared_experts.down_proj.weight", "mlp.experts.0.down_proj.weight")
@@ -104,9 +126,29 @@ def _is_moe_layer(config, i: int) -> bool:
             and i % getattr(config, "moe_layer_freq", 1) == 0)
 
 
-def _expected(config) -> dict[str, tuple[int, ...]]:
-    """Every GGUF tensor a glm-dsa file must hold for `config`, with its shape
-    (torch order, [out, in])."""
+def runs_indexer(config, i: int) -> bool:
+    """Whether vLLM builds a DSA indexer for main-model layer `i` ("full") or
+    lets it reuse the previous full layer's top-k ("shared"): DeepseekV2's
+    attention reads `index_topk_pattern` ("F"/"S" per layer), else
+    `index_topk_freq` and `index_skip_topk_offset` (models/deepseek_v2.py)."""
+    pattern = getattr(config, "index_topk_pattern", None)
+    if pattern is None:
+        freq = getattr(config, "index_topk_freq", 1)
+        offset = getattr(config, "index_skip_topk_offset", 2)
+        return max(i - offset + 1, 0) % freq == 0
+    return not (0 <= i < len(pattern) and pattern[i] == "S")
+
+
+def _table(config, i: int) -> dict[str, str]:
+    """{GGUF name in block i: vLLM name in layer i} of what layer i loads."""
+    return {**_ATTENTION, **(_INDEXER if runs_indexer(config, i) else {}),
+            **(_MOE if _is_moe_layer(config, i) else _DENSE)}
+
+
+def _layout(config) -> tuple[dict[str, tuple[int, ...]], dict[str, tuple[int, ...]]]:
+    """The GGUF tensors of a glm-dsa file for `config`, with their shapes (torch
+    order, [out, in]): (those the model loads, the indexer tensors of shared
+    layers, which llama.cpp loads when present and the model does not use)."""
     H, V = config.hidden_size, config.vocab_size
     nh, ql, kl = config.num_attention_heads, config.q_lora_rank, config.kv_lora_rank
     r, n, v = config.qk_rope_head_dim, config.qk_nope_head_dim, config.v_head_dim
@@ -114,32 +156,38 @@ def _expected(config) -> dict[str, tuple[int, ...]]:
     E, mI = config.n_routed_experts, config.moe_intermediate_size
     sI = mI * (config.n_shared_experts or 0)
     I = config.intermediate_size
-    shapes = {"token_embd.weight": (V, H), "output_norm.weight": (H,)}
+    loaded = {"token_embd.weight": (V, H), "output_norm.weight": (H,)}
     if not config.tie_word_embeddings:
-        shapes["output.weight"] = (V, H)
-    attention = {
+        loaded["output.weight"] = (V, H)
+    shapes = {
         "attn_norm.weight": (H,), "attn_q_a.weight": (ql, H), "attn_q_a_norm.weight": (ql,),
         "attn_q_b.weight": (nh * (n + r), ql), "attn_kv_a_mqa.weight": (kl + r, H),
         "attn_kv_a_norm.weight": (kl,), "attn_k_b.weight": (nh, kl, n),
         "attn_v_b.weight": (nh, v, kl), "attn_output.weight": (H, nh * v),
+        "ffn_norm.weight": (H,),
         "indexer.attn_k.weight": (idim, H), "indexer.attn_q_b.weight": (ih * idim, ql),
         "indexer.k_norm.weight": (idim,), "indexer.k_norm.bias": (idim,),
-        "indexer.proj.weight": (ih, H), "ffn_norm.weight": (H,),
-    }
-    dense = {"ffn_gate.weight": (I, H), "ffn_up.weight": (I, H), "ffn_down.weight": (H, I)}
-    moe = {
+        "indexer.proj.weight": (ih, H),
+        "ffn_gate.weight": (I, H), "ffn_up.weight": (I, H), "ffn_down.weight": (H, I),
         "ffn_gate_inp.weight": (E, H), "exp_probs_b.bias": (E,),
         "ffn_gate_exps.weight": (E, mI, H), "ffn_up_exps.weight": (E, mI, H),
         "ffn_down_exps.weight": (E, H, mI),
+        "ffn_gate_shexp.weight": (sI, H), "ffn_up_shexp.weight": (sI, H),
+        "ffn_down_shexp.weight": (H, sI),
     }
-    if sI:
-        moe.update({"ffn_gate_shexp.weight": (sI, H), "ffn_up_shexp.weight": (sI, H),
-                    "ffn_down_shexp.weight": (H, sI)})
+    unused = {}
     for i in range(config.num_hidden_layers):
-        mlp = moe if _is_moe_layer(config, i) else dense
-        for k, s in {**attention, **mlp}.items():
-            shapes[f"blk.{i}.{k}"] = s
-    return shapes
+        for k in _table(config, i):
+            if k.endswith("_shexp.weight") and not sI:
+                continue
+            loaded[f"blk.{i}.{k}"] = shapes[k]
+        if not runs_indexer(config, i):
+            unused.update({f"blk.{i}.{k}": shapes[k] for k in _INDEXER})
+    return loaded, unused
+
+
+def _layers(names: Iterable[str]) -> str:
+    return ", ".join(str(i) for i in sorted({int(_BLOCK_RE.match(n)[1]) for n in names}))
 
 
 def _shape(t) -> tuple[int, ...]:
@@ -154,66 +202,110 @@ class GlmDsaGGUF:
                  experts_tp_size: int | None = None):
         self.config = config
         self.tensors = {}
+        self.file_of = {}
+        first = None
         for f in files:
             reader = open_reader(f)
             if reader.byte_order != "I":
                 raise GGUFError(f"{f}: big-endian GGUF files are not supported")
+            if field(reader, "split.no", 0, required=False) == 0:
+                first = (reader, Path(f))  # the part holding the metadata
             for t in reader.tensors:
                 if t.name in self.tensors:
                     raise GGUFError(f"{f}: tensor {t.name!r} appears in more than one part")
                 self.tensors[t.name] = t
+                self.file_of[t.name] = Path(f)
+        self.path = first[1] if first is not None else Path(files[0])
+        if first is not None:
+            self._check_schedule(indexer_schedule(*first))
         self.gguf_to_hf = self._map()
         self._check_tensor_parallel(
             tp_size, tp_size if experts_tp_size is None else experts_tp_size)
+
+    def _check_schedule(self, full: list[bool]) -> None:
+        """The file's indexer schedule is the one vLLM builds from the config: a
+        layer the file shares would otherwise compute a top-k of its own (from
+        copied indexer weights, or from none), and a full one would lose its own."""
+        for i, f in enumerate(full[:self.config.num_hidden_layers]):
+            if f != runs_indexer(self.config, i):
+                raise GGUFError(
+                    f"{self.path}: layer {i} is {'full' if f else 'shared'} in the GGUF's "
+                    f"indexer schedule (glm-dsa.attention.indexer.types) but "
+                    f"{'shared' if f else 'full'} in the model config (index_topk_pattern, "
+                    "else index_topk_freq/index_skip_topk_offset); the model would not be "
+                    "the one in the file")
 
     def _map(self) -> dict[str, str]:
         config = self.config
         L = config.num_hidden_layers
         n_mtp = getattr(config, "num_nextn_predict_layers", 0) or 0
-        expected = _expected(config)
-        mapping, unmapped, mtp = {}, [], 0
-        for name, t in self.tensors.items():
-            if name in _GLOBAL:
+        loaded, unused = _layout(config)
+        mapping, unmapped, mtp, copies = {}, [], 0, []
+        for name in self.tensors:
+            if name in _GLOBAL and name in loaded:
                 mapping[name] = _GLOBAL[name]
-            elif (m := _BLOCK_RE.match(name)) is not None:
+            elif (m := _BLOCK_RE.match(name)) is not None and L <= int(m[1]) < L + n_mtp:
+                mtp += 1  # MTP block: not part of the main model
+            elif name in unused:
+                copies.append(name)  # a shared layer's indexer: checked, not loaded
+            elif name in loaded:
                 i, rest = int(m[1]), m[2]
-                if L <= i < L + n_mtp:
-                    mtp += 1  # MTP block: not part of the main model
-                    continue
-                table = {**_ATTENTION, **(_MOE if _is_moe_layer(config, i) else _DENSE)}
-                if i >= L or rest not in table:
-                    unmapped.append(name)
-                    continue
-                mapping[name] = f"model.layers.{i}.{table[rest]}"
+                mapping[name] = f"model.layers.{i}.{_table(config, i)[rest]}"
+            elif name.endswith((".scale", ".input_scale")):
+                raise GGUFError(f"{self.file_of[name]}: tensor {name!r} is a weight scale of "
+                                "llama.cpp's NVFP4 format, which the GGUF plugin's kernels "
+                                "do not run")
             else:
                 unmapped.append(name)
         if unmapped:
             raise GGUFError(
-                f"{len(unmapped)} GGUF tensors map to no parameter of GlmMoeDsaForCausalLM "
-                f"({L} layers, {n_mtp} MTP): {', '.join(sorted(unmapped)[:8])}"
+                f"{self.path}: {len(unmapped)} GGUF tensors map to no parameter of "
+                f"GlmMoeDsaForCausalLM ({L} layers, {n_mtp} MTP, indexer schedule "
+                f"{getattr(config, 'index_topk_pattern', None)}, tied output "
+                f"{config.tie_word_embeddings}): {', '.join(sorted(unmapped)[:8])}"
                 + (" ..." if len(unmapped) > 8 else ""))
-        missing = sorted(set(expected) - set(mapping))
+        # an absent optional tensor: {GGUF name: (vLLM name, shape, value)}
+        self.defaults = {}
+        for name in sorted(set(loaded) - set(mapping)):
+            if (m := _BLOCK_RE.match(name)) is not None and m[2] in _OPTIONAL:
+                i = int(m[1])
+                self.defaults[name] = (f"model.layers.{i}.{_table(config, i)[m[2]]}",
+                                       loaded[name], _OPTIONAL[m[2]])
+        missing = sorted(set(loaded) - set(mapping) - set(self.defaults))
         if missing:
-            raise GGUFError(f"GGUF is missing {len(missing)} tensors the model needs: "
-                            f"{', '.join(missing[:8])}" + (" ..." if len(missing) > 8 else ""))
-        for name in mapping:
+            raise GGUFError(f"{self.path}: GGUF is missing {len(missing)} tensors the model "
+                            f"needs: {', '.join(missing[:8])}"
+                            + (" ..." if len(missing) > 8 else ""))
+        for name in [*mapping, *copies]:
             t = self.tensors[name]
-            if _shape(t) != expected[name]:
-                raise GGUFError(f"GGUF tensor {name!r} has shape {list(_shape(t))}, the config "
-                                f"implies {list(expected[name])}")
-            kind = t.tensor_type.name
+            shape = loaded[name] if name in mapping else unused[name]
+            if _shape(t) != shape:
+                raise GGUFError(f"{self.file_of[name]}: GGUF tensor {name!r} has shape "
+                                f"{list(_shape(t))}, the config implies {list(shape)}")
+        for name in mapping:
+            kind = self._type(name)
             if kind not in UNQUANTIZED and kind not in KERNEL_TYPES:
-                raise GGUFError(f"GGUF tensor {name!r} has type {kind}, which the GGUF "
-                                f"plugin's kernels do not support")
+                raise GGUFError(f"{self.file_of[name]}: GGUF tensor {name!r} has type {kind}, "
+                                "which the GGUF plugin's kernels do not support")
         for i in range(L):
             stacks = {self._quantized(f"blk.{i}.ffn_{p}_exps.weight")
                       for p in ("gate", "up", "down") if f"blk.{i}.ffn_{p}_exps.weight" in mapping}
             if len(stacks) > 1:
-                raise GGUFError(f"GGUF layer {i}: some expert stacks (ffn_*_exps) are quantized "
-                                "and some are not; vLLM runs a layer's experts one way")
+                raise GGUFError(f"{self.path}: GGUF layer {i}: some expert stacks (ffn_*_exps) "
+                                "are quantized and some are not; vLLM runs a layer's experts "
+                                "one way")
         if mtp:
             logger.info("GGUF: %d tensors of the MTP (nextn) block are not loaded; "
                         "speculative decoding from GGUF is not supported", mtp)
+        if copies:
+            logger.info("GGUF: %d indexer tensors on shared layers %s are not loaded: a "
+                        "shared layer reuses the top-k of the full layer before it",
+                        len(copies), _layers(copies))
+        if self.defaults:
+            logger.info("GGUF: %d optional tensors are absent (layers %s) and take the value "
+                        "that computes what llama.cpp does without them: %s",
+                        len(self.defaults), _layers(self.defaults),
+                        ", ".join(sorted({_BLOCK_RE.match(n)[2] for n in self.defaults})))
         return mapping
 
     def _check_tensor_parallel(self, tp_size: int, experts_tp_size: int) -> None:
@@ -246,6 +338,7 @@ class GlmDsaGGUF:
         for g, hf in self.gguf_to_hf.items():
             dequantized = hf.endswith(KV_B) or hf.endswith(DEQUANTIZED)
             types[hf] = "F32" if dequantized else self._type(g)
+        types.update({hf: "F32" for hf, _, _ in self.defaults.values()})
         return types
 
     def _raw(self, name: str) -> torch.Tensor:
@@ -295,6 +388,8 @@ class GlmDsaGGUF:
                     yield hf.replace(".experts.0.", f".experts.{e}."), stack[e]
             else:
                 yield hf, self._raw(g)
+        for hf, shape, fill in self.defaults.values():
+            yield hf, torch.full(shape, fill, dtype=torch.float32)
 
 
 def check_all_loaded(model: torch.nn.Module, loaded: Iterable[str]) -> None:
