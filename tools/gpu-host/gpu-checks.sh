@@ -3,7 +3,8 @@
 #   bash tools/gpu-host/gpu-checks.sh PARTS_DIR OUT_DIR [STAGE ...]
 # Stages (default: all, in this order): install (bundle into /tmp/site), tests (GPU-marked tests),
 # upstream (upstream's sparse MLA backend test with TRITON_MLA_SPARSE added from our side),
-# bench (kernel benchmarks), gguf (the tiny GLM-5 from llama.cpp GGUFs in the engine; needs
+# bench (kernel benchmarks), glm52 (the tiny GLM-5.2 from its GGUFs, needs .llama-cpp/ as gguf),
+# gguf (the tiny GLM-5 from llama.cpp GGUFs in the engine; needs
 # .llama-cpp/ carried: the converter tree and a llama-quantize binary, see
 # tests/models/quantization/gguf_reference.py), mla (the sparse MLA kernel tests only), sweep
 # (launch-parameter sweep of the gather kernel), bisect (tests/models/quantization/gguf_bisect.py),
@@ -57,6 +58,7 @@ for stage in $stages; do
         --ignore=tests/v1/attention/test_upstream_sparse_mla_backends.py \
         --ignore=tests/kernels/attention/test_attention_selector_sparse.py --ignore=tests/overlay \
         --ignore=tests/models/quantization/test_glm5_gguf_engine.py \
+        --ignore=tests/models/quantization/test_glm52_gguf_engine.py \
         --ignore=tests/models/quantization/test_glm5_gguf_as_sm120.py \
         --ignore=tests/models/quantization/test_glm5_gguf_tensor_parallel.py \
         --ignore=tests/models/test_glm5_batch_invariant.py 2>&1 \
@@ -64,6 +66,11 @@ for stage in $stages; do
     gguf)
       timeout 550 python3 -m pytest tests/models/quantization/test_glm5_gguf_engine.py -q -s \
         -p no:cacheprovider -p no:warnings 2>&1 | tee "$out/gguf-engine.log" \
+        | grep -E "passed|failed|error|REPORT|FAILED|Error" || rc=1 ;;
+    glm52)
+      # the tiny GLM-5.2 (IndexShare schedule) from safetensors and GGUFs against transformers fp32
+      timeout 550 python3 -m pytest tests/models/quantization/test_glm52_gguf_engine.py -q -s \
+        -p no:cacheprovider -p no:warnings 2>&1 | tee "$out/glm52-engine.log" \
         | grep -E "passed|failed|error|REPORT|FAILED|Error" || rc=1 ;;
     upstream)
       timeout 300 python3 -m pytest tests/v1/attention/test_upstream_sparse_mla_backends.py -q \
