@@ -4,6 +4,7 @@
 # Stages (default: all, in this order): install (bundle into /tmp/site), tests (GPU-marked tests),
 # upstream (upstream's sparse MLA backend test with TRITON_MLA_SPARSE added from our side),
 # bench (kernel benchmarks), glm52 (the tiny GLM-5.2 from its GGUFs, needs .llama-cpp/ as gguf),
+# sm80 (the engine as on SM80/SM86 with the 16-bit-dot indexer),
 # gguf (the tiny GLM-5 from llama.cpp GGUFs in the engine; needs
 # .llama-cpp/ carried: the converter tree and a llama-quantize binary, see
 # tests/models/quantization/gguf_reference.py), mla (the sparse MLA kernel tests only), sweep
@@ -61,12 +62,21 @@ for stage in $stages; do
         --ignore=tests/models/quantization/test_glm52_gguf_engine.py \
         --ignore=tests/models/quantization/test_glm5_gguf_as_sm120.py \
         --ignore=tests/models/quantization/test_glm5_gguf_tensor_parallel.py \
-        --ignore=tests/models/test_glm5_batch_invariant.py 2>&1 \
+        --ignore=tests/models/test_glm5_batch_invariant.py \
+        --ignore=tests/models/test_glm5_as_sm80.py 2>&1 \
         | tee "$out/gpu-tests.log" | grep -E "passed|failed|error|delta|FAILED" || rc=1 ;;
     gguf)
       timeout 550 python3 -m pytest tests/models/quantization/test_glm5_gguf_engine.py -q -s \
         -p no:cacheprovider -p no:warnings 2>&1 | tee "$out/gguf-engine.log" \
         | grep -E "passed|failed|error|REPORT|FAILED|Error" || rc=1 ;;
+    sm80)
+      # GLM-5 as on SM80/SM86: the 16-bit-dot indexer (kernels, then the engine with the
+      # capability reported as 8.0 and 8.6 against transformers fp32)
+      pip install -q --no-deps --no-build-isolation --target /tmp/site \
+        tests/plugins/vllm_report_capability >/dev/null 2>&1 || rc=1
+      timeout 580 python3 -m pytest tests/models/test_glm5_as_sm80.py -q -s \
+        -p no:cacheprovider -p no:warnings 2>&1 | tee "$out/sm80.log" \
+        | grep -E "passed|failed|REPORT|FAILED|Error" || rc=1 ;;
     glm52)
       # the tiny GLM-5.2 (IndexShare schedule) from safetensors and GGUFs against transformers fp32
       timeout 550 python3 -m pytest tests/models/quantization/test_glm52_gguf_engine.py -q -s \
@@ -81,7 +91,7 @@ for stage in $stages; do
       timeout 300 python3 benchmarks/kernels/benchmark_triton_mla_sparse.py \
         --compile-workers 8 ${OPS_FILE:+--ops-file "$OPS_FILE"} ${BENCH_ARGS:-} --json "$out/bench-mla.json" \
         2>&1 | tee "$out/bench-mla.log" | tail -34 || rc=1
-      timeout 120 python3 benchmarks/kernels/benchmark_indexer_logits.py \
+      timeout 300 python3 benchmarks/kernels/benchmark_indexer_logits.py \
         --json "$out/bench-indexer.json" 2>&1 | tee "$out/bench-indexer.log" | tail -14 || rc=1 ;;
     sweep)
       # the shapes short of the kernel issue's targets (bf16 at 64 heads, fp8 KV),

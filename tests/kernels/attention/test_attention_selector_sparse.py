@@ -375,11 +375,60 @@ def test_validate_configuration(cuda_platform_config, monkeypatch, capability):
         "index_topk (2000) must be a multiple of 128"]
 
 
+@pytest.mark.parametrize("capability,shared_mem", [((8, 0), 163 * 1024), ((8, 6), 99 * 1024)])
+def test_glm5_on_sm8x_without_flags(cuda_platform_config, monkeypatch, capability, shared_mem):
+    """GLM-5 on A100/A800 (SM80) and RTX 3090/A6000 (SM86), as on a GPU host: sparse
+    MLA on TRITON_MLA_SPARSE with a 16-bit cache (an fp8 one refused with its
+    reason), the Triton indexer with 16-bit dots, which the indexer layer accepts
+    at start, and the decode top-k kernel that fits the GPU's shared memory."""
+    from vllm.model_executor.layers import sparse_attn_indexer as sai
+    from vllm.v1.attention.ops import triton_indexer_logits as il
+    from vllm.v1.attention.ops import triton_sparse_mla as tsm
+
+    as_on_gpu_host(monkeypatch)
+    monkeypatch.setattr(cuda_platform_config, "model_config", glm5_model_config())
+    for dtype, kv in itertools.product(DTYPES, ("auto", "bfloat16", "float16")):
+        config = selector_config(True, kv, dtype=DTYPES[dtype])
+        assert select(cuda.CudaPlatform, capability, config) == SPARSE.get_path()
+    for kv in ("fp8", "fp8_e4m3"):
+        refused = select(cuda.CudaPlatform, capability, selector_config(True, kv))
+        assert refused.startswith(NO_BACKEND)
+        assert "fp8 KV cache needs compute capability 8.9 or newer" in refused
+
+    platform = cuda.CudaPlatform()
+    reported = classmethod(lambda cls, device_id=0: DeviceCapability(*capability))
+    monkeypatch.setattr(cuda.CudaPlatform, "get_device_capability", reported)
+    monkeypatch.setattr(il, "current_platform", platform)
+    monkeypatch.setattr(sai, "current_platform", platform)
+    monkeypatch.setattr("vllm.utils.import_utils.has_deep_gemm", lambda: True)
+    monkeypatch.setattr(sai, "has_deep_gemm", lambda: True)
+    for env in (il.LOGITS_BACKEND_ENV, il.DOTS_ENV):
+        monkeypatch.delenv(env, raising=False)
+    il.indexer_logits_backend.cache_clear()
+    try:
+        assert il.indexer_logits_backend() == "triton"
+        assert il.triton_indexer_dots() == "16bit" and il.e4m3_as_bytes()
+        # the indexer layer's start-up check (it refused SM8x before)
+        indexer = sai.SparseAttnIndexer(SimpleNamespace(prefix="layers.0.indexer.k_cache"),
+                                        128, "ue8m0", 2048, 128, 4096, 8192,
+                                        torch.full((8, 2048), -1, dtype=torch.int32))
+        assert indexer.topk_tokens == 2048
+    finally:
+        il.indexer_logits_backend.cache_clear()
+    # decode top-k: persistent_topk where its 128 KiB plan fits (SM80's 163 KiB),
+    # top_k_per_row_decode on SM86's 99 KiB; cooperative_topk needs SM90 (upstream)
+    monkeypatch.setattr(tsm, "device_shared_mem", lambda device_index: shared_mem)
+    monkeypatch.setattr("torch.cuda.current_device", lambda: 0)
+    assert il.use_persistent_topk(2048) == (capability == (8, 0))
+    assert not platform.has_device_capability(90)
+
+
 # --------------------------------------------------------------------------------------
 # The README's support table is this selection (generated from it, checked against it)
 # --------------------------------------------------------------------------------------
-README_GPUS = [("SM80, SM86", (8, 0)), ("SM89", (8, 9)), ("SM90", (9, 0)), ("SM100", (10, 0)),
-               ("SM120, SM121", (12, 0))]
+# a row of several GPUs holds what each of them selects (checked to be the same)
+README_GPUS = [("SM80, SM86", [(8, 0), (8, 6)]), ("SM89", [(8, 9)]), ("SM90", [(9, 0)]),
+               ("SM100", [(10, 0)]), ("SM120, SM121", [(12, 0), (12, 1)])]
 README_COLUMNS = [("bf16", "auto"), ("bf16", "fp8"), ("fp16", "auto"), ("fp16", "fp8")]
 
 
@@ -393,28 +442,37 @@ def readme_table(monkeypatch, config) -> list[str]:
     monkeypatch.setattr("vllm.utils.import_utils.has_deep_gemm", lambda: True)
     monkeypatch.setattr(il, "current_platform", cuda.CudaPlatform())
     monkeypatch.delenv(il.LOGITS_BACKEND_ENV, raising=False)
+    monkeypatch.delenv(il.DOTS_ENV, raising=False)
     rows = ["| GPU | bf16, 16-bit KV | bf16, fp8 KV | fp16, 16-bit KV | fp16, fp8 KV | indexer |",
             "|---|---|---|---|---|---|"]
-    for name, capability in README_GPUS:
-        cells = []
-        for dtype, kv in README_COLUMNS:
-            chosen = select(cuda.CudaPlatform, capability,
-                            selector_config(True, kv, dtype=DTYPES[dtype]))
-            cells.append("-" if chosen.startswith("ValueError") else next(
-                b.name for b in AttentionBackendEnum if b.value and b.get_path() == chosen))
-        reported = classmethod(lambda cls, device_id=0: DeviceCapability(*capability))
-        with patch.object(cuda.CudaPlatform, "get_device_capability", reported):
-            il.indexer_logits_backend.cache_clear()
-            indexer = {"deepgemm": "DeepGEMM", "triton": "Triton (ours)"}[
-                il.indexer_logits_backend()]
-            if indexer != "DeepGEMM":
-                try:
-                    il.check_triton_indexer_supported()
-                except RuntimeError:
-                    indexer = "refused (fp8 dots)"
-        il.indexer_logits_backend.cache_clear()
-        rows.append(f"| {name} | " + " | ".join(cells) + f" | {indexer} |")
+    for name, capabilities in README_GPUS:
+        cells = {tuple(readme_cells(il, capability)) for capability in capabilities}
+        assert len(cells) == 1, (name, cells)
+        rows.append(f"| {name} | " + " | ".join(cells.pop()) + " |")
     return rows
+
+
+def readme_cells(il, capability) -> list[str]:
+    """A README row's cells for one GPU: the backend of each column, the indexer."""
+    cells = []
+    for dtype, kv in README_COLUMNS:
+        chosen = select(cuda.CudaPlatform, capability,
+                        selector_config(True, kv, dtype=DTYPES[dtype]))
+        cells.append("-" if chosen.startswith("ValueError") else next(
+            b.name for b in AttentionBackendEnum if b.value and b.get_path() == chosen))
+    reported = classmethod(lambda cls, device_id=0: DeviceCapability(*capability))
+    with patch.object(cuda.CudaPlatform, "get_device_capability", reported):
+        il.indexer_logits_backend.cache_clear()
+        indexer = "DeepGEMM"
+        if il.indexer_logits_backend() == "triton":
+            try:
+                il.check_triton_indexer_supported()
+                dots = {"fp8": "fp8", "16bit": "16-bit"}[il.triton_indexer_dots()]
+                indexer = f"Triton, {dots} dots (ours)"
+            except RuntimeError:
+                indexer = "refused"
+    il.indexer_logits_backend.cache_clear()
+    return cells + [indexer]
 
 
 def test_readme_selection_table(cuda_platform_config, monkeypatch):

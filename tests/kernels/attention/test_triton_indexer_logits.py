@@ -1,7 +1,12 @@
 # SPDX-License-Identifier: Apache-2.0
 """Portable sparse-indexer logits against a float64 reference of the formula
 logits[t, s] = scale_k[s] * sum_h w[t, h] * relu(q[t, h] . k[s]) (from the
-dequantized fp8 inputs), and on the GPU against DeepGEMM on the same inputs."""
+dequantized fp8 inputs), both dot paths (fp8 dots, and 16-bit dots on the e4m3
+bytes converted in registers: SM80/86) against each other, the e4m3 conversions
+of the 16-bit path bit for bit, and on the GPU against DeepGEMM on the same inputs.
+
+Without a GPU the kernels run in Triton's interpreter: both paths, the 16-bit
+one with its integer-operation conversion (on a GPU also its inline PTX)."""
 
 import math
 
@@ -12,6 +17,8 @@ from vllm.v1.attention.ops import triton_indexer_logits as il
 
 FP8 = torch.float8_e4m3fn
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+ON_GPU = DEVICE == "cuda"
+DOTS = pytest.mark.parametrize("upcast", [True, False], ids=["16bit-dot", "fp8-dot"])
 
 
 def reference_logits(q, k, k_scale, w):
@@ -22,6 +29,19 @@ def reference_logits(q, k, k_scale, w):
 
 def random_fp8(*shape, g, scale=1.0):
     return (torch.randn(*shape, generator=g) * scale).clamp(-448, 448).to(FP8)
+
+
+def wide_fp8(*shape, g):
+    """fp8 values over e4m3's whole range, subnormals (below 2^-6) to 448."""
+    mag = torch.exp2(torch.rand(*shape, generator=g) * 18.8 - 10)
+    sign = torch.randint(0, 2, shape, generator=g) * 2 - 1
+    return (sign * mag).clamp(-448, 448).to(FP8)
+
+
+def all_e4m3() -> torch.Tensor:
+    """Every finite e4m3fn value, as fp8 (254 patterns: all but the two NaNs)."""
+    b = torch.arange(256, dtype=torch.int32).to(torch.uint8)
+    return b[(b & 0x7F) != 0x7F].view(FP8)
 
 
 def recall(ours, ref, k):
@@ -35,10 +55,8 @@ def recall(ours, ref, k):
 # --------------------------------------------------------------------------------------
 # CPU (Triton interpreter) and GPU
 # --------------------------------------------------------------------------------------
-@pytest.mark.parametrize("upcast", [True, False], ids=["fp16-dot", "fp8-dot"])
+@DOTS
 def test_prefill_logits(upcast):
-    if not upcast and DEVICE == "cpu":
-        pytest.skip("fp8 tensor-core dots run on the GPU only")
     g = torch.Generator().manual_seed(0)
     M, H, D, N = 7, 4, 32, 150
     q, k = random_fp8(M, H, D, g=g), random_fp8(N, D, g=g)
@@ -62,32 +80,36 @@ def test_prefill_logits(upcast):
         assert torch.isneginf(outside).all()
 
 
+def paged_cache(keys, BS, NB, max_model_len, g):
+    """The indexer's paged K cache (uint8 [NB, BS, D + 4]: per block BS x D fp8
+    values, then BS fp32 scales) holding `keys` [(k fp8 [n, D], scale [n])] of the
+    requests in random blocks, and their block table."""
+    D = keys[0][0].shape[1]
+    cache = torch.zeros(NB, BS, D + 4, dtype=torch.uint8)
+    table = torch.zeros(len(keys), math.ceil(max_model_len / BS), dtype=torch.int32)
+    free = torch.randperm(NB, generator=g).tolist()
+    flat = cache.view(NB, -1)
+    for b, (k, sc) in enumerate(keys):
+        for first in range(0, k.shape[0], BS):
+            blk = free.pop()
+            table[b, first // BS] = blk
+            rows = k[first:first + BS]
+            flat[blk, :rows.shape[0] * D] = rows.reshape(-1).view(torch.uint8)
+            flat[blk, BS * D:BS * D + 4 * rows.shape[0]] = sc[first:first + BS].view(torch.uint8)
+    return cache, table
+
+
 @pytest.mark.parametrize("next_n", [1, 2])
-@pytest.mark.parametrize("upcast", [True, False], ids=["fp16-dot", "fp8-dot"])
+@DOTS
 def test_paged_decode_logits(next_n, upcast):
-    if not upcast and DEVICE == "cpu":
-        pytest.skip("fp8 tensor-core dots run on the GPU only")
     g = torch.Generator().manual_seed(1)
     B, H, D, BS, NB = 3, 4, 32, 16, 40
     ctx = [37, 16, 90]
     max_model_len = 112
     q = random_fp8(B, next_n, H, D, g=g)
     w = torch.randn(B * next_n, H, generator=g)
-    keys = []
-    cache = torch.zeros(NB, BS, D + 4, dtype=torch.uint8)
-    table = torch.zeros(B, math.ceil(max_model_len / BS), dtype=torch.int32)
-    free = torch.randperm(NB, generator=g).tolist()
-    for b, n in enumerate(ctx):
-        k = random_fp8(n, D, g=g)
-        sc = torch.rand(n, generator=g) + 0.5
-        for t in range(n):
-            if t % BS == 0:
-                table[b, t // BS] = free.pop()
-            blk, off = int(table[b, t // BS]), t % BS
-            flat = cache.view(NB, -1)
-            flat[blk, off * D:(off + 1) * D] = k[t].view(torch.uint8)
-            flat[blk, BS * D + off * 4:BS * D + off * 4 + 4] = sc[t:t + 1].view(torch.uint8)
-        keys.append((k, sc))
+    keys = [(random_fp8(n, D, g=g), torch.rand(n, generator=g) + 0.5) for n in ctx]
+    cache, table = paged_cache(keys, BS, NB, max_model_len, g)
     # Token j of next_n sees ctx - next_n + j + 1 keys (causal MTP rows).
     seq_lens = torch.tensor([[c - next_n + j + 1 for j in range(next_n)] for c in ctx],
                             dtype=torch.int32)
@@ -104,6 +126,242 @@ def test_paged_decode_logits(next_n, upcast):
             assert torch.isneginf(tail).all()
 
 
+# the interpreter computes both paths' dots in fp32 from exact operands; fp8 tensor
+# cores accumulate with less precision (~4e-4 relative measured on the H200); atol is
+# relative to the largest reference logit of the row
+GLM5_TOL = dict(rtol=1e-3, atol=1e-3) if ON_GPU else dict(rtol=1e-5, atol=1e-5)
+
+
+def glm5_prefill_inputs(M, N, g):
+    """GLM-5's indexer (32 heads x 128) on one request's last M tokens over N keys
+    (causal rows), fp8 values over e4m3's whole range."""
+    q, k = wide_fp8(M, 32, 128, g=g), wide_fp8(N, 128, g=g)
+    k_scale = torch.rand(N, generator=g) * 0.02 + 0.01
+    w = torch.randn(M, 32, generator=g) * 0.1
+    ke = torch.arange(N - M + 1, N + 1, dtype=torch.int32)
+    ks = torch.zeros(M, dtype=torch.int32)
+    return q, k, k_scale, w, ks, ke
+
+
+def test_16bit_dots_match_fp8_dots_prefill():
+    """The 16-bit-dot path against the fp8-dot path on the same inputs (GLM-5's
+    shapes and top-k 2048), and both against the float64 reference."""
+    g = torch.Generator().manual_seed(6)
+    M, N = 16, 4096
+    inputs = glm5_prefill_inputs(M, N, g)
+    q, k, k_scale, w, ks, ke = (x.to(DEVICE) for x in inputs)
+    b16 = il.triton_mqa_logits(q, k, k_scale, w, ks, ke, upcast=True).cpu()
+    fp8 = il.triton_mqa_logits(q, k, k_scale, w, ks, ke, upcast=False).cpu()
+    ref = reference_logits(*inputs[:4])
+    scale = ref.abs().max().item()
+    for m in range(M):
+        n = int(ke[m])
+        torch.testing.assert_close(b16[m, :n], fp8[m, :n], rtol=GLM5_TOL["rtol"],
+                                   atol=GLM5_TOL["atol"] * scale)
+        torch.testing.assert_close(b16[m, :n].double(), ref[m, :n], rtol=1e-5,
+                                   atol=1e-5 * scale)
+        assert recall(b16[m, :n], fp8[m, :n].double(), 2048) >= 0.999
+        assert recall(b16[m, :n], ref[m, :n], 2048) >= 0.999
+
+
+@pytest.mark.parametrize("next_n", [1, 2])
+def test_16bit_dots_match_fp8_dots_decode(next_n):
+    g = torch.Generator().manual_seed(7)
+    BS, D, ctx = 64, 128, [4000, 2500]
+    max_model_len = 4096 + BS
+    keys = [(wide_fp8(n, D, g=g), torch.rand(n, generator=g) * 0.02 + 0.01) for n in ctx]
+    cache, table = paged_cache(keys, BS, sum(math.ceil(n / BS) for n in ctx) + 3,
+                               max_model_len, g)
+    q = wide_fp8(len(ctx), next_n, 32, D, g=g)
+    w = torch.randn(len(ctx) * next_n, 32, generator=g) * 0.1
+    seq = torch.tensor([[n - next_n + j + 1 for j in range(next_n)] for n in ctx],
+                       dtype=torch.int32)
+    args = [x.to(DEVICE) for x in (q, cache, w, seq, table)]
+    b16 = il.triton_paged_mqa_logits(*args, max_model_len, upcast=True).cpu()
+    fp8 = il.triton_paged_mqa_logits(*args, max_model_len, upcast=False).cpu()
+    for b, (k, sc) in enumerate(keys):
+        for j in range(next_n):
+            r, n = b * next_n + j, int(seq[b, j])
+            ref = reference_logits(q[b, j:j + 1], k[:n], sc[:n], w[r:r + 1])[0]
+            scale = ref.abs().max().item()
+            torch.testing.assert_close(b16[r, :n], fp8[r, :n], rtol=GLM5_TOL["rtol"],
+                                       atol=GLM5_TOL["atol"] * scale)
+            torch.testing.assert_close(b16[r, :n].double(), ref, rtol=1e-5, atol=1e-5 * scale)
+            assert recall(b16[r, :n], fp8[r, :n].double(), 2048) >= 0.999
+            assert recall(b16[r, :n], ref, 2048) >= 0.999
+            assert torch.isneginf(b16[r, n:math.ceil(n / BS) * BS]).all()
+
+
+@pytest.mark.gpu
+def test_16bit_dot_path_matches_fp8_dot_path():
+    # The 16-bit-dot path (used where fp8 dots are missing) computes the same sums, up
+    # to the fp8 tensor cores' reduced-precision accumulation (~4e-4 relative here).
+    g = torch.Generator().manual_seed(4)
+    q = random_fp8(64, 32, 128, g=g).cuda()
+    k = random_fp8(3000, 128, g=g).cuda()
+    k_scale = (torch.rand(3000, generator=g) + 0.5).cuda()
+    w = _glm5_weights(64, g)
+    ks = torch.zeros(64, dtype=torch.int32).cuda()
+    ke = torch.full((64,), 3000, dtype=torch.int32).cuda()
+    a = il.triton_mqa_logits(q, k, k_scale, w, ks, ke, upcast=True)
+    b = il.triton_mqa_logits(q, k, k_scale, w, ks, ke, upcast=False)
+    torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-2)
+
+
+@pytest.fixture(scope="module")
+def conversion_kernels():
+    from vllm.triton_utils import tl, triton
+
+    @triton.jit
+    def bytes_to_f16(X, Y, N: tl.constexpr, ASM: tl.constexpr):
+        offs = tl.arange(0, N)
+        tl.store(Y + offs, il.e4m3_bytes_to_f16(tl.load(X + offs), ASM))
+
+    @triton.jit
+    def f32_to_e4m3(X, Y, N: tl.constexpr):
+        offs = tl.arange(0, N)
+        tl.store(Y + offs, il.f32_to_e4m3(tl.load(X + offs), Y.dtype.element_ty))
+
+    return bytes_to_f16, f32_to_e4m3
+
+
+@pytest.mark.parametrize("asm", [False, pytest.param(True, marks=pytest.mark.gpu)],
+                         ids=["integer-ops", "inline-ptx"])
+def test_e4m3_bytes_to_f16_is_exact(conversion_kernels, asm):
+    """Every finite e4m3 value, read as bytes, comes out as that value times 2^-8."""
+    values = all_e4m3()
+    x = values.view(torch.uint8).to(DEVICE)
+    n = 256
+    x = torch.nn.functional.pad(x, (0, n - x.numel()))
+    y = torch.empty(n, dtype=torch.float16, device=DEVICE)
+    conversion_kernels[0][(1,)](x, y, N=n, ASM=asm)
+    got = y[:values.numel()].cpu().double() * 256
+    assert torch.equal(got, values.double())
+    # the sign of zero too
+    assert torch.equal(torch.signbit(got), torch.signbit(values.float()))
+
+
+def e4m3_rounding_cases() -> torch.Tensor:
+    """fp32 values within +-448: every e4m3 value, every midpoint between neighbours
+    (ties, to even) and the fp32 values just beside each midpoint, values far below
+    the smallest subnormal, and random magnitudes over the whole range."""
+    values = all_e4m3().float()
+    pos = torch.sort(values[values >= 0]).values
+    mids = (pos[1:] + pos[:-1]) / 2
+    near = torch.cat([mids, torch.nextafter(mids, torch.tensor(1e9)),
+                      torch.nextafter(mids, torch.tensor(-1e9))])
+    g = torch.Generator().manual_seed(8)
+    rand = torch.exp2(torch.rand(4096, generator=g) * 30 - 21)
+    x = torch.cat([values, near, -near, rand, -rand,
+                   torch.tensor([2.0**-10, 2.0**-11, 1e-30, 447.99, 2.0**-6 * (1 - 2**-20)])])
+    return x[x.abs() <= 448]
+
+
+@pytest.mark.parametrize("dtype", [torch.uint8, pytest.param(FP8, marks=pytest.mark.gpu)],
+                         ids=["bytes", "fp8e4nv"])
+def test_f32_to_e4m3_rounds_to_nearest_even(conversion_kernels, dtype):
+    """The bytes the q quantization writes where Triton has no e4m3 type equal
+    PyTorch's conversion (round to nearest, ties to even); on a GPU with e4m3,
+    so does Triton's own conversion there."""
+    if dtype == FP8 and torch.cuda.get_device_capability() < (9, 0):
+        # (SM89: no e4m3 type below; on SM89 Triton converts f32 -> f16 -> e4m3)
+        pytest.skip("Triton converts f32 to e4m3 in one rounding from SM90 on")
+    x = e4m3_rounding_cases()
+    n = triton_next_pow2(x.numel())
+    x = torch.nn.functional.pad(x, (0, n - x.numel()))
+    y = torch.empty(n, dtype=dtype, device=DEVICE)
+    conversion_kernels[1][(1,)](x.to(DEVICE), y, N=n)
+    got, want = y.cpu().view(torch.uint8), x.to(FP8).view(torch.uint8)
+    bad = (got != want).nonzero().flatten()
+    assert bad.numel() == 0, list(zip(x[bad][:8].tolist(), got[bad][:8].tolist(),
+                                      want[bad][:8].tolist()))
+
+
+def triton_next_pow2(n: int) -> int:
+    return 1 << (n - 1).bit_length()
+
+
+def rope_quant_reference(q, positions, cos_sin, weights, is_neox):
+    """What `fused_indexer_q_rope_quant` computes, in float64: rope on the first 64
+    dims, one e8m0 scale per token and head, the scale folded into the weights."""
+    q = q.double()
+    cos, sin = cos_sin[positions, :32].double()[:, None], cos_sin[positions, 32:].double()[:, None]
+    x0, x1 = (q[..., :32], q[..., 32:64]) if is_neox else (q[..., 0:64:2], q[..., 1:64:2])
+    r0, r1 = x0 * cos - x1 * sin, x1 * cos + x0 * sin
+    rot = torch.cat([r0, r1], -1) if is_neox else torch.stack([r0, r1], -1).flatten(-2)
+    out = torch.cat([rot, q[..., 64:]], -1)
+    scale = torch.exp2(torch.ceil(torch.log2(out.abs().amax(-1).clamp(min=1e-10) / 448)))
+    return out, scale
+
+
+@pytest.mark.parametrize("is_neox", [True, False])
+def test_q_rope_quant_as_bytes(monkeypatch, is_neox):
+    """The indexer's fused q rope + fp8 quantization (upstream's Triton kernel) with
+    its e4m3 stores as bytes, as on SM80/86: a float64 reference on CPU, and on a
+    GPU with e4m3 the same bytes as its fp8 stores."""
+    from vllm.model_executor.layers import sparse_attn_indexer as sai
+
+    g = torch.Generator().manual_seed(9)
+    T, H = 5, 32
+    q = (torch.randn(T, H, 128, generator=g) * torch.exp2(torch.randint(-8, 8, (T, H, 1),
+                                                                         generator=g))).bfloat16()
+    positions = torch.randint(0, 64, (T,), generator=g)
+    angle = torch.rand(64, 32, generator=g) * 6.3
+    cos_sin = torch.cat([angle.cos(), angle.sin()], -1)
+    weights = torch.randn(T, H, generator=g).bfloat16()
+    softmax_scale, head_scale = 128**-0.5, H**-0.5
+    args = [x.to(DEVICE) for x in (positions, q, cos_sin, weights)]
+    if ON_GPU:
+        monkeypatch.setenv(il.DOTS_ENV, "16bit")
+        q8, w_out = sai.fused_indexer_q_rope_quant(args[0], args[1], args[2], args[3],
+                                                   softmax_scale, head_scale, is_neox)
+    else:  # the wrapper asserts a CUDA platform: launch the kernel as it does
+        q8 = torch.empty(T, H, 128, dtype=FP8)
+        w_out = torch.empty(T, H)
+        sai._fused_indexer_q_rope_quant_kernel[(T, H)](
+            args[0], args[1], q.stride(0), q.stride(1), args[2], cos_sin.stride(0),
+            q8.view(torch.uint8), q8.stride(0), q8.stride(1), args[3], weights.stride(0),
+            weights.stride(1), w_out, w_out.stride(0), w_out.stride(1), softmax_scale,
+            head_scale, fp8_min=-448.0, fp8_max=448.0, is_neox=is_neox, num_warps=1)
+    q8, w_out = q8.cpu(), w_out.cpu()
+    ref, ref_scale = rope_quant_reference(q, positions, cos_sin, weights, is_neox)
+    # the q scale (a power of two) is folded into the weights (in fp32)
+    folded = weights.double() * softmax_scale * head_scale
+    q_scale = torch.exp2(torch.round(torch.log2(w_out.double() / folded)))
+    torch.testing.assert_close(w_out.double(), folded * q_scale, rtol=1e-6, atol=0)
+    # (the kernel rounds the rotated values to bf16 first, which may move the amax
+    # across a power of two)
+    assert torch.isin(q_scale / ref_scale, torch.tensor([0.5, 1.0, 2.0],
+                                                        dtype=torch.float64)).all()
+    deq = q8.double() * q_scale[..., None]
+    # e4m3 keeps 3 mantissa bits (half a unit: 2^-4 relative), bf16 rounding 2^-9
+    tol = ref.abs() * (2**-4 + 2**-8) + q_scale[..., None] * 2**-10
+    assert ((deq - ref).abs() <= tol).all()
+    if ON_GPU and torch.cuda.get_device_capability() >= (8, 9):
+        monkeypatch.setenv(il.DOTS_ENV, "fp8")
+        fp8, w_fp8 = sai.fused_indexer_q_rope_quant(args[0], args[1], args[2], args[3],
+                                                    softmax_scale, head_scale, is_neox)
+        assert torch.equal(fp8.cpu().view(torch.uint8), q8.view(torch.uint8))
+        assert torch.equal(w_fp8.cpu(), w_out)
+
+
+def test_pack_decode_queries_as_bytes():
+    """Short prefills in the decode group are padded (pack_seq_triton); where the
+    indexer takes e4m3 as bytes its q is packed as bytes, with zeros as padding."""
+    from vllm.v1.attention.ops.common import pack_seq_triton
+
+    g = torch.Generator().manual_seed(10)
+    lens = torch.tensor([2, 1, 2], dtype=torch.int32)
+    q = random_fp8(int(lens.sum()), 32, 128, g=g)
+    packed = pack_seq_triton(q.view(torch.uint8).to(DEVICE), lens.to(DEVICE),
+                             pad_value=0).view(FP8).cpu()
+    assert packed.shape == (3, 2, 32, 128)
+    starts = [0, 2, 3]
+    for b, (start, n) in enumerate(zip(starts, lens.tolist())):
+        assert torch.equal(packed[b, :n].view(torch.uint8), q[start:start + n].view(torch.uint8))
+        assert (packed[b, n:].view(torch.uint8) == 0).all()
+
+
 def test_backend_choice(monkeypatch):
     for value, expect in (("triton", "triton"), ("deepgemm", "deepgemm"), ("TRITON", "triton")):
         monkeypatch.setenv(il.LOGITS_BACKEND_ENV, value)
@@ -114,6 +372,118 @@ def test_backend_choice(monkeypatch):
     with pytest.raises(ValueError, match="expected auto, deepgemm or triton"):
         il.indexer_logits_backend()
     il.indexer_logits_backend.cache_clear()
+
+
+def _report_capability(monkeypatch, capability):
+    from cuda_platform import import_cuda_platform
+
+    from vllm.platforms.interface import DeviceCapability
+
+    cuda = import_cuda_platform()
+    monkeypatch.setattr(cuda.CudaPlatform, "get_device_capability",
+                        classmethod(lambda cls, device_id=0: DeviceCapability(*capability)))
+    monkeypatch.setattr(il, "current_platform", cuda.CudaPlatform())
+
+
+@pytest.mark.parametrize("capability,env,dots", [
+    ((8, 0), None, "16bit"), ((8, 6), None, "16bit"), ((8, 7), None, "16bit"),
+    ((8, 9), None, "fp8"), ((9, 0), None, "fp8"), ((12, 0), None, "fp8"),
+    ((9, 0), "16bit", "16bit"), ((8, 9), " 16BIT ", "16bit"), ((9, 0), "fp8", "fp8"),
+    ((8, 0), "auto", "16bit"),
+])
+def test_dots_choice(monkeypatch, capability, env, dots):
+    """16-bit dots where the GPU has no fp8 dots, forceable anywhere; fp8 elsewhere.
+    The q quantization's stores follow (bytes with 16-bit dots)."""
+    _report_capability(monkeypatch, capability)
+    if env is None:
+        monkeypatch.delenv(il.DOTS_ENV, raising=False)
+    else:
+        monkeypatch.setenv(il.DOTS_ENV, env)
+    assert il.triton_indexer_dots() == dots
+    assert il.e4m3_as_bytes() == (dots == "16bit")
+    il.check_triton_indexer_supported()
+
+
+def test_e4m3_as_bytes_is_a_constant_to_torch_compile(monkeypatch):
+    """The q quantization asks `e4m3_as_bytes` inside the compiled model, where the
+    capability query (NVML) cannot be traced: torch.compile takes its result as a
+    constant, and the whole graph compiles."""
+    import ctypes
+
+    from cuda_platform import import_cuda_platform
+
+    from vllm.platforms.interface import DeviceCapability
+
+    cuda = import_cuda_platform()
+    queried = []
+
+    def untraceable(cls, device_id=0):
+        queried.append(ctypes.CDLL(None).getpid())  # a foreign call Dynamo skips
+        return DeviceCapability(8, 0)
+
+    monkeypatch.setattr(cuda.NonNvmlCudaPlatform, "get_device_capability",
+                        classmethod(untraceable))
+    monkeypatch.setattr(il, "current_platform", cuda.NonNvmlCudaPlatform())
+    monkeypatch.delenv(il.DOTS_ENV, raising=False)
+
+    def quantize(q):
+        out = torch.empty_like(q, dtype=torch.uint8 if il.e4m3_as_bytes() else FP8)
+        return out.view(FP8), q + 1
+
+    with pytest.raises(torch._dynamo.exc.Unsupported):
+        # (what a plain call of the query does under fullgraph)
+        torch.compile(lambda q: (q + 1, il.triton_indexer_dots()), fullgraph=True,
+                      backend="eager")(torch.ones(4))
+    torch._dynamo.reset()
+    out, _ = torch.compile(quantize, fullgraph=True, backend="eager")(torch.ones(4))
+    assert out.dtype == FP8 and queried
+    torch._dynamo.reset()
+
+
+def test_dots_choice_refusals(monkeypatch):
+    monkeypatch.setenv(il.DOTS_ENV, "fp16")
+    with pytest.raises(ValueError, match="expected auto, fp8 or 16bit"):
+        il.triton_indexer_dots()
+    _report_capability(monkeypatch, (8, 6))
+    monkeypatch.setenv(il.DOTS_ENV, "fp8")
+    with pytest.raises(RuntimeError, match="fp8 dots need compute capability 8.9"):
+        il.check_triton_indexer_supported()
+
+
+@pytest.mark.parametrize("capability", [(7, 5), (8, 0), (8, 6), (8, 9), (12, 0)])
+def test_supported_from_sm80(monkeypatch, capability):
+    """The Triton kernels need 16-bit tensor-core dots: SM80 and newer run them."""
+    _report_capability(monkeypatch, capability)
+    monkeypatch.delenv(il.DOTS_ENV, raising=False)
+    if capability < (8, 0):
+        with pytest.raises(RuntimeError, match="needs compute capability 8.0"):
+            il.check_triton_indexer_supported()
+    else:
+        il.check_triton_indexer_supported()
+
+
+def test_wrappers_follow_the_dots_choice(monkeypatch):
+    """With upcast unset, the launch wrappers take the configured dots."""
+    seen = []
+
+    class Launch:
+        def __getitem__(self, grid):
+            return lambda *a, **kw: seen.append((kw["UPCAST"], a[0].dtype))
+
+    monkeypatch.setattr(il, "_mqa_logits_kernel", Launch())
+    monkeypatch.setattr(il, "_paged_mqa_logits_kernel", Launch())
+    q, k = torch.zeros(2, 4, 16, dtype=FP8), torch.zeros(8, 16, dtype=FP8)
+    cache = torch.zeros(2, 4, 20, dtype=torch.uint8)
+    for env, upcast in (("16bit", True), ("fp8", False)):
+        monkeypatch.setenv(il.DOTS_ENV, env)
+        il.triton_mqa_logits(q, k, torch.ones(8), torch.ones(2, 4),
+                             torch.zeros(2, dtype=torch.int32), torch.ones(2, dtype=torch.int32))
+        il.triton_paged_mqa_logits(q[:, None], cache, torch.ones(2, 4),
+                                   torch.ones(2, 1, dtype=torch.int32),
+                                   torch.zeros(2, 2, dtype=torch.int32), 8)
+        dtype = torch.uint8 if upcast else FP8
+        assert seen == [(upcast, dtype), (upcast, dtype)]
+        seen.clear()
 
 
 # Where vLLM 0.26 runs DeepGEMM's indexer kernels: `support_deep_gemm` is SM90,
@@ -166,8 +536,9 @@ def _glm5_weights(rows, g):
 
 
 @pytest.mark.gpu
+@DOTS
 @pytest.mark.parametrize("M,N", [(512, 1024), (1024, 4096), (256, 16384), (128, 65536)])
-def test_prefill_matches_deepgemm(M, N):
+def test_prefill_matches_deepgemm(M, N, upcast):
     dg = _deep_gemm_or_skip()
     g = torch.Generator().manual_seed(2)
     q = random_fp8(M, 32, 128, g=g).cuda()
@@ -177,7 +548,7 @@ def test_prefill_matches_deepgemm(M, N):
     # Causal rows of one request whose last M tokens are the queries.
     ke = torch.arange(N - M + 1, N + 1, dtype=torch.int32).cuda()
     ks = torch.zeros(M, dtype=torch.int32).cuda()
-    ours = il.triton_mqa_logits(q, k, k_scale, w, ks, ke)
+    ours = il.triton_mqa_logits(q, k, k_scale, w, ks, ke, upcast=upcast)
     theirs = dg.fp8_fp4_mqa_logits((q, None), (k, k_scale), w, ks, ke, clean_logits=True)
     topk = min(2048, N - M + 1)
     worst = 1.0
@@ -189,10 +560,11 @@ def test_prefill_matches_deepgemm(M, N):
 
 
 @pytest.mark.gpu
+@DOTS
 @pytest.mark.parametrize("next_n", [1, 2])
 @pytest.mark.parametrize("ctx", [1024, 8192, 65536])
 @pytest.mark.parametrize("batch", [1, 8])
-def test_decode_matches_deepgemm(next_n, ctx, batch):
+def test_decode_matches_deepgemm(next_n, ctx, batch, upcast):
     dg = _deep_gemm_or_skip()
     g = torch.Generator().manual_seed(3)
     BS, D = 64, 128
@@ -216,7 +588,7 @@ def test_decode_matches_deepgemm(next_n, ctx, batch):
     w = _glm5_weights(batch * next_n, g)
     seq = torch.tensor([[n - next_n + j + 1 for j in range(next_n)] for n in lens],
                        dtype=torch.int32).cuda()
-    ours = il.triton_paged_mqa_logits(q, cache, w, seq, table, max_model_len)
+    ours = il.triton_paged_mqa_logits(q, cache, w, seq, table, max_model_len, upcast=upcast)
     meta = dg.get_paged_mqa_logits_metadata(seq, BS, torch.cuda.get_device_properties(0)
                                             .multi_processor_count)
     # clean_logits=False as vLLM calls it (DeepGEMM's cleaning refuses 2D context lens)
@@ -229,36 +601,8 @@ def test_decode_matches_deepgemm(next_n, ctx, batch):
 
 
 @pytest.mark.gpu
-def test_fp16_dot_path_matches_fp8_dot_path():
-    # The fp16-dot path (used where fp8 dots are missing) computes the same sums, up
-    # to the fp8 tensor cores' reduced-precision accumulation (~4e-4 relative here).
-    g = torch.Generator().manual_seed(4)
-    q = random_fp8(64, 32, 128, g=g).cuda()
-    k = random_fp8(3000, 128, g=g).cuda()
-    k_scale = (torch.rand(3000, generator=g) + 0.5).cuda()
-    w = _glm5_weights(64, g)
-    ks = torch.zeros(64, dtype=torch.int32).cuda()
-    ke = torch.full((64,), 3000, dtype=torch.int32).cuda()
-    a = il.triton_mqa_logits(q, k, k_scale, w, ks, ke, upcast=True)
-    b = il.triton_mqa_logits(q, k, k_scale, w, ks, ke, upcast=False)
-    torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-2)
-
-
-def test_refused_below_sm89(monkeypatch):
-    from vllm.platforms import current_platform
-    from vllm.platforms.interface import DeviceCapability
-
-    monkeypatch.setattr(type(current_platform), "get_device_capability",
-                        classmethod(lambda cls, device_id=0: DeviceCapability(8, 6)))
-    with pytest.raises(RuntimeError, match="needs compute capability 8.9"):
-        il.check_triton_indexer_supported()
-    monkeypatch.setattr(type(current_platform), "get_device_capability",
-                        classmethod(lambda cls, device_id=0: DeviceCapability(12, 0)))
-    il.check_triton_indexer_supported()
-
-
-@pytest.mark.gpu
-def test_cuda_graph_capture_and_replay():
+@DOTS
+def test_cuda_graph_capture_and_replay(upcast):
     # Both kernels launch with shapes only (no host sync): capture, then replay on
     # new queries, keys, lengths and tables in the same buffers equals eager runs.
     g = torch.Generator().manual_seed(5)
@@ -271,7 +615,7 @@ def test_cuda_graph_capture_and_replay():
     seq = torch.tensor([[500], [64], [1], [511]], dtype=torch.int32).cuda()
 
     def run():
-        return il.triton_paged_mqa_logits(q, cache, w, seq, table, L)
+        return il.triton_paged_mqa_logits(q, cache, w, seq, table, L, upcast=upcast)
 
     run()
     graph = torch.cuda.CUDAGraph()

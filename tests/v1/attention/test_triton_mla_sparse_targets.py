@@ -7,11 +7,17 @@ ptxas ship with it). For each architecture this test compiles every binary the
 launch table can pick (8-128 heads, few and many tokens, bf16 and fp8 KV) with
 that architecture's opt-in shared memory per block, and checks the shared memory
 the binary needs against the limit: a binary over it fails at its first launch
-with `OutOfResources`. SM 8.6/8.9/12.x (RTX 30xx/40xx/50xx, RTX PRO 6000) have
-99 KiB, less than half of Hopper's 227 KiB. It also checks that every binary
-stages its KV rows through asynchronous copies: a synchronous row load in the
-main loop leaves the kernel waiting on memory (an fp8 tile that both dots take
-through a conversion compiled to one: 2.6x the bf16 time on an H200).
+with `OutOfResources`. SM 8.6/8.9/12.x (RTX 30xx/40xx/50xx, RTX A6000, RTX PRO 6000)
+have 99 KiB, less than half of Hopper's 227 KiB; SM80 (A100, A800) 163 KiB. It also
+checks that every binary stages its KV rows through asynchronous copies: a
+synchronous row load in the main loop leaves the kernel waiting on memory (an fp8
+tile that both dots take through a conversion compiled to one: 2.6x the bf16 time
+on an H200).
+
+The portable indexer's kernels are compiled the same way, with fp8 dots (SM89 on)
+and with the 16-bit dots of GPUs without them (SM80/86; every target, as forceable),
+and so is upstream's q rope + quantization kernel with the e4m3 stores as bytes that
+SM80/86 need (Triton has no e4m3 type there).
 
 The compiles run in a subprocess: the test session runs Triton in interpreter
 mode, which cannot compile.
@@ -26,10 +32,11 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 # opt-in shared memory per block (CUDA programming guide, compute capabilities)
-SHARED_MEM = {80: 163 * 1024, 89: 99 * 1024, 90: 227 * 1024, 100: 227 * 1024,
-              120: 99 * 1024}
+SHARED_MEM = {80: 163 * 1024, 86: 99 * 1024, 89: 99 * 1024, 90: 227 * 1024,
+              100: 227 * 1024, 120: 99 * 1024}
 KV_LORA, ROPE, TOPK, SMS = 512, 64, 2048, 132
-# e4m3 is not a Triton type below SM 8.9 (the sparse indexer needs 8.9 anyway)
+# e4m3 is not a Triton type below SM 8.9 (and TRITON_MLA_SPARSE refuses an fp8 KV
+# cache there)
 FP8_FROM = 89
 
 
@@ -126,34 +133,105 @@ def compile_shared_bytes(arch: int, binaries: list[dict]) -> list[tuple[int, int
     return shared
 
 
+def resource_usage(cubin: bytes) -> dict:
+    """Registers and local memory (spills) of a compiled kernel, from cuobjdump (the
+    compiled kernel reports its registers only once loaded on a GPU)."""
+    import subprocess
+    import tempfile
+
+    from triton import knobs
+
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        out = subprocess.run([knobs.nvidia.cuobjdump.path, "-res-usage", f.name],
+                             capture_output=True, text=True, check=True).stdout
+    usage = dict(re.findall(r"\b(REG|STACK|LOCAL):(\d+)", out))
+    return {"registers": int(usage["REG"]), "spills": int(usage["STACK"]) + int(usage["LOCAL"])}
+
+
+def dot_operands(ttgir: str) -> list[str]:
+    """Element types of the dots' operands (mma.sync, wgmma and tcgen05 dots)."""
+    types = set()
+    for line in re.findall(r"(?:tt\.dot|ttng\.warp_group_dot|ttng\.tc_gen5_mma) [^\n]*", ttgir):
+        types.update(re.findall(r"(?:tensor|memdesc)<\d+x\d+x(\w+)", line.split("->")[0]))
+    return sorted(types - {"f32", "i64"})
+
+
 def compile_indexer(arch: int) -> list[dict]:
     """The portable indexer's prefill and decode kernels for `arch`, as launched
-    for GLM-5 (32 heads x 128, fp8 q and k; decode blocks of 64 tokens)."""
+    for GLM-5 (32 heads x 128, fp8 q and k; decode blocks of 64 tokens): with fp8
+    dots where the target has them, and with 16-bit dots (q and k as e4m3 bytes,
+    converted by inline PTX); and upstream's q rope + quantization kernel storing
+    fp8 or bytes."""
     real_triton()
+    from vllm.model_executor.layers import sparse_attn_indexer as sai
     from vllm.v1.attention.ops import triton_indexer_logits as il
 
     out = []
-    ptrs = {"Q": "*fp8e4nv", "W": "*fp32", "OUT": "*fp32"}
-    prefill = dict(ptrs, K="*fp8e4nv", KS="*fp32", CU_KS="*i32", CU_KE="*i32")
-    prefill.update({n: "i32" for n in ("M", "N", "stride_qm", "stride_qh", "stride_km",
-                                       "stride_wm", "stride_om")})
-    decode = dict(ptrs, KV_VALUES="*fp8e4nv", KV_SCALES="*fp32", SEQ_LENS="*i32",
-                  BLOCK_TABLE="*i32")
-    decode.update({n: "i32" for n in ("max_model_len", "stride_qr", "stride_qh", "stride_wr",
-                                      "stride_bt", "stride_block", "stride_or")})
-    for name, fn, sig, consts, warps in (
-        ("prefill", il._mqa_logits_kernel, prefill,
-         {"H": 32, "D": 128, "BLOCK_M": 4, "BLOCK_N": 128}, 8),
-        ("decode", il._paged_mqa_logits_kernel, decode,
-         {"NEXT_N": 1, "H": 32, "D": 128, "BS": 64, "SPLITS": 16}, 4),
-    ):
-        aligned = [k for k, v in sig.items() if v.startswith("*") or k.startswith("stride")]
-        kernel = compile_kernel(fn, arch, sig, dict(consts, UPCAST=False), aligned,
-                                {"num_warps": warps})
-        ttgir = kernel.asm["ttgir"]
-        out.append({"kernel": name, "shared": kernel.metadata.shared,
-                    "fp8_dot": "f8E4M3FN" in ttgir and "tt.dot " in ttgir})
+    for dots in ("fp8", "16bit") if arch >= FP8_FROM else ("16bit",):
+        e4m3 = "*fp8e4nv" if dots == "fp8" else "*u8"
+        ptrs = {"Q": e4m3, "W": "*fp32", "OUT": "*fp32"}
+        prefill = dict(ptrs, K=e4m3, KS="*fp32", CU_KS="*i32", CU_KE="*i32")
+        prefill.update({n: "i32" for n in ("M", "N", "stride_qm", "stride_qh", "stride_km",
+                                           "stride_wm", "stride_om")})
+        decode = dict(ptrs, KV_VALUES=e4m3, KV_SCALES="*fp32", SEQ_LENS="*i32",
+                      BLOCK_TABLE="*i32")
+        decode.update({n: "i32" for n in ("max_model_len", "stride_qr", "stride_qh",
+                                          "stride_wr", "stride_bt", "stride_block",
+                                          "stride_or")})
+        for name, fn, sig, consts, warps in (
+            ("prefill", il._mqa_logits_kernel, prefill,
+             {"H": 32, "D": 128, "BLOCK_M": 4, "BLOCK_N": 128}, 8),
+            ("decode", il._paged_mqa_logits_kernel, decode,
+             {"NEXT_N": 1, "H": 32, "D": 128, "BS": 64, "SPLITS": 16}, 4),
+        ):
+            aligned = [k for k, v in sig.items() if v.startswith("*") or k.startswith("stride")]
+            consts = dict(consts, UPCAST=dots == "16bit", ASM=True)
+            kernel = compile_kernel(fn, arch, sig, consts, aligned, {"num_warps": warps})
+            ttgir = kernel.asm["ttgir"]
+            out.append({"kernel": name, "dots": dots, "shared": kernel.metadata.shared,
+                        "e4m3_type": "f8E4M3FN" in ttgir, "dot_operands": dot_operands(ttgir),
+                        **resource_usage(kernel.asm["cubin"])})
+    rope = {"positions": "*i64", "q": "*bf16", "q_s0": "i32", "q_s1": "i32",
+            "cos_sin_cache": "*bf16", "cos_sin_s0": "i32", "q_fp8_s0": "i32",
+            "q_fp8_s1": "i32", "weights": "*bf16", "weights_s0": "i32", "weights_s1": "i32",
+            "weights_out": "*fp32", "weights_out_s0": "i32", "weights_out_s1": "i32",
+            "softmax_scale": "fp32", "head_scale": "fp32"}
+    for name, fn in (("q_rope_quant", sai._fused_indexer_q_rope_quant_kernel),
+                     ("q_rope_quant_inductor", inductor_source(
+                         sai._fused_indexer_q_rope_quant_kernel))):
+        for store in ("*fp8e4nv", "*u8"):
+            try:
+                kernel = compile_kernel(fn, arch, dict(rope, q_fp8=store),
+                                        {"fp8_min": -448.0, "fp8_max": 448.0, "is_neox": True},
+                                        [], {"num_warps": 1})
+            except Exception as e:  # noqa: BLE001 - Triton's refusal of e4m3 is the result
+                out.append({"kernel": name, "store": store, "error": str(e)[-300:]})
+                continue
+            out.append({"kernel": name, "store": store, "shared": kernel.metadata.shared,
+                        "e4m3_type": "f8E4M3FN" in kernel.asm["ttgir"],
+                        **resource_usage(kernel.asm["cubin"])})
     return out
+
+
+def inductor_source(kernel):
+    """A user-defined Triton kernel as torch.compile (Inductor) regenerates it in the
+    compiled model's code: its source and those of the JIT functions it calls by name,
+    in a module of their own (only those names resolve there)."""
+    import importlib.util
+    import tempfile
+
+    from torch._inductor.codegen.wrapper import (
+        user_defined_triton_kernel_transitive_closure_source_code as closure)
+
+    with tempfile.NamedTemporaryFile("w", suffix=".py", delete=False) as f:
+        f.write("import triton\nimport triton.language as tl\n\n\n@triton.jit\n"
+                + closure(kernel))
+    spec = importlib.util.spec_from_file_location("inductor_kernel", f.name)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return getattr(module, kernel.__name__)
 
 
 def run_compiles(run_without_gpu, arch: int, binaries: list[dict] | None) -> list:
@@ -213,19 +291,73 @@ def test_key_blocks_by_shared_memory():
         assert (hopper["BLOCK_N"], sm100["BLOCK_N"]) == (64, 32)
         assert sm120["BLOCK_N"] == (16 if heads > 32 else 32)
         assert hopper["BLOCK_H"] == sm100["BLOCK_H"] == sm120["BLOCK_H"]
+    # SM80's 163 KiB: 32-row key blocks from 32 heads on (two stages; three do not
+    # fit next to a 64-head query tile); SM86's 99 KiB: 16 rows from 64 heads on
+    for heads in (32, 64, 128):
+        sm80 = tsm.launch_config(4096, heads, TOPK, KV_LORA, 108, SHARED_MEM[80], False, 80)
+        sm86 = tsm.launch_config(4096, heads, TOPK, KV_LORA, 84, SHARED_MEM[86], False, 86)
+        assert (sm80["BLOCK_N"], sm80["num_stages"]) == (32, 2)
+        assert (sm86["BLOCK_N"], sm86["num_stages"]) == (16 if heads > 32 else 32, 2)
+        assert not sm80["WARP_SPECIALIZED"] and not sm86["WARP_SPECIALIZED"]
     # 16-head tiles are the same everywhere
     assert len({json.dumps(tsm.launch_config(1, 16, TOPK, KV_LORA, SMS, SHARED_MEM[a], False, a))
                 for a in SHARED_MEM}) == 1
 
 
-@pytest.mark.parametrize("arch", [89, 120])
-def test_indexer_kernels_compile_with_fp8_dots(run_without_gpu, arch):
-    # the GPUs the portable indexer is for: fp8 tensor-core dots, little shared memory
-    kernels = run_compiles(run_without_gpu, arch, None)
+@pytest.fixture(scope="module")
+def indexer_compiled(run_without_gpu):
+    archs = sorted(SHARED_MEM)
+    with ThreadPoolExecutor(2) as pool:
+        results = pool.map(lambda a: run_compiles(run_without_gpu, a, None), archs)
+        compiled = dict(zip(archs, results))
+    # (shared memory, registers and spills of each kernel, in the test log)
+    for arch, kernels in compiled.items():
+        for k in kernels:
+            print(f"sm_{arch} {k}")
+    return compiled
+
+
+@pytest.mark.parametrize("arch", [89, 90, 100, 120])
+def test_indexer_kernels_compile_with_fp8_dots(indexer_compiled, arch):
+    # GPUs with fp8 tensor cores: within the shared memory, nothing spilled; on the
+    # GPUs the portable indexer is for (SM89; SM120 without DeepGEMM) fp8 dots
+    # (Hopper's mma.sync has none: its decode tile converts to fp16)
+    kernels = [k for k in indexer_compiled[arch] if k.get("dots") == "fp8"]
     assert [k["kernel"] for k in kernels] == ["prefill", "decode"]
     for k in kernels:
-        assert k["fp8_dot"], k
+        if arch in (89, 120):
+            assert k["dot_operands"] == ["f8E4M3FN"], k
         assert 0 < k["shared"] <= SHARED_MEM[arch], k
+        assert k["spills"] == 0, k
+
+
+@pytest.mark.parametrize("arch", sorted(SHARED_MEM))
+def test_indexer_kernels_compile_with_16bit_dots(indexer_compiled, arch):
+    # SM80/86 (no fp8 dots, no e4m3 type in Triton) and, forced, every other target:
+    # fp16 dots on the e4m3 bytes, no e4m3 anywhere in the kernel, within the shared
+    # memory, nothing spilled
+    kernels = [k for k in indexer_compiled[arch] if k.get("dots") == "16bit"]
+    assert [k["kernel"] for k in kernels] == ["prefill", "decode"]
+    for k in kernels:
+        assert not k["e4m3_type"] and k["dot_operands"] == ["f16"], k
+        assert 0 < k["shared"] <= SHARED_MEM[arch], k
+        assert k["spills"] == 0, k
+
+
+@pytest.mark.parametrize("kernel", ["q_rope_quant", "q_rope_quant_inductor"])
+@pytest.mark.parametrize("arch", sorted(SHARED_MEM))
+def test_q_rope_quant_compiles_with_e4m3_bytes(indexer_compiled, arch, kernel):
+    # upstream's fused q rope + fp8 quantization: its fp8 stores do not compile below
+    # SM89 (Triton has no e4m3 type there), its byte stores compile everywhere; also
+    # as torch.compile regenerates it in the compiled model (the byte conversion it
+    # calls must come along)
+    rope = {k["store"]: k for k in indexer_compiled[arch] if k["kernel"] == kernel}
+    assert "error" not in rope["*u8"] and not rope["*u8"]["e4m3_type"], rope
+    assert rope["*u8"]["spills"] == 0, rope
+    if arch >= FP8_FROM:
+        assert "error" not in rope["*fp8e4nv"], rope
+    else:
+        assert "type fp8e4nv not supported in this architecture" in rope["*fp8e4nv"]["error"]
 
 
 if __name__ == "__main__":

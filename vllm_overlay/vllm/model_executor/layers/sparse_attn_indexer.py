@@ -31,6 +31,7 @@ from vllm.v1.attention.backends.mla.indexer import (
     DeepseekV32IndexerMetadata,
 )
 from vllm.v1.attention.ops import triton_indexer_logits as indexer_logits  # overlay: portable
+from vllm.v1.attention.ops.triton_indexer_logits import f32_to_e4m3  # overlay: SM80/86
 from vllm.v1.attention.ops.common import pack_seq_triton, unpack_seq_triton
 from vllm.v1.worker.workspace import current_workspace_manager
 
@@ -186,24 +187,34 @@ def _fused_indexer_q_rope_quant_kernel(
     if is_neox:
         tl.store(
             out_base + offs32,
-            tl.clamp(r0 / q_scale, fp8_min, fp8_max).to(q_fp8.dtype.element_ty),
+            f32_to_e4m3(  # overlay: e4m3 bytes below SM89
+                tl.clamp(r0 / q_scale, fp8_min, fp8_max), q_fp8.dtype.element_ty
+            ),
         )
         tl.store(
             out_base + 32 + offs32,
-            tl.clamp(r1 / q_scale, fp8_min, fp8_max).to(q_fp8.dtype.element_ty),
+            f32_to_e4m3(  # overlay: e4m3 bytes below SM89
+                tl.clamp(r1 / q_scale, fp8_min, fp8_max), q_fp8.dtype.element_ty
+            ),
         )
     else:
         tl.store(
             out_base + offs32 * 2,
-            tl.clamp(r0 / q_scale, fp8_min, fp8_max).to(q_fp8.dtype.element_ty),
+            f32_to_e4m3(  # overlay: e4m3 bytes below SM89
+                tl.clamp(r0 / q_scale, fp8_min, fp8_max), q_fp8.dtype.element_ty
+            ),
         )
         tl.store(
             out_base + offs32 * 2 + 1,
-            tl.clamp(r1 / q_scale, fp8_min, fp8_max).to(q_fp8.dtype.element_ty),
+            f32_to_e4m3(  # overlay: e4m3 bytes below SM89
+                tl.clamp(r1 / q_scale, fp8_min, fp8_max), q_fp8.dtype.element_ty
+            ),
         )
     tl.store(
         out_base + 64 + offs64,
-        tl.clamp(q_nope / q_scale, fp8_min, fp8_max).to(q_fp8.dtype.element_ty),
+        f32_to_e4m3(  # overlay: e4m3 bytes below SM89
+            tl.clamp(q_nope / q_scale, fp8_min, fp8_max), q_fp8.dtype.element_ty
+        ),
     )
 
     weight = tl.load(weights + token * weights_s0 + head * weights_s1).to(tl.float32)
@@ -228,7 +239,11 @@ def fused_indexer_q_rope_quant(
     assert cos_sin_cache.shape[-1] == 64
     assert weights.shape == q.shape[:2]
 
-    q_fp8 = torch.empty_like(q, dtype=current_platform.fp8_dtype())
+    # overlay: e4m3 as bytes where Triton has no e4m3 type (SM80/86)
+    fp8_dtype = current_platform.fp8_dtype()
+    q_fp8 = torch.empty_like(
+        q, dtype=torch.uint8 if indexer_logits.e4m3_as_bytes() else fp8_dtype
+    )
     weights_out = torch.empty_like(weights, dtype=torch.float32)
     fp8_min, fp8_max = get_fp8_min_max()
     _fused_indexer_q_rope_quant_kernel[(q.shape[0], q.shape[1])](
@@ -254,7 +269,7 @@ def fused_indexer_q_rope_quant(
         is_neox=is_neox,
         num_warps=1,
     )
-    return q_fp8, weights_out
+    return q_fp8.view(fp8_dtype), weights_out  # overlay: e4m3 bytes as fp8
 
 
 def _gather_workspace_shapes(
@@ -543,6 +558,14 @@ def sparse_attn_indexer(
                 padded_q_scale = pack_seq_triton(
                     q_scale[:num_decode_tokens], decode_lens, pad_value=0
                 )
+            elif indexer_logits.e4m3_as_bytes():
+                # overlay: e4m3 as bytes where Triton has no e4m3 type (SM80/86)
+                padded_q_quant_decode_tokens = pack_seq_triton(
+                    q_quant[:num_decode_tokens].view(torch.uint8),
+                    decode_lens,
+                    pad_value=0,
+                ).view(q_quant.dtype)
+                padded_q_scale = None
             else:
                 padded_q_quant_decode_tokens = pack_seq_triton(
                     q_quant[:num_decode_tokens], decode_lens

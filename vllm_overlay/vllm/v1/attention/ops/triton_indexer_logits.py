@@ -6,18 +6,23 @@ The lightning indexer scores every key position s of a query token t as
 
     logits[t, s] = scale_k[s] * sum_h w[t, h] * relu(q[t, h] . k[s])
 
-with q and k in fp8 (per-token q scales are folded into w by the caller) and
-one fp32 scale per key. DeepGEMM implements this (`fp8_fp4_mqa_logits`,
+with q and k in fp8 e4m3 (per-token q scales are folded into w by the caller)
+and one fp32 scale per key. DeepGEMM implements this (`fp8_fp4_mqa_logits`,
 `fp8_fp4_paged_mqa_logits`) where vLLM's platform supports DeepGEMM: SM90, the
 SM100 family and, with the DeepGEMM vLLM 0.26 vendors, the SM120 family. The
-Triton kernels here run on every GPU with fp8 support (SM89+), reading the same
-inputs:
+Triton kernels here run on every GPU from SM80 on, reading the same inputs:
 
 - prefill: q [M, H, D] fp8, gathered k [N, D] fp8 with scales [N] fp32, per-row
   key bounds [ks, ke); logits [M, N] fp32.
 - decode: q [B, next_n, H, D] fp8, the indexer's paged K cache (per block of BS
   tokens: BS x D fp8 values, then BS fp32 scales), per-row context lengths
   [B, next_n] and block tables; logits [B * next_n, max_model_len] fp32.
+
+They compute q . k with fp8 tensor-core dots where the GPU has them (SM89+) and
+with 16-bit dots elsewhere (SM80/86): q and k are then read as bytes and their
+e4m3 bit patterns converted to fp16 in registers (exact: every e4m3 value is an
+fp16 value), since Triton has no e4m3 type below SM89. Same inputs, same
+outputs, fp32 accumulation either way.
 
 Positions outside a row's valid range are -inf where a program touches them and
 otherwise left unwritten, as DeepGEMM's `clean_logits=False`; the top-k kernels
@@ -27,7 +32,10 @@ tensor shapes.
 `VLLM_SPARSE_INDEXER_LOGITS` = auto (default) | deepgemm | triton chooses the
 implementation; auto takes DeepGEMM where it is installed and the platform
 supports it (`support_deep_gemm`, which upstream's indexer relies on), so the
-Triton kernels run on SM89 and on GPUs DeepGEMM has no kernels for.
+Triton kernels run on SM80/86/89 and on GPUs DeepGEMM has no kernels for.
+`VLLM_SPARSE_INDEXER_DOTS` = auto (default) | fp8 | 16bit chooses the Triton
+kernels' dots: auto takes fp8 dots where the GPU has them; 16bit runs the SM80/86
+path on any GPU (tests); fp8 is refused where the GPU has no fp8 dots.
 """
 
 import functools
@@ -43,6 +51,7 @@ from vllm.v1.attention.ops import triton_sparse_mla
 logger = init_logger(__name__)
 
 LOGITS_BACKEND_ENV = "VLLM_SPARSE_INDEXER_LOGITS"
+DOTS_ENV = "VLLM_SPARSE_INDEXER_DOTS"
 # persistent_topk's FilteredTopK plan needs this much opt-in shared memory per
 # block; below it (SM86/89/12x, ~99 KB) the oversubscription fallback can fail.
 PERSISTENT_TOPK_MIN_SMEM = 128 * 1024
@@ -69,16 +78,45 @@ def indexer_logits_backend() -> str:
     return "triton"
 
 
+def _fp8_dot_supported() -> bool:
+    """fp8 tensor-core dots, and e4m3 as a Triton type: compute capability 8.9+."""
+    return current_platform.has_device_capability(89)
+
+
+def triton_indexer_dots() -> str:
+    """'fp8' or '16bit': the dots of the Triton kernels (VLLM_SPARSE_INDEXER_DOTS).
+
+    '16bit' reads q and k as bytes and converts them to fp16 in registers: the
+    path of GPUs without fp8 dots (SM80/86), forceable on any GPU. Read per call
+    (cheap), so that it follows the capability tests and the test hook report.
+    """
+    choice = os.environ.get(DOTS_ENV, "auto").strip().lower()
+    if choice not in ("auto", "fp8", "16bit"):
+        raise ValueError(f"{DOTS_ENV}={choice!r}: expected auto, fp8 or 16bit")
+    if choice == "auto":
+        return "fp8" if _fp8_dot_supported() else "16bit"
+    return choice
+
+
 def check_triton_indexer_supported() -> None:
-    """The indexer keeps q and k in fp8, which needs compute capability 8.9+."""
-    if not current_platform.has_device_capability(89):
-        cap = current_platform.get_device_capability()
+    """The Triton kernels need 16-bit tensor-core dots (compute capability 8.0+);
+    fp8 dots, if forced, need 8.9+."""
+    cap = current_platform.get_device_capability()
+    if not current_platform.has_device_capability(80):
         raise RuntimeError(
-            "The sparse attention indexer (DeepSeek-V3.2 / GLM-5) stores its "
-            "queries and keys in fp8, which needs compute capability 8.9 or "
-            f"newer; this GPU reports {cap}. SM80/SM86 GPUs cannot run "
-            "sparse-attention models in this build."
+            "The portable sparse attention indexer (DeepSeek-V3.2 / GLM-5) needs "
+            f"compute capability 8.0 or newer; this GPU reports {cap}."
         )
+    dots = triton_indexer_dots()
+    if dots == "fp8" and not _fp8_dot_supported():
+        raise RuntimeError(
+            f"{DOTS_ENV}=fp8: fp8 dots need compute capability 8.9 or newer; this "
+            f"GPU reports {cap} (leave {DOTS_ENV} unset for its 16-bit dots)."
+        )
+    logger.info_once(
+        "Sparse attention indexer: Triton logits kernels with %s dots.",
+        "fp8" if dots == "fp8" else "16-bit (fp8 converted in registers)",
+    )
 
 
 def use_persistent_topk(topk_tokens: int) -> bool:
@@ -89,8 +127,74 @@ def use_persistent_topk(topk_tokens: int) -> bool:
     return optin >= PERSISTENT_TOPK_MIN_SMEM
 
 
-def _fp8_dot_supported() -> bool:
-    return current_platform.has_device_capability(89)
+@torch.compiler.assume_constant_result
+def e4m3_as_bytes() -> bool:
+    """Whether Triton kernels on the indexer's CUDA path take fp8 e4m3 tensors as
+    bytes (uint8): with 16-bit dots, where Triton has no e4m3 type (SM80/86) or
+    that path is forced.
+
+    A constant to torch.compile: the q quantization asks it inside the compiled
+    model, where the platform's capability query (NVML) cannot be traced.
+    """
+    return current_platform.is_cuda() and triton_indexer_dots() == "16bit"
+
+
+@triton.jit
+def e4m3_bytes_to_f16(x, ASM: tl.constexpr):
+    """e4m3 bit patterns (uint8) -> fp16 holding each value times 2^-8, exactly.
+
+    The sign goes to bit 15 and the exponent and mantissa bits (6..0) to bits
+    13..7: fp16 reads the 4-bit exponent with its bias of 15 instead of e4m3's 7,
+    so normals and subnormals alike come out scaled by 2^-8 (e4m3's subnormals
+    become fp16 subnormals). The e4m3fn NaN pattern (0x7f) is read as 480 * 2^-8.
+    ASM: four bytes at a time in inline PTX, 2 instructions a value (CUDA): each
+    byte moved to the top of its 16-bit half, the sign cleared, shifted down by one,
+    the sign put back. Else integer operations (the interpreter; on a GPU they
+    compile to ~10 instructions a value).
+    """
+    if ASM:
+        return tl.inline_asm_elementwise(
+            """{
+            .reg .b32 a<2>, b<2>;
+            prmt.b32 a0, 0, $2, 0x5040;
+            prmt.b32 a1, 0, $2, 0x7060;
+            lop3.b32 b0, a0, 0x7fff7fff, 0, 0xc0;
+            lop3.b32 b1, a1, 0x7fff7fff, 0, 0xc0;
+            shr.b32 b0, b0, 1;
+            shr.b32 b1, b1, 1;
+            lop3.b32 $0, b0, 0x80008000, a0, 0xf8;
+            lop3.b32 $1, b1, 0x80008000, a1, 0xf8;
+            }""",
+            "=r,=r,r",
+            [x],
+            dtype=tl.float16,
+            is_pure=True,
+            pack=4,
+        )
+    u = x.to(tl.uint16)
+    bits = ((u & 0x80) << 8) | ((u & 0x7F) << 7)
+    return bits.to(tl.uint16).to(tl.float16, bitcast=True)
+
+
+@triton.jit
+def f32_to_e4m3(x, dtype: tl.constexpr):
+    """fp32 values within +-448 as e4m3 of `dtype`, rounded to nearest even.
+
+    dtype fp8e4nv converts; uint8 (GPUs whose Triton has no e4m3 type, SM80/86)
+    gives the same e4m3 bit patterns from fp32 bits: normals drop 20 mantissa
+    bits with round-to-nearest-even and rebias the exponent (a carry rounds up
+    into the next binade); below 2^-6, adding 2^14 (whose fp32 spacing is 2^-9)
+    rounds to the nearest multiple of 2^-9, whose count is the subnormal's 3-bit
+    mantissa (a count of 8 is 2^-6, the first normal).
+    """
+    if dtype == tl.uint8:
+        bits = x.to(tl.uint32, bitcast=True)
+        mag = bits & 0x7FFFFFFF
+        normal = ((mag + 0x7FFFF + ((mag >> 20) & 1)) >> 20) - (120 << 3)
+        subnormal = (tl.abs(x) + 16384.0).to(tl.uint32, bitcast=True) - 0x46800000
+        e4m3 = tl.where(mag >= 0x3C800000, normal, subnormal) | ((bits >> 24) & 0x80)
+        return e4m3.to(tl.uint8)
+    return x.to(dtype)
 
 
 @triton.jit
@@ -114,6 +218,7 @@ def _mqa_logits_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     UPCAST: tl.constexpr,
+    ASM: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -144,8 +249,10 @@ def _mqa_logits_kernel(
         )
         w = tl.load(W + row.to(tl.int64) * stride_wm + head, mask=row < M, other=0.0)
         if UPCAST:
-            q = q.to(tl.float16)
-            k = k.to(tl.float16)
+            # 16-bit dots: q and k are e4m3 bytes, as fp16 they carry 2^-8 each
+            q = e4m3_bytes_to_f16(q, ASM)
+            k = e4m3_bytes_to_f16(k, ASM)
+            k_scale = k_scale * 65536.0
         s = tl.dot(q, tl.trans(k))  # [BLOCK_M * H, BLOCK_N], fp32
         s = tl.maximum(s, 0.0) * w[:, None]
         logits = tl.sum(tl.reshape(s, (BLOCK_M, H, BLOCK_N)), axis=1)
@@ -168,7 +275,10 @@ def triton_mqa_logits(
     cu_seqlen_ke: torch.Tensor,
     upcast: bool | None = None,
 ) -> torch.Tensor:
-    """Prefill logits [M, N] (see module docstring)."""
+    """Prefill logits [M, N] (see module docstring).
+
+    upcast: 16-bit dots (q and k read as bytes); None: `triton_indexer_dots()`.
+    """
     M, H, D = q.shape
     N = k.shape[0]
     assert k.shape[1] == D and k_scale.numel() == N and weights.shape == (M, H)
@@ -177,7 +287,9 @@ def triton_mqa_logits(
     if M == 0 or N == 0:
         return out
     if upcast is None:
-        upcast = not _fp8_dot_supported()
+        upcast = triton_indexer_dots() == "16bit"
+    if upcast:
+        q, k = q.view(torch.uint8), k.view(torch.uint8)
     block_m = max(1, 128 // H)
     block_n = 128
     grid = (triton.cdiv(M, block_m), triton.cdiv(N, block_n))
@@ -201,6 +313,7 @@ def triton_mqa_logits(
         BLOCK_M=block_m,
         BLOCK_N=block_n,
         UPCAST=upcast,
+        ASM=q.is_cuda and current_platform.is_cuda(),
         num_warps=8,
     )
     return out
@@ -228,6 +341,7 @@ def _paged_mqa_logits_kernel(
     BS: tl.constexpr,
     SPLITS: tl.constexpr,
     UPCAST: tl.constexpr,
+    ASM: tl.constexpr,
 ):
     r = tl.program_id(0)
     split = tl.program_id(1)
@@ -238,7 +352,8 @@ def _paged_mqa_logits_kernel(
     offs_t = tl.arange(0, BS)
     q = tl.load(Q + r.to(tl.int64) * stride_qr + offs_h[:, None] * stride_qh + offs_d[None, :])
     if UPCAST:
-        q = q.to(tl.float16)
+        # 16-bit dots: q and the keys are e4m3 bytes, as fp16 they carry 2^-8 each
+        q = e4m3_bytes_to_f16(q, ASM)
     w = tl.load(W + r.to(tl.int64) * stride_wr + offs_h)
     for blk in range(split, tl.cdiv(seq_len, BS), SPLITS):
         phys = tl.load(BLOCK_TABLE + req.to(tl.int64) * stride_bt + blk).to(tl.int64)
@@ -246,7 +361,8 @@ def _paged_mqa_logits_kernel(
         k = tl.load(KV_VALUES + base + offs_t[:, None] * D + offs_d[None, :])
         k_scale = tl.load(KV_SCALES + (base + BS * D) // 4 + offs_t)
         if UPCAST:
-            k = k.to(tl.float16)
+            k = e4m3_bytes_to_f16(k, ASM)
+            k_scale = k_scale * 65536.0
         s = tl.dot(q, tl.trans(k))  # [H, BS]
         s = tl.maximum(s, 0.0) * w[:, None]
         logits = tl.sum(s, axis=0) * k_scale
@@ -267,7 +383,8 @@ def triton_paged_mqa_logits(
     """Decode logits [B * next_n, max_model_len] (see module docstring).
 
     kv_cache: the indexer cache, uint8 [num_blocks, BS, D + 4] (or a view with
-    a unit head dimension); seq_lens: int32 [B, next_n] (or [B] for next_n 1).
+    a unit head dimension); seq_lens: int32 [B, next_n] (or [B] for next_n 1);
+    upcast: 16-bit dots (q and keys read as bytes); None: `triton_indexer_dots()`.
     """
     B, next_n, H, D = q.shape
     num_blocks, bs = kv_cache.shape[0], kv_cache.shape[1]
@@ -277,17 +394,19 @@ def triton_paged_mqa_logits(
     if rows == 0:
         return out
     if upcast is None:
-        upcast = not _fp8_dot_supported()
+        upcast = triton_indexer_dots() == "16bit"
     seq_lens = seq_lens.reshape(-1)
     assert seq_lens.numel() == rows
     q = q.reshape(rows, H, D)
     assert q.stride(2) == 1 and weights.stride(1) == 1 and block_table.stride(1) == 1
     flat = kv_cache.reshape(num_blocks, -1)
+    if upcast:
+        q = q.view(torch.uint8)
     num_sms = current_platform.num_compute_units() if q.is_cuda else 8
     splits = max(1, min(64, triton.cdiv(2 * num_sms, rows)))
     _paged_mqa_logits_kernel[(rows, splits)](
         q,
-        flat.view(current_platform.fp8_dtype()),
+        flat if upcast else flat.view(current_platform.fp8_dtype()),
         flat.view(torch.float32),
         weights,
         seq_lens.contiguous(),
@@ -306,6 +425,7 @@ def triton_paged_mqa_logits(
         BS=bs,
         SPLITS=splits,
         UPCAST=upcast,
+        ASM=q.is_cuda and current_platform.is_cuda(),
         num_warps=4,
     )
     return out
