@@ -4,7 +4,8 @@
 # Stages (default: all, in this order): install (bundle into /tmp/site), tests (GPU-marked tests),
 # upstream (upstream's sparse MLA backend test with TRITON_MLA_SPARSE added from our side),
 # bench (kernel benchmarks), glm52 (the tiny GLM-5.2 from its GGUFs, needs .llama-cpp/ as gguf),
-# sm80 (the engine as on SM80/SM86 with the 16-bit-dot indexer),
+# sm80 (the engine as on SM80/SM86 with the 16-bit-dot indexer), chat (`vllm serve` of a GGUF
+# with GLM-5's reasoning and tool-call parsers),
 # gguf (the tiny GLM-5 from llama.cpp GGUFs in the engine; needs
 # .llama-cpp/ carried: the converter tree and a llama-quantize binary, see
 # tests/models/quantization/gguf_reference.py), mla (the sparse MLA kernel tests only), sweep
@@ -63,7 +64,8 @@ for stage in $stages; do
         --ignore=tests/models/quantization/test_glm5_gguf_as_sm120.py \
         --ignore=tests/models/quantization/test_glm5_gguf_tensor_parallel.py \
         --ignore=tests/models/test_glm5_batch_invariant.py \
-        --ignore=tests/models/test_glm5_as_sm80.py 2>&1 \
+        --ignore=tests/models/test_glm5_as_sm80.py \
+        --ignore=tests/models/quantization/test_glm5_gguf_chat_gpu.py 2>&1 \
         | tee "$out/gpu-tests.log" | grep -E "passed|failed|error|delta|FAILED" || rc=1 ;;
     gguf)
       timeout 550 python3 -m pytest tests/models/quantization/test_glm5_gguf_engine.py -q -s \
@@ -81,6 +83,11 @@ for stage in $stages; do
       # the tiny GLM-5.2 (IndexShare schedule) from safetensors and GGUFs against transformers fp32
       timeout 550 python3 -m pytest tests/models/quantization/test_glm52_gguf_engine.py -q -s \
         -p no:cacheprovider -p no:warnings 2>&1 | tee "$out/glm52-engine.log" \
+        | grep -E "passed|failed|error|REPORT|FAILED|Error" || rc=1 ;;
+    chat)
+      # `vllm serve` of a scripted tiny GLM-5 GGUF with GLM-5's reasoning and tool parsers
+      timeout 420 python3 -m pytest tests/models/quantization/test_glm5_gguf_chat_gpu.py -q -s \
+        -p no:cacheprovider -p no:warnings 2>&1 | tee "$out/chat.log" \
         | grep -E "passed|failed|error|REPORT|FAILED|Error" || rc=1 ;;
     upstream)
       timeout 300 python3 -m pytest tests/v1/attention/test_upstream_sparse_mla_backends.py -q \

@@ -70,3 +70,21 @@ def glm52_ggufs(glm52_gguf, tmp_path_factory):
     files["copies-Q4_K_M"] = gr.quantize(files["copies-bf16"],
                                          tmp / "tiny-glm52-copies-Q4_K_M.gguf", "Q4_K_M")
     return files
+
+
+@pytest.fixture(scope="session")
+def glm5_chat_gguf(tmp_path_factory):
+    """(llama.cpp tree, HF checkpoint dir, {"bf16": GGUF, "split": its first part}) of
+    the tiny GLM-5 with a GLM-5-shaped tokenizer, chat template and generation config
+    (gguf_reference.write_glm5_tokenizer), made once."""
+    llama_cpp = gr.llama_cpp_dir(tmp_path_factory.getbasetemp() / "llama-cpp")
+    tmp = tmp_path_factory.mktemp("gguf-chat")
+    model = make_tiny_glm5(tmp / "tiny-glm5-chat")
+    gr.write_glm5_tokenizer(model, gr.GLM5_SAMPLING)
+    files = {"bf16": gr.convert(llama_cpp, model, tmp / "tiny-glm5-chat-bf16.gguf", "bf16")}
+    split = tmp / "split"
+    split.mkdir()
+    gr.convert(llama_cpp, model, split / "tiny-glm5-chat-bf16.gguf", "bf16",
+               "--split-max-tensors", "40")
+    files["split"] = next(split.glob("*-00001-of-*.gguf"))
+    return llama_cpp, model, files

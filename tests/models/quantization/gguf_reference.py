@@ -272,3 +272,109 @@ def hf_cache_repo(cache: Path, repo_id: str, files: dict[str, Path],
     (repo / "refs").mkdir(parents=True, exist_ok=True)
     (repo / "refs" / "main").write_text(commit)
     return snapshot
+
+
+# GLM-5's added tokens in the order of its tokenizer (ids 154820-154855 there, here
+# right after the BPE vocabulary), all listed as its special tokens
+# (extra_special_tokens). The tags vLLM's GLM parsers read (and /nothink) are added
+# as non-special tokens (kept by decode(skip_special_tokens=True)), the others as
+# special ones: the two kinds of added token a GGUF carries (USER_DEFINED, CONTROL).
+GLM5_NON_SPECIAL = ("<think>", "</think>", "<tool_call>", "</tool_call>", "<tool_response>",
+                    "</tool_response>", "<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>",
+                    "/nothink")
+GLM5_ADDED_TOKENS = [
+    "<|endoftext|>", "[MASK]", "[gMASK]", "[sMASK]", "<sop>", "<eop>", "<|system|>", "<|user|>",
+    "<|assistant|>", "<|observation|>", "<|begin_of_image|>", "<|end_of_image|>",
+    "<|begin_of_video|>", "<|end_of_video|>", "<|begin_of_audio|>", "<|end_of_audio|>",
+    "<|begin_of_transcription|>", "<|end_of_transcription|>", "<|code_prefix|>",
+    "<|code_middle|>", "<|code_suffix|>", *GLM5_NON_SPECIAL,
+    "<|begin_of_box|>", "<|end_of_box|>", "<|image|>", "<|video|>",
+]
+# A chat template in the shape of GLM-5's: [gMASK]<sop>, the tools in a system turn,
+# role tokens, reasoning in <think></think> (an empty </think> without it), tool
+# calls as <tool_call>name<arg_key>k</arg_key><arg_value>v</arg_value></tool_call>,
+# tool results in <|observation|><tool_response>...; the generation prompt opens
+# <think>, or closes it when enable_thinking is false.
+GLM5_CHAT_TEMPLATE = """[gMASK]<sop>
+{%- if tools -%}
+<|system|>
+# Tools
+
+You are provided with function signatures within <tools></tools> XML tags:
+<tools>
+{% for tool in tools %}
+{{ tool | tojson(ensure_ascii=False) }}
+{% endfor %}
+</tools>
+
+For each function call, output the function name and arguments in this format:
+<tool_call>{function-name}<arg_key>{arg-key-1}</arg_key><arg_value>{arg-value-1}</arg_value>...</tool_call>
+{%- endif -%}
+{%- for m in messages -%}
+{%- if m.role == 'system' -%}
+<|system|>{{ m.content }}
+{%- elif m.role == 'user' -%}
+<|user|>{{ m.content }}
+{%- elif m.role == 'assistant' -%}
+<|assistant|>
+{%- if m.reasoning_content -%}<think>{{ m.reasoning_content }}</think>{%- else -%}</think>{%- endif -%}
+{{- m.content if m.content else '' -}}
+{%- for tc in m.tool_calls or [] -%}
+{%- set f = tc.function if tc.function is defined else tc -%}
+<tool_call>{{ f.name }}
+{%- for k, v in f.arguments.items() -%}
+<arg_key>{{ k }}</arg_key><arg_value>{{ v if v is string else v | tojson(ensure_ascii=False) }}</arg_value>
+{%- endfor -%}
+</tool_call>
+{%- endfor -%}
+{%- elif m.role == 'tool' -%}
+{%- if loop.first or messages[loop.index0 - 1].role != 'tool' -%}<|observation|>{%- endif -%}
+<tool_response>{{ m.content }}</tool_response>
+{%- endif -%}
+{%- endfor -%}
+{%- if add_generation_prompt -%}
+<|assistant|>{{ '</think>' if enable_thinking is defined and not enable_thinking else '<think>' }}
+{%- endif -%}"""
+# Sampling defaults for the tiny checkpoint's generation_config.json, each one
+# llama.cpp's converter stores (as general.sampling.*) and vLLM reads
+GLM5_SAMPLING = {"temperature": 0.7, "top_p": 0.95, "top_k": 40, "min_p": 0.05,
+                 "repetition_penalty": 1.05}
+
+
+def write_glm5_tokenizer(model_dir: Path, sampling: dict | None = None) -> None:
+    """A tokenizer shaped like GLM-5's (byte-level BPE as write_tokenizer's, GLM-5's
+    added tokens in its order, eos and pad <|endoftext|>, no bos, model_max_length
+    the context length, GLM5_CHAT_TEMPLATE), and config.json/generation_config.json
+    naming GLM-5's end-of-turn tokens as its checkpoint does: eos_token_id
+    [<|endoftext|>, <|user|>, <|observation|>], with `sampling` defaults."""
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    cfg = config(model_dir)
+    tok = Tokenizer(models.BPE(ignore_merges=True))
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(GLM_SPLIT_REGEX), behavior="isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+    ])
+    tok.decoder = decoders.ByteLevel()
+    text = [f"GLM-5 sparse attention test sentence number {i}: the quick brown fox "
+            f"jumps over {i * 7} lazy dogs; 你好, мир! Looking it up. Hello there! "
+            f"get_weather city Paris date today: sunny, {i % 30} degrees. " for i in range(200)]
+    trainer = trainers.BpeTrainer(vocab_size=cfg["vocab_size"] - len(GLM5_ADDED_TOKENS),
+                                  special_tokens=[],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(text, trainer)
+    tok.add_tokens([AddedToken(t, special=t not in GLM5_NON_SPECIAL, normalized=False)
+                    for t in GLM5_ADDED_TOKENS])
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, eos_token="<|endoftext|>", pad_token="<|endoftext|>",
+        extra_special_tokens=GLM5_ADDED_TOKENS, clean_up_tokenization_spaces=False,
+        model_max_length=cfg["max_position_embeddings"], padding_side="left")
+    fast.chat_template = GLM5_CHAT_TEMPLATE
+    fast.save_pretrained(model_dir)
+    ids = fast.convert_tokens_to_ids(["<|endoftext|>", "<|user|>", "<|observation|>"])
+    cfg = {k: v for k, v in cfg.items() if k != "bos_token_id"}
+    cfg.update(eos_token_id=ids, pad_token_id=ids[0])
+    (Path(model_dir) / "config.json").write_text(json.dumps(cfg, indent=1))
+    generation = {"eos_token_id": ids, "pad_token_id": ids[0], **(sampling or {})}
+    (Path(model_dir) / "generation_config.json").write_text(json.dumps(generation, indent=2))

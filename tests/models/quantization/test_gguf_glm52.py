@@ -439,10 +439,13 @@ def test_gating_and_rope_scaling(meta):
 
 def test_token_types_are_optional(meta):
     """llama.cpp reads tokenizer.ggml.token_type if present (every token NORMAL
-    otherwise): the tokenizer then has no special tokens."""
+    otherwise): the tokenizer then has every token of the file (the converter's
+    UNUSED [PAD<i>] placeholders too) and no added special tokens."""
     f = meta.rewrite(drop_keys=("tokenizer.ggml.token_type",))
     tok = gg.tokenizer_from_gguf(f)
-    assert len(tok) == len(gg.tokenizer_from_gguf(meta.base))
+    assert len(tok) == len(gg.field(gg.open_reader(f), "tokenizer.ggml.tokens"))
+    # but the eos and padding tokens the file names
+    assert set(tok.all_special_tokens) == {t for t in (tok.eos_token, tok.pad_token) if t}
     assert tok.encode("<|user|>") != gg.tokenizer_from_gguf(meta.base).encode("<|user|>")
 
 

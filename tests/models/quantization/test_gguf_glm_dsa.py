@@ -306,10 +306,11 @@ def test_truncated_file(glm5_ggufs, tmp_path):
     cut = tmp_path / "cut.gguf"
     data = src.read_bytes()
     cut.write_bytes(data[: len(data) - 4096])
-    with pytest.raises(gg.GGUFError, match=r"cut\.gguf: (truncated: tensor '.*'|not a readable)"):
+    with pytest.raises(gg.GGUFError, match=r"cut\.gguf: truncated: tensor '.*' ends at byte"):
         gg.config_from_gguf(cut)
     cut.write_bytes(data[:100])  # not even the header
-    with pytest.raises(gg.GGUFError, match="cut.gguf: not a readable GGUF file"):
+    with pytest.raises(gg.GGUFError, match=r"cut\.gguf: states \d+ metadata entries, more "
+                                           r"than its size allows"):
         gg.config_from_gguf(cut)
 
 

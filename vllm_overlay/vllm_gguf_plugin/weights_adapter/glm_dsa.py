@@ -287,7 +287,12 @@ class GlmDsaGGUF:
             if kind not in UNQUANTIZED and kind not in KERNEL_TYPES:
                 raise GGUFError(f"{self.file_of[name]}: GGUF tensor {name!r} has type {kind}, "
                                 "which the GGUF plugin's kernels do not support")
-        for i in range(L):
+            if kind not in UNQUANTIZED and len(_shape(self.tensors[name])) == 1:
+                # llama.cpp's converter keeps 1-D tensors (norms, biases) in F32; vLLM
+                # has no quantized vector
+                raise GGUFError(f"{self.file_of[name]}: GGUF tensor {name!r} is a vector "
+                                f"stored as {kind}; norms and biases must be unquantized")
+        for i in range(L + n_mtp):
             stacks = {self._quantized(f"blk.{i}.ffn_{p}_exps.weight")
                       for p in ("gate", "up", "down") if f"blk.{i}.ffn_{p}_exps.weight" in mapping}
             if len(stacks) > 1:
