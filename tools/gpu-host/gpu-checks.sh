@@ -5,7 +5,7 @@
 # upstream (upstream's sparse MLA backend test with TRITON_MLA_SPARSE added from our side),
 # bench (kernel benchmarks), glm52 (the tiny GLM-5.2 from its GGUFs, needs .llama-cpp/ as gguf),
 # sm80 (the engine as on SM80/SM86 with the 16-bit-dot indexer), chat (`vllm serve` of a GGUF
-# with GLM-5's reasoning and tool-call parsers),
+# with GLM-5's reasoning and tool-call parsers), mtp (MTP speculative decoding from a GGUF),
 # gguf (the tiny GLM-5 from llama.cpp GGUFs in the engine; needs
 # .llama-cpp/ carried: the converter tree and a llama-quantize binary, see
 # tests/models/quantization/gguf_reference.py), mla (the sparse MLA kernel tests only), sweep
@@ -65,7 +65,8 @@ for stage in $stages; do
         --ignore=tests/models/quantization/test_glm5_gguf_tensor_parallel.py \
         --ignore=tests/models/test_glm5_batch_invariant.py \
         --ignore=tests/models/test_glm5_as_sm80.py \
-        --ignore=tests/models/quantization/test_glm5_gguf_chat_gpu.py 2>&1 \
+        --ignore=tests/models/quantization/test_glm5_gguf_chat_gpu.py \
+        --ignore=tests/models/quantization/test_glm5_gguf_mtp_gpu.py 2>&1 \
         | tee "$out/gpu-tests.log" | grep -E "passed|failed|error|delta|FAILED" || rc=1 ;;
     gguf)
       timeout 550 python3 -m pytest tests/models/quantization/test_glm5_gguf_engine.py -q -s \
@@ -88,6 +89,15 @@ for stage in $stages; do
       # `vllm serve` of a scripted tiny GLM-5 GGUF with GLM-5's reasoning and tool parsers
       timeout 420 python3 -m pytest tests/models/quantization/test_glm5_gguf_chat_gpu.py -q -s \
         -p no:cacheprovider -p no:warnings 2>&1 | tee "$out/chat.log" \
+        | grep -E "passed|failed|error|REPORT|FAILED|Error" || rc=1 ;;
+    mtp)
+      # MTP from the trained tiny GLM-5's GGUF: lossless greedy, acceptance for N = 1..5,
+      # decode tokens/s; .glm5-trained/ carried (tests/models/glm5_trained.py --out), else
+      # the host trains it first
+      [ -d .glm5-trained ] && export VLLM_OVERLAY_GLM5_TRAINED="$here/.glm5-trained"
+      VLLM_OVERLAY_REPORT_DIR="$out" timeout "${MTP_TIMEOUT:-580}" python3 -m pytest \
+        tests/models/quantization/test_glm5_gguf_mtp_gpu.py -q -s -p no:cacheprovider \
+        -p no:warnings 2>&1 | tee "$out/mtp.log" \
         | grep -E "passed|failed|error|REPORT|FAILED|Error" || rc=1 ;;
     upstream)
       timeout 300 python3 -m pytest tests/v1/attention/test_upstream_sparse_mla_backends.py -q \

@@ -87,7 +87,10 @@ class GGUFModelLoader(BaseModelLoader):
     ) -> nn.Module:
         device_config = vllm_config.device_config
         adapter = self._prepare_adapter(model_config)
-        vllm_config.model_config.hf_config = model_config.hf_config
+        # overlay: a draft model (MTP) is loaded with the target's VllmConfig: its
+        # config must not replace the target's
+        if model_config.runner_type != "draft":
+            vllm_config.model_config.hf_config = model_config.hf_config
         logger.debug(
             "GGUF unquantized modules: %s", adapter.load_spec.unquantized_modules
         )
@@ -99,7 +102,10 @@ class GGUFModelLoader(BaseModelLoader):
         target_device = torch.device(device_config.device)
         with set_default_torch_dtype(model_config.dtype):
             with target_device:
-                model = initialize_model(vllm_config=vllm_config, prefix=prefix)
+                # overlay: the model of model_config (a draft's, not the target's)
+                model = initialize_model(
+                    vllm_config=vllm_config, model_config=model_config, prefix=prefix
+                )
             # overlay: keep what load_weights reports loaded, for the adapter's check
             loaded = model.load_weights(
                 adapter.prepare_weights(model_config),

@@ -34,10 +34,6 @@ from glm5_tiny import GLM52_INDEXER_TYPES
 from test_glm5_gguf_engine import SETTINGS, model_differences
 
 FULL = [i for i, t in enumerate(GLM52_INDEXER_TYPES) if t == "full"]
-# HF config fields no GGUF carries, read only by vLLM's MTP proposer on a draft
-# model's config (GGUF MTP blocks are not loaded)
-HF_ONLY = {"index_share_for_mtp_iteration"}
-
 
 def indexer_layers(run: dict) -> list[int]:
     """The layers of the engine's model that have an indexer (--inspect dump)."""
@@ -64,10 +60,7 @@ def test_glm52_gguf_in_vllm(glm52_gguf, glm52_ggufs, tmp_path):
         assert run["triton_indexer_calls"]["prefill"] > 0
         report[f"gguf_{kind}_vs_safetensors"] = compare(st, run)
         if kind.endswith("bf16"):
-            diff = model_differences(st, run)
-            diff["config_differs"] = {k: v for k, v in diff["config_differs"].items()
-                                      if k not in HF_ONLY}
-            report[f"gguf_{kind}_loaded_vs_safetensors"] = diff
+            report[f"gguf_{kind}_loaded_vs_safetensors"] = model_differences(st, run)
             report[f"gguf_{kind}_indexer_layers"] = indexer_layers(run)
         if kind != "copies-bf16":  # its numbers are the bf16 file's
             deq = gr.dequantized_checkpoint(gguf, glm52_ggufs[kind], model,

@@ -496,15 +496,15 @@ def config_from_gguf(path: str | os.PathLike):
         # llama.cpp's glm-dsa graph, LLAMA_ROPE_TYPE_NORM)
         "indexer_rope_interleave": True,
     })
+    if not all(full):
+        # GLM-5.2/5.3, the IndexShare models, also share the MTP layer's top-k
+        # across draft steps (their config.json; vLLM's MTP proposer reads it from
+        # the draft's config). llama.cpp has no key for it: its MTP graph runs
+        # dense attention.
+        config.update({"index_share_for_mtp_iteration": True})
     return config
 
 
-def tokenizer_from_gguf(path: str | os.PathLike, **kwargs):
-    """GLM-5's byte-level BPE tokenizer from `tokenizer.ggml.*` metadata."""
-    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    first = first_file(path)
 def vocabulary(reader, path) -> list[str]:
     """`tokenizer.ggml.tokens`: the token texts, one per embedding row."""
     return field(reader, "tokenizer.ggml.tokens", kind=[str])
@@ -516,6 +516,12 @@ def token_id(reader, path, name: str, n_tokens: int, *, required: bool = False) 
     return field(reader, key, required=required, kind=int, lo=0, hi=n_tokens - 1)
 
 
+def tokenizer_from_gguf(path: str | os.PathLike, **kwargs):
+    """GLM-5's byte-level BPE tokenizer from `tokenizer.ggml.*` metadata."""
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    first = first_file(path)
     r = open_reader(first)
     model = field(r, "tokenizer.ggml.model", kind=str)
     pre = field(r, "tokenizer.ggml.pre", "default", required=False, kind=str)

@@ -15,7 +15,17 @@ and yields the tensors in the form vLLM's GGUF layers take:
   `wk_weights_proj`, the router) are dequantized when stored quantized;
 - quantized experts go to the GGUF MoE method as stacks; unquantized ones are
   yielded per expert for the regular fused-MoE method (and its TP/EP sharding);
-- the MTP (nextn) blocks after `num_hidden_layers` are left out;
+- the MTP (nextn) blocks after `num_hidden_layers` are left out of the main
+  model and are the whole of its MTP draft (`--speculative-config
+  '{"method": "mtp", ...}'`): vLLM's SpeculativeConfig turns the model's config
+  into a `deepseek_mtp` one (models/deepseek_mtp.py, DeepSeekMTP), for which the
+  block's decoder layer, `nextn.eh_proj`, `nextn.enorm`, `nextn.hnorm` and the
+  shared head are mapped to the names DeepSeekMTP.load_weights takes
+  (`model.layers.<N>.*`); the nextn copies of the embedding, the head and its
+  norm, which llama.cpp's glm-dsa loader does not require, are taken from
+  `token_embd`, `output` and `output_norm` when a file lacks them, as llama.cpp
+  does; `eh_proj` and the draft's embedding (plain torch/unquantized modules in
+  DeepSeekMTP) are dequantized;
 - the DSA indexer is loaded on the layers vLLM builds one for, the "full" layers
   of GLM-5.2's IndexShare schedule; a "shared" layer reuses the previous full
   layer's top-k and has no indexer, so indexer tensors a file carries there
@@ -121,6 +131,46 @@ _BLOCK_RE = re.compile(r"^blk\.(\d+)\.(.+)$")
 _EXPERTS_RE = re.compile(r"\.mlp\.experts\.0\.(gate|up|down)_proj\.weight$")
 
 
+# The MTP (nextn) block's own tensors (llama.cpp's MODEL_TENSOR.NEXTN_*), by
+# DeepSeekMTP's name in layer N; the last three are optional in llama.cpp's
+# glm-dsa loader (TENSOR_NOT_REQUIRED), whose MTP graph then uses the main
+# model's: {name: the global tensor it falls back to}.
+_NEXTN = {
+    "nextn.eh_proj.weight": "eh_proj.weight",
+    "nextn.enorm.weight": "enorm.weight",
+    "nextn.hnorm.weight": "hnorm.weight",
+    "nextn.embed_tokens.weight": "embed_tokens.weight",
+    "nextn.shared_head_head.weight": "shared_head.head.weight",
+    "nextn.shared_head_norm.weight": "shared_head.norm.weight",
+}
+_NEXTN_FALLBACK = {
+    "nextn.embed_tokens.weight": ("token_embd.weight",),
+    # a tied file's output is token_embd (llama.cpp: TENSOR_DUPLICATED)
+    "nextn.shared_head_head.weight": ("output.weight", "token_embd.weight"),
+    "nextn.shared_head_norm.weight": ("output_norm.weight",),
+}
+# MTP targets of plain torch or unquantized modules in DeepSeekMTP: dequantized.
+_NEXTN_DEQUANTIZED = ("eh_proj.weight", "embed_tokens.weight")
+# DeepseekV2's fused layers and their shards (DeepseekV2ForCausalLM's
+# packed_modules_mapping, which DeepSeekMTP does not declare).
+_FUSED = {"fused_qkv_a_proj": ("q_a_proj", "kv_a_proj_with_mqa"),
+          "gate_up_proj": ("gate_proj", "up_proj")}
+
+
+def is_mtp_draft(config) -> bool:
+    """Whether `config` is vLLM's MTP draft of a GLM-5 model: for method "mtp"
+    SpeculativeConfig.hf_config_override (config/speculative.py) turns the
+    target's GlmMoeDsaConfig into model_type "deepseek_mtp" with architectures
+    ["DeepSeekMTPModel"], keeping everything else (and its class)."""
+    from transformers import GlmMoeDsaConfig
+
+    return config.model_type == "deepseek_mtp" and isinstance(config, GlmMoeDsaConfig)
+
+
+def _n_mtp(config) -> int:
+    return getattr(config, "num_nextn_predict_layers", 0) or 0
+
+
 def _is_moe_layer(config, i: int) -> bool:
     return (config.n_routed_experts is not None and i >= config.first_k_dense_replace
             and i % getattr(config, "moe_layer_freq", 1) == 0)
@@ -130,7 +180,10 @@ def runs_indexer(config, i: int) -> bool:
     """Whether vLLM builds a DSA indexer for main-model layer `i` ("full") or
     lets it reuse the previous full layer's top-k ("shared"): DeepseekV2's
     attention reads `index_topk_pattern` ("F"/"S" per layer), else
-    `index_topk_freq` and `index_skip_topk_offset` (models/deepseek_v2.py)."""
+    `index_topk_freq` and `index_skip_topk_offset` (models/deepseek_v2.py).
+    MTP layers (i >= num_hidden_layers) always build one (`is_mtp_layer`)."""
+    if i >= config.num_hidden_layers:
+        return True
     pattern = getattr(config, "index_topk_pattern", None)
     if pattern is None:
         freq = getattr(config, "index_topk_freq", 1)
@@ -145,10 +198,9 @@ def _table(config, i: int) -> dict[str, str]:
             **(_MOE if _is_moe_layer(config, i) else _DENSE)}
 
 
-def _layout(config) -> tuple[dict[str, tuple[int, ...]], dict[str, tuple[int, ...]]]:
-    """The GGUF tensors of a glm-dsa file for `config`, with their shapes (torch
-    order, [out, in]): (those the model loads, the indexer tensors of shared
-    layers, which llama.cpp loads when present and the model does not use)."""
+def _shapes(config) -> dict[str, tuple[int, ...]]:
+    """The shapes (torch order, [out, in]) of a block's tensors, by their name in
+    the block (blk.<i>.*), and of the global tensors."""
     H, V = config.hidden_size, config.vocab_size
     nh, ql, kl = config.num_attention_heads, config.q_lora_rank, config.kv_lora_rank
     r, n, v = config.qk_rope_head_dim, config.qk_nope_head_dim, config.v_head_dim
@@ -156,10 +208,8 @@ def _layout(config) -> tuple[dict[str, tuple[int, ...]], dict[str, tuple[int, ..
     E, mI = config.n_routed_experts, config.moe_intermediate_size
     sI = mI * (config.n_shared_experts or 0)
     I = config.intermediate_size
-    loaded = {"token_embd.weight": (V, H), "output_norm.weight": (H,)}
-    if not config.tie_word_embeddings:
-        loaded["output.weight"] = (V, H)
-    shapes = {
+    return {
+        "token_embd.weight": (V, H), "output_norm.weight": (H,), "output.weight": (V, H),
         "attn_norm.weight": (H,), "attn_q_a.weight": (ql, H), "attn_q_a_norm.weight": (ql,),
         "attn_q_b.weight": (nh * (n + r), ql), "attn_kv_a_mqa.weight": (kl + r, H),
         "attn_kv_a_norm.weight": (kl,), "attn_k_b.weight": (nh, kl, n),
@@ -174,13 +224,39 @@ def _layout(config) -> tuple[dict[str, tuple[int, ...]], dict[str, tuple[int, ..
         "ffn_down_exps.weight": (E, H, mI),
         "ffn_gate_shexp.weight": (sI, H), "ffn_up_shexp.weight": (sI, H),
         "ffn_down_shexp.weight": (H, sI),
+        "nextn.eh_proj.weight": (H, 2 * H), "nextn.enorm.weight": (H,),
+        "nextn.hnorm.weight": (H,), "nextn.embed_tokens.weight": (V, H),
+        "nextn.shared_head_head.weight": (V, H), "nextn.shared_head_norm.weight": (H,),
     }
+
+
+def _block(config, shapes, i: int) -> dict[str, tuple[int, ...]]:
+    """{GGUF name: shape} of what decoder layer i loads."""
+    shared_experts = bool(config.n_shared_experts)
+    return {f"blk.{i}.{k}": shapes[k] for k in _table(config, i)
+            if shared_experts or not k.endswith("_shexp.weight")}
+
+
+def _layout(config) -> tuple[dict[str, tuple[int, ...]], dict[str, tuple[int, ...]]]:
+    """The GGUF tensors of a glm-dsa file for `config`, with their shapes (torch
+    order, [out, in]): (those the model loads, the indexer tensors of shared
+    layers, which llama.cpp loads when present and the model does not use).
+    For an MTP draft config, the model is the MTP block(s) alone: the decoder
+    layer and the nextn tensors of blocks num_hidden_layers and after."""
+    shapes = _shapes(config)
+    L = config.num_hidden_layers
+    if is_mtp_draft(config):
+        loaded = {}
+        for i in range(L, L + _n_mtp(config)):
+            loaded.update(_block(config, shapes, i))
+            loaded.update({f"blk.{i}.{k}": shapes[k] for k in _NEXTN})
+        return loaded, {}
+    loaded = {k: shapes[k] for k in ("token_embd.weight", "output_norm.weight")}
+    if not config.tie_word_embeddings:
+        loaded["output.weight"] = shapes["output.weight"]
     unused = {}
-    for i in range(config.num_hidden_layers):
-        for k in _table(config, i):
-            if k.endswith("_shexp.weight") and not sI:
-                continue
-            loaded[f"blk.{i}.{k}"] = shapes[k]
+    for i in range(L):
+        loaded.update(_block(config, shapes, i))
         if not runs_indexer(config, i):
             unused.update({f"blk.{i}.{k}": shapes[k] for k in _INDEXER})
     return loaded, unused
@@ -235,22 +311,39 @@ class GlmDsaGGUF:
                     "else index_topk_freq/index_skip_topk_offset); the model would not be "
                     "the one in the file")
 
+    def _hf_name(self, name: str) -> str:
+        """vLLM's name (as the model's load_weights takes it) of GGUF tensor `name`."""
+        if name in _GLOBAL:
+            return _GLOBAL[name]
+        m = _BLOCK_RE.match(name)
+        i, rest = int(m[1]), m[2]
+        if rest in _NEXTN:
+            return f"model.layers.{i}.{_NEXTN[rest]}"
+        return f"model.layers.{i}.{_table(self.config, i)[rest]}"
+
     def _map(self) -> dict[str, str]:
         config = self.config
         L = config.num_hidden_layers
-        n_mtp = getattr(config, "num_nextn_predict_layers", 0) or 0
+        n_mtp = _n_mtp(config)
+        draft = is_mtp_draft(config)
+        model = "DeepSeekMTP (the MTP draft)" if draft else "GlmMoeDsaForCausalLM"
+        if draft and not n_mtp:
+            raise GGUFError(f"{self.path}: the GGUF has no MTP block "
+                            "(glm-dsa.nextn_predict_layers is 0 or missing), which "
+                            "speculative method 'mtp' needs")
         loaded, unused = _layout(config)
-        mapping, unmapped, mtp, copies = {}, [], 0, []
+        mapping, unmapped, other, copies = {}, [], 0, []
         for name in self.tensors:
-            if name in _GLOBAL and name in loaded:
-                mapping[name] = _GLOBAL[name]
-            elif (m := _BLOCK_RE.match(name)) is not None and L <= int(m[1]) < L + n_mtp:
-                mtp += 1  # MTP block: not part of the main model
+            m = _BLOCK_RE.match(name)
+            block = int(m[1]) if m is not None else None
+            if name in loaded:
+                mapping[name] = self._hf_name(name)
+            elif draft and (name in _GLOBAL or (block is not None and block < L)):
+                other += 1  # the main model's: the draft's fallbacks below aside
+            elif not draft and block is not None and L <= block < L + n_mtp:
+                other += 1  # MTP block: the draft model's, not the main model's
             elif name in unused:
                 copies.append(name)  # a shared layer's indexer: checked, not loaded
-            elif name in loaded:
-                i, rest = int(m[1]), m[2]
-                mapping[name] = f"model.layers.{i}.{_table(config, i)[rest]}"
             elif name.endswith((".scale", ".input_scale")):
                 raise GGUFError(f"{self.file_of[name]}: tensor {name!r} is a weight scale of "
                                 "llama.cpp's NVFP4 format, which the GGUF plugin's kernels "
@@ -260,29 +353,37 @@ class GlmDsaGGUF:
         if unmapped:
             raise GGUFError(
                 f"{self.path}: {len(unmapped)} GGUF tensors map to no parameter of "
-                f"GlmMoeDsaForCausalLM ({L} layers, {n_mtp} MTP, indexer schedule "
+                f"{model} ({L} layers, {n_mtp} MTP, indexer schedule "
                 f"{getattr(config, 'index_topk_pattern', None)}, tied output "
                 f"{config.tie_word_embeddings}): {', '.join(sorted(unmapped)[:8])}"
                 + (" ..." if len(unmapped) > 8 else ""))
         # an absent optional tensor: {GGUF name: (vLLM name, shape, value)}
         self.defaults = {}
+        # an absent optional nextn tensor taken from the main model's (as llama.cpp's
+        # MTP graph does): {vLLM name: GGUF name}
+        self.fallbacks = {}
         for name in sorted(set(loaded) - set(mapping)):
-            if (m := _BLOCK_RE.match(name)) is not None and m[2] in _OPTIONAL:
-                i = int(m[1])
-                self.defaults[name] = (f"model.layers.{i}.{_table(config, i)[m[2]]}",
-                                       loaded[name], _OPTIONAL[m[2]])
-        missing = sorted(set(loaded) - set(mapping) - set(self.defaults))
+            if (m := _BLOCK_RE.match(name)) is None:
+                continue
+            if m[2] in _OPTIONAL:
+                self.defaults[name] = (self._hf_name(name), loaded[name], _OPTIONAL[m[2]])
+            elif m[2] in _NEXTN_FALLBACK:
+                source = next((g for g in _NEXTN_FALLBACK[m[2]] if g in self.tensors), None)
+                if source is not None:
+                    self.fallbacks[self._hf_name(name)] = source
+        taken = {g for g in self.fallbacks.values()}
+        missing = sorted(set(loaded) - set(mapping) - set(self.defaults)
+                         - {n for n in loaded if self._hf_name(n) in self.fallbacks})
         if missing:
-            raise GGUFError(f"{self.path}: GGUF is missing {len(missing)} tensors the model "
-                            f"needs: {', '.join(missing[:8])}"
-                            + (" ..." if len(missing) > 8 else ""))
-        for name in [*mapping, *copies]:
+            self._refuse_missing(missing, draft)
+        for name in [*mapping, *copies, *taken]:
             t = self.tensors[name]
-            shape = loaded[name] if name in mapping else unused[name]
+            shape = (loaded[name] if name in mapping else unused[name] if name in unused
+                     else _shapes(config)[name])
             if _shape(t) != shape:
                 raise GGUFError(f"{self.file_of[name]}: GGUF tensor {name!r} has shape "
                                 f"{list(_shape(t))}, the config implies {list(shape)}")
-        for name in mapping:
+        for name in [*mapping, *taken]:
             kind = self._type(name)
             if kind not in UNQUANTIZED and kind not in KERNEL_TYPES:
                 raise GGUFError(f"{self.file_of[name]}: GGUF tensor {name!r} has type {kind}, "
@@ -299,9 +400,17 @@ class GlmDsaGGUF:
                 raise GGUFError(f"{self.path}: GGUF layer {i}: some expert stacks (ffn_*_exps) "
                                 "are quantized and some are not; vLLM runs a layer's experts "
                                 "one way")
-        if mtp:
-            logger.info("GGUF: %d tensors of the MTP (nextn) block are not loaded; "
-                        "speculative decoding from GGUF is not supported", mtp)
+        if other and not draft:
+            logger.info("GGUF: the %d tensors of the MTP (nextn) block are not part of the "
+                        "main model; speculative decoding with method 'mtp' loads them as "
+                        "its draft", other)
+        if draft:
+            logger.info("GGUF: the MTP draft is block(s) %s of %s", _layers(mapping), self.path)
+        if self.fallbacks:
+            logger.info("GGUF: the MTP block has no nextn copy of %s and takes %s, as "
+                        "llama.cpp's MTP graph does",
+                        ", ".join(sorted(self.fallbacks)),
+                        ", ".join(sorted(set(self.fallbacks.values()))))
         if copies:
             logger.info("GGUF: %d indexer tensors on shared layers %s are not loaded: a "
                         "shared layer reuses the top-k of the full layer before it",
@@ -312,6 +421,32 @@ class GlmDsaGGUF:
                         len(self.defaults), _layers(self.defaults),
                         ", ".join(sorted({_BLOCK_RE.match(n)[2] for n in self.defaults})))
         return mapping
+
+    def _refuse_missing(self, missing: list[str], draft: bool) -> None:
+        L = self.config.num_hidden_layers
+        listed = ", ".join(missing[:8]) + (" ..." if len(missing) > 8 else "")
+        if draft:
+            mtp = {i for i in range(L, L + _n_mtp(self.config))}
+            if not any((m := _BLOCK_RE.match(n)) and int(m[1]) in mtp for n in self.tensors):
+                raise GGUFError(
+                    f"{self.path}: the GGUF declares {len(mtp)} MTP block(s) "
+                    "(glm-dsa.nextn_predict_layers) but holds no tensor of block(s) "
+                    f"{', '.join(map(str, sorted(mtp)))}: a trunk-only file (llama.cpp "
+                    "loads one without its MTP tensors); speculative method 'mtp' needs "
+                    "a GGUF converted with them")
+            indexer = [n for n in missing if _BLOCK_RE.match(n)[2] in _INDEXER]
+            raise GGUFError(
+                f"{self.path}: the GGUF's MTP block lacks {len(missing)} tensors vLLM's MTP "
+                f"draft (DeepSeekMTP) needs: {listed}"
+                + (" (vLLM builds a DSA indexer on every MTP layer, which llama.cpp's MTP "
+                   "graph does not run and its loader does not require)" if indexer else ""))
+        if "blk.0.attn_norm.weight" not in self.tensors and any(
+                ".nextn." in n for n in self.tensors):
+            raise GGUFError(
+                f"{self.path}: an MTP-only GGUF (llama.cpp's convert_hf_to_gguf.py --mtp): it "
+                "holds the draft head and no main-model layers; serve the model's GGUF")
+        raise GGUFError(f"{self.path}: GGUF is missing {len(missing)} tensors the model "
+                        f"needs: {listed}")
 
     def _check_tensor_parallel(self, tp_size: int, experts_tp_size: int) -> None:
         """Row-parallel layers split their input dimension, which is the one a
@@ -335,15 +470,40 @@ class GlmDsaGGUF:
     def _quantized(self, name: str) -> bool:
         return self._type(name) not in UNQUANTIZED
 
+    def _dequantized_target(self, hf: str) -> bool:
+        """Whether vLLM parameter `hf` takes a dequantized tensor: the rebuilt
+        kv_b_proj, modules without a GGUF quant method, and the MTP draft's
+        plain-torch eh_proj and unquantized embedding."""
+        return hf.endswith((KV_B, *DEQUANTIZED)) or (
+            hf.startswith("model.layers.") and hf.endswith(_NEXTN_DEQUANTIZED))
+
+    def _sources(self) -> Iterator[tuple[str, str]]:
+        """(GGUF name, vLLM name) of every tensor the model takes from the file."""
+        yield from self.gguf_to_hf.items()
+        for hf, g in self.fallbacks.items():
+            yield g, hf
+
     def weight_type_map(self) -> dict[str, str]:
         """{vLLM weight name: GGUF type} as GGUFModelLoader uses it to pick the
         modules that run unquantized; the rebuilt kv_b_proj and dequantized
         tensors count as F32."""
         types = {}
-        for g, hf in self.gguf_to_hf.items():
-            dequantized = hf.endswith(KV_B) or hf.endswith(DEQUANTIZED)
-            types[hf] = "F32" if dequantized else self._type(g)
+        for g, hf in self._sources():
+            types[hf] = "F32" if self._dequantized_target(hf) else self._type(g)
+            if hf.endswith(".shared_head.head.weight"):
+                # DeepSeekMTP builds shared_head.head under its layer's prefix
+                # (SharedHead passes its own): model.layers.<N>.head
+                types[hf.replace(".shared_head.head.", ".head.")] = types[hf]
         types.update({hf: "F32" for hf, _, _ in self.defaults.values()})
+        if is_mtp_draft(self.config):
+            # DeepSeekMTP declares no packed_modules_mapping, by which the GGUF config
+            # tells a fused layer's shards (the target's DeepseekV2ForCausalLM does):
+            # name the fused layers whose shards are all unquantized too
+            for fused, shards in _FUSED.items():
+                for hf in [h for h in types if h.endswith(f".{shards[0]}.weight")]:
+                    parts = [hf.replace(f".{shards[0]}.", f".{s}.") for s in shards]
+                    if all(types.get(p) in UNQUANTIZED for p in parts):
+                        types[hf.replace(f".{shards[0]}.", f".{fused}.")] = types[hf]
         return types
 
     def _raw(self, name: str) -> torch.Tensor:
@@ -371,18 +531,18 @@ class GlmDsaGGUF:
         return torch.cat([k_b.transpose(1, 2), v_b], dim=1).reshape(-1, k_b.shape[1])
 
     def weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """(name, tensor) for DeepseekV2ForCausalLM.load_weights: the types of
-        all quantized weights first (packed layers need them before any data),
-        then the data."""
-        for g, hf in self.gguf_to_hf.items():
-            if self._quantized(g) and not hf.endswith((KV_B, *DEQUANTIZED)):
+        """(name, tensor) for the model's load_weights (DeepseekV2ForCausalLM's,
+        or DeepSeekMTP's for the MTP draft): the types of all quantized weights
+        first (packed layers need them before any data), then the data."""
+        for g, hf in self._sources():
+            if self._quantized(g) and not self._dequantized_target(hf):
                 yield (hf.removesuffix("weight") + "qweight_type",
                        torch.tensor(self.tensors[g].tensor_type))
-        for g, hf in self.gguf_to_hf.items():
+        for g, hf in self._sources():
             if hf.endswith(KV_B):
                 if g.endswith("attn_k_b.weight"):
                     yield hf, self.kv_b(int(_BLOCK_RE.match(g)[1]))
-            elif hf.endswith(DEQUANTIZED):
+            elif self._dequantized_target(hf):
                 yield hf, (self.dequantized(g) if self._quantized(g) else self._raw(g))
             elif self._quantized(g):
                 yield hf.removesuffix("weight") + "qweight", self._raw(g)
@@ -406,13 +566,15 @@ def check_all_loaded(model: torch.nn.Module, loaded: Iterable[str]) -> None:
 
 
 class GlmDsaGGUFAdapter(BaseGGUFWeightsAdapter):
-    """llama.cpp's glm-dsa files for vLLM's GlmMoeDsaForCausalLM (DeepseekV2)."""
+    """llama.cpp's glm-dsa files for vLLM's GlmMoeDsaForCausalLM (DeepseekV2) and
+    for its MTP draft (DeepSeekMTP)."""
 
     load_spec: GGUFLoadSpec | None = None
 
     @classmethod
     def matches(cls, config: PretrainedConfig) -> bool:
-        return config.model_type == "glm_moe_dsa"
+        # the model, or its MTP draft (speculative method "mtp")
+        return config.model_type == "glm_moe_dsa" or is_mtp_draft(config)
 
     def prepare_loading(self, model_path: str, model_config: ModelConfig) -> GGUFLoadSpec:
         from vllm.config import get_current_vllm_config

@@ -1,0 +1,238 @@
+# SPDX-License-Identifier: Apache-2.0
+"""vLLM's MTP draft of GLM-5 (DeepSeekMTP) built and filled on CPU from a glm-dsa
+GGUF the way the engine does it for `--speculative-config '{"method": "mtp", ...}'`,
+and run on given inputs.
+
+    python glm5_mtp_cpu.py FILE.gguf --out OUT.pt [--inputs IN.pt] [--tokens N]
+        [--dtype float32|bfloat16] [--no-target]
+
+Run it as a script (glm5_vllm_cpu's stubs change vLLM's platform for the process).
+The configs are made by vLLM's own code: EngineArgs for the target (nothing but the
+file), SpeculativeConfig for the draft (method "mtp": the draft's ModelConfig, its
+hf_config override to deepseek_mtp); the engine's order of loading is kept: the
+target model first (GGUFModelLoader.load_model, as the GPU model runner), then the
+draft through the same loader with the draft's model config (what the MTP proposer's
+get_model does): GGUFModelLoader.load_model as it is, but for
+process_weights_after_loading, which prepares device kernels and is left out (as in
+glm5_vllm_cpu.py).
+
+With --inputs (a torch file {"input_ids": [T], "positions": [T], "hidden_states":
+[T, hidden]}), the draft's forward runs on the CPU (DeepSeekMTP.forward and
+compute_logits, vLLM's own modules: embedding, enorm/hnorm, eh_proj, the decoder
+layer's norms, projections, RoPE and shared experts, the shared head, the logits
+processor) with three device kernels replaced by plain PyTorch on the loaded
+parameters, valid while T <= index_topk (the sparse top-k then selects every
+earlier token):
+- MLA attention: causal softmax attention of the absorbed query over the latent
+  cache, `kv_b_proj` split per head into W_UK/W_UV as MLAAttention splits it;
+- the DSA indexer: not run (its top-k is every token);
+- the routed experts: sigmoid scores, the correction bias for the choice,
+  top-k, renormalized, scaled, over the loaded w13/w2 stacks (gate rows first).
+OUT.pt holds {"logits": [T, vocab], "hidden_states": [T, hidden] (pre-norm),
+"params": {name: tensor}} (the draft's parameters as loaded, before the proposer
+shares the target's embedding; a GGUF parameter of merged shards, which stays
+uninitialized until process_weights_after_loading, as "<name>:<shard id>" per
+shard, its weight type likewise).
+
+Prints JSON on its last line: the draft's config fields, its parameters'
+[dtype, shape], which quant method each module took.
+"""
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from glm5_vllm_cpu import describe, init_single_process, stub_device_selection  # noqa: E402
+
+
+def configs(gguf_file: str, num_speculative_tokens: int, dtype: str):
+    from vllm.config import (
+        CompilationConfig,
+        DeviceConfig,
+        LoadConfig,
+        ParallelConfig,
+        SpeculativeConfig,
+        VllmConfig,
+    )
+    from vllm.config.compilation import CompilationMode
+    from vllm.engine.arg_utils import EngineArgs
+
+    target = EngineArgs(model=gguf_file, max_model_len=2048, skip_tokenizer_init=True,
+                        dtype=dtype).create_model_config()
+    spec = SpeculativeConfig(target_model_config=target,
+                             target_parallel_config=ParallelConfig(), method="mtp",
+                             num_speculative_tokens=num_speculative_tokens)
+    # custom ops off: vLLM's modules run their PyTorch (forward_native) paths
+    config = VllmConfig(model_config=target, speculative_config=spec,
+                        load_config=LoadConfig(load_format="gguf"),
+                        device_config=DeviceConfig(device="cpu"),
+                        compilation_config=CompilationConfig(mode=CompilationMode.NONE,
+                                                             custom_ops=["none"]))
+    return config, spec.draft_model_config
+
+
+def build(gguf_file: str, num_speculative_tokens: int, dtype: str, with_target: bool):
+    import vllm_gguf_plugin.loader as loader_module
+    from vllm.config import set_current_vllm_config
+    from vllm_gguf_plugin.loader import GGUFModelLoader
+
+    loader_module.process_weights_after_loading = lambda *args, **kwargs: None
+    config, draft_config = configs(gguf_file, num_speculative_tokens, dtype)
+    with set_current_vllm_config(config):
+        loader = GGUFModelLoader(config.load_config)
+        if with_target:
+            loader.load_model(config, config.model_config)
+        model = loader.load_model(config, draft_config)
+    return config, draft_config, model
+
+
+def loaded_tensors(model) -> dict[str, torch.Tensor]:
+    """{name: the data load_weights put there} of every parameter; the shards of
+    a merged GGUF parameter (and their weight types) as "<name>:<shard id>"."""
+    out = {}
+    for name, p in model.named_parameters():
+        if isinstance(p, torch.nn.parameter.UninitializedParameter):
+            for shard, i in getattr(p, "shard_id_map", {}).items():
+                out[f"{name}:{shard}"] = p.data_container[i].detach().clone()
+            for shard, kind in getattr(p, "shard_weight_type", {}).items():
+                out[f"{name}:{shard}"] = torch.tensor([kind], dtype=torch.uint8)
+        else:
+            out[name] = p.detach().clone()
+    return out
+
+
+def quant_methods(model) -> dict[str, str]:
+    return {name: type(m.quant_method).__name__ for name, m in model.named_modules()
+            if getattr(m, "quant_method", None) is not None}
+
+
+def dense_mla(layer, q, kv_c_normed, k_pe, output_shape=None):
+    """MLAAttention's output for a causal prefill of every token, in PyTorch."""
+    num_heads, nope, v = layer.num_heads, layer.qk_nope_head_dim, layer.v_head_dim
+    w = layer.kv_b_proj.weight.float().view(num_heads, nope + v, -1)
+    w_uk, w_uv = w[:, :nope], w[:, nope:]  # [H, nope, kv_lora], [H, v, kv_lora]
+    q = q.float()
+    q_nope, q_pe = q[..., :nope], q[..., nope:]
+    # absorbed: q_nope W_UK against the latents, plus the RoPE parts
+    scores = torch.einsum("thn,hnc,sc->hts", q_nope, w_uk, kv_c_normed.float())
+    scores = scores + torch.einsum("thr,sr->hts", q_pe, k_pe.float().squeeze(1))
+    scores = scores * layer.scale
+    t = q.shape[0]
+    causal = torch.ones(t, t, dtype=torch.bool).tril()
+    probs = scores.masked_fill(~causal, float("-inf")).softmax(-1)
+    out = torch.einsum("hts,sc,hvc->thv", probs, kv_c_normed.float(), w_uv)
+    return out.reshape(t, num_heads * v).to(kv_c_normed.dtype)
+
+
+def moe_forward(runner, shared_experts, hidden_states, router_logits, input_ids=None):
+    """The MoE runner's output (routed plus shared experts), in PyTorch: the
+    router's logits from its gate (vLLM's GateLinear), sigmoid scores, the
+    correction bias for the choice only, top-k, renormalized weights scaled by
+    routed_scaling_factor (the router's or the runner's), the loaded w13 (gate
+    rows, then up) and w2 stacks; the shared experts are vLLM's module."""
+    experts = runner.routed_experts
+    # the runner scales the routed output (for fp16 it divides the shared output
+    # instead, and the decoder layer compensates): here, not fp16
+    assert hidden_states.dtype != torch.float16 and experts.scoring_func == "sigmoid"
+    x = hidden_states.float()
+    if runner.gate is not None:  # the router runs inside (is_internal_router)
+        router_logits = runner.gate(hidden_states)
+        router_logits = router_logits[0] if isinstance(router_logits, tuple) else router_logits
+    scores = router_logits.float().sigmoid()
+    bias = experts.e_score_correction_bias
+    choice = scores + (bias.float() if bias is not None else 0.0)
+    top = choice.topk(experts.top_k, dim=-1).indices
+    weights = scores.gather(1, top)
+    if experts.renormalize:
+        weights = weights / weights.sum(-1, keepdim=True)
+    weights = weights * experts.routed_scaling_factor * runner.routed_scaling_factor
+    w13, w2 = experts.w13_weight.float(), experts.w2_weight.float()
+    inter = w2.shape[-1]
+    out = torch.zeros_like(x)
+    for k in range(top.shape[1]):
+        g = torch.einsum("th,tih->ti", x, w13[top[:, k]])
+        act = torch.nn.functional.silu(g[:, :inter]) * g[:, inter:]
+        out += weights[:, k:k + 1] * torch.einsum("ti,thi->th", act, w2[top[:, k]])
+    if shared_experts is not None:
+        out += shared_experts(hidden_states).float()
+    return out.to(hidden_states.dtype)
+
+
+def stub_kernels(model) -> None:
+    """Replace the device kernels of every MTP layer by the PyTorch above."""
+    import functools
+    import types
+
+    from vllm.model_executor.layers.attention import MLAAttention
+    from vllm.model_executor.models.deepseek_v2 import DeepseekV2MoE
+
+    for module in model.modules():
+        if isinstance(module, MLAAttention):
+            module.forward = types.MethodType(dense_mla, module)
+        elif isinstance(module, DeepseekV2MoE):
+            module.experts.forward = functools.partial(moe_forward, module.experts,
+                                                       module.shared_experts)
+        elif getattr(module, "indexer", None) is not None and hasattr(module, "skip_topk"):
+            module.skip_topk = True  # every earlier token is in the top-k
+
+
+def run(config, model, inputs: dict) -> dict:
+    from vllm.config import set_current_vllm_config
+    from vllm.forward_context import set_forward_context
+
+    stub_kernels(model)
+    dtype = next(p.dtype for p in model.parameters() if p.is_floating_point())
+    with set_current_vllm_config(config), set_forward_context(None, config), torch.no_grad():
+        hidden, _ = model(input_ids=inputs["input_ids"], positions=inputs["positions"],
+                          hidden_states=inputs["hidden_states"].to(dtype))
+        logits = model.compute_logits(hidden)
+    return {"logits": logits.float(), "hidden_states": hidden.float()}
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("gguf")
+    p.add_argument("--out", required=True)
+    p.add_argument("--inputs", default=None)
+    p.add_argument("--tokens", type=int, default=1, help="num_speculative_tokens")
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--no-target", action="store_true",
+                   help="load the draft alone (no target model loaded first)")
+    args = p.parse_args()
+    from vllm.plugins import load_general_plugins
+
+    load_general_plugins()
+    stub_device_selection()
+    init_single_process()
+    config, draft_config, model = build(args.gguf, args.tokens, args.dtype,
+                                        with_target=not args.no_target)
+    params = dict(model.named_parameters())
+    result = {"params": loaded_tensors(model)}
+    if args.inputs is not None:
+        result.update(run(config, model, torch.load(args.inputs)))
+    torch.save(result, args.out)
+    hf = draft_config.hf_config
+    print(json.dumps({
+        "draft": {"model_type": hf.model_type, "architectures": hf.architectures,
+                  "n_predict": getattr(hf, "n_predict", None),
+                  "num_hidden_layers": hf.num_hidden_layers,
+                  "num_nextn_predict_layers": hf.num_nextn_predict_layers,
+                  "index_share_for_mtp_iteration": getattr(
+                      hf, "index_share_for_mtp_iteration", None),
+                  "model": draft_config.model, "hf_config_path": draft_config.hf_config_path,
+                  "model_weights": draft_config.model_weights,
+                  "runner_type": draft_config.runner_type,
+                  "quantization": draft_config.quantization},
+        "target_model_type": config.model_config.hf_config.model_type,
+        "model_class": type(model).__name__,
+        "params": {n: describe(t) for n, t in params.items()},
+        "quant_methods": quant_methods(model),
+    }))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
