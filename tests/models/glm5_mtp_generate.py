@@ -39,8 +39,13 @@ def llm_kwargs(args) -> dict:
         gpu_memory_utilization=0.1, kv_cache_memory_bytes=1 << 30,
         disable_log_stats=False,  # the spec-decode counters
         attention_config={"backend": args.attention_backend} if args.attention_backend else None,
+        # vLLM selects the draft's attention backend on its own unless the
+        # speculative config names one (it does not inherit --attention-backend;
+        # v1/spec_decode/llm_base_proposer.py): the same backend for the draft
         speculative_config=({"method": "mtp",
-                             "num_speculative_tokens": args.num_speculative_tokens}
+                             "num_speculative_tokens": args.num_speculative_tokens,
+                             **({"attention_backend": args.attention_backend}
+                                if args.attention_backend else {})}
                             if args.num_speculative_tokens else None),
     )
 

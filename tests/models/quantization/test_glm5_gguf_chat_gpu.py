@@ -40,7 +40,7 @@ TOOLS = [{"type": "function", "function": {
                    "required": ["city"]}}}]
 QUESTION = [{"role": "user", "content": "the weather in Paris?"}]
 GREETING = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Hello"}]
-SERVE = ["--max-model-len", "2048", "--enforce-eager", "--dtype", "float16",
+SERVE = ["--served-model-name", "m", "--max-model-len", "2048", "--enforce-eager", "--dtype", "float16",
          "--attention-backend", "TRITON_MLA_SPARSE", "--block-size", "64",
          "--kv-cache-memory-bytes", str(1 << 30), "--max-num-seqs", "4",
          "--reasoning-parser", "glm45", "--tool-call-parser", "glm47",

@@ -147,7 +147,8 @@ def test_llm_arguments():
     args = mg.argparse.Namespace(model="m.gguf", dtype="float16", eager=False,
                                  attention_backend="TRITON_MLA_SPARSE", num_speculative_tokens=3)
     kw = mg.llm_kwargs(args)
-    assert kw["speculative_config"] == {"method": "mtp", "num_speculative_tokens": 3}
+    assert kw["speculative_config"] == {"method": "mtp", "num_speculative_tokens": 3,
+                                        "attention_backend": "TRITON_MLA_SPARSE"}
     assert kw["attention_config"] == {"backend": "TRITON_MLA_SPARSE"}
     assert kw["disable_log_stats"] is False and kw["enforce_eager"] is False
     from vllm.engine.arg_utils import EngineArgs
