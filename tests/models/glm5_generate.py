@@ -26,6 +26,23 @@ def prompts(vocab: int) -> list[list[int]]:
     return [[rng.randrange(3, vocab) for _ in range(n)] for n in PROMPT_LENS]
 
 
+def count_triton_indexer_calls() -> dict[str, int]:
+    """Count the portable indexer's prefill and decode calls (in-process engine):
+    {"prefill": n, "decode": n}, updated as the engine runs."""
+    from vllm.v1.attention.ops import triton_indexer_logits as il
+
+    calls = {"prefill": 0, "decode": 0}
+    for kind, name in (("prefill", "triton_mqa_logits"), ("decode", "triton_paged_mqa_logits")):
+        fn = getattr(il, name)
+
+        def counted(*a, _fn=fn, _kind=kind, **kw):
+            calls[_kind] += 1
+            return _fn(*a, **kw)
+
+        setattr(il, name, counted)
+    return calls
+
+
 def attention_backend_name(llm) -> str | None:
     """The attention backend the engine's layers use (in-process engine only)."""
     from vllm.config import get_layers_from_vllm_config
@@ -99,15 +116,7 @@ def main():
     from vllm import LLM, SamplingParams
     from vllm.v1.attention.ops import triton_indexer_logits as il
 
-    calls = {"prefill": 0, "decode": 0}
-    for kind, name in (("prefill", "triton_mqa_logits"), ("decode", "triton_paged_mqa_logits")):
-        fn = getattr(il, name)
-
-        def counted(*a, _fn=fn, _kind=kind, **kw):
-            calls[_kind] += 1
-            return _fn(*a, **kw)
-
-        setattr(il, name, counted)
+    calls = count_triton_indexer_calls()
 
     # launches of Hopper's Gluon sparse MLA tiles (none where they cannot run): the
     # warp-specialized one and the 8-head fp8 one

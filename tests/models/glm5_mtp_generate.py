@@ -106,20 +106,12 @@ def main():
     os.environ["VLLM_SPARSE_INDEXER_LOGITS"] = args.indexer
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
 
-    from glm5_generate import attention_backend_name
+    from glm5_generate import attention_backend_name, count_triton_indexer_calls
     from glm5_trained import prompts
     from vllm import LLM, SamplingParams
     from vllm.v1.attention.ops import triton_indexer_logits as il
 
-    calls = {"prefill": 0, "decode": 0}
-    for kind, name in (("prefill", "triton_mqa_logits"), ("decode", "triton_paged_mqa_logits")):
-        fn = getattr(il, name)
-
-        def counted(*a, _fn=fn, _kind=kind, **kw):
-            calls[_kind] += 1
-            return _fn(*a, **kw)
-
-        setattr(il, name, counted)
+    calls = count_triton_indexer_calls()
 
     llm = LLM(**llm_kwargs(args))
     batch = [{"prompt_token_ids": ids} for ids in prompts(PROMPT_LENS)]

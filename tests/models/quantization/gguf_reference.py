@@ -144,12 +144,10 @@ def rewrite(gguf, src: Path, out: Path, drop: tuple[str, ...] = (), metadata: di
     return out
 
 
-def write_tokenizer(model_dir: Path, vocab_size: int) -> None:
-    """A byte-level BPE trained on a fixed text, shaped like GLM-5's tokenizer.json:
-    GLM's split regex, then byte-level without its own regex, BPE with
-    ignore_merges, GLM's special tokens."""
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
+def glm_bpe():
+    """An untrained byte-level BPE tokenizer with GLM's split regex (as llama.cpp's
+    glm4/glm5 pre-tokenizer), ignore_merges as GLM's."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 
     tok = Tokenizer(models.BPE(ignore_merges=True))
     tok.pre_tokenizer = pre_tokenizers.Sequence([
@@ -157,6 +155,17 @@ def write_tokenizer(model_dir: Path, vocab_size: int) -> None:
         pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
     ])
     tok.decoder = decoders.ByteLevel()
+    return tok
+
+
+def write_tokenizer(model_dir: Path, vocab_size: int) -> None:
+    """A byte-level BPE trained on a fixed text, shaped like GLM-5's tokenizer.json:
+    GLM's split regex, then byte-level without its own regex, BPE with
+    ignore_merges, GLM's special tokens."""
+    from tokenizers import pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = glm_bpe()
     text = [f"GLM-5 sparse attention test sentence number {i}: the quick brown fox "
             f"jumps over {i * 7} lazy dogs; 你好, мир! " for i in range(200)]
     trainer = trainers.BpeTrainer(vocab_size=vocab_size - len(GLM_SPECIAL_TOKENS),
@@ -347,16 +356,11 @@ def write_glm5_tokenizer(model_dir: Path, sampling: dict | None = None) -> None:
     the context length, GLM5_CHAT_TEMPLATE), and config.json/generation_config.json
     naming GLM-5's end-of-turn tokens as its checkpoint does: eos_token_id
     [<|endoftext|>, <|user|>, <|observation|>], with `sampling` defaults."""
-    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
+    from tokenizers import AddedToken, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
     cfg = config(model_dir)
-    tok = Tokenizer(models.BPE(ignore_merges=True))
-    tok.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(GLM_SPLIT_REGEX), behavior="isolated"),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-    ])
-    tok.decoder = decoders.ByteLevel()
+    tok = glm_bpe()
     text = [f"GLM-5 sparse attention test sentence number {i}: the quick brown fox "
             f"jumps over {i * 7} lazy dogs; 你好, мир! Looking it up. Hello there! "
             f"get_weather city Paris date today: sunny, {i % 30} degrees. " for i in range(200)]
