@@ -1,0 +1,346 @@
+# SPDX-License-Identifier: Apache-2.0
+"""GGUF prefill and decode speed: the overlay against llama.cpp, same file, same GPU.
+
+    python benchmarks/glm5_vs_llama_cpp.py --gguf FILE.gguf --llama-bench BIN
+        [--json out.json] [--md out.md] [--paths portable upstream sm120]
+        [--prompts 512 8192] [--depths 0 8192] [--batches 1 8 32] [--gen 128] [--profile]
+
+FILE is a GLM-5-shaped GGUF from benchmarks/glm5_llama_cpp_model.py; BIN is
+llama-bench from tools/gpu-host/build-llama-cpp-cuda.sh (CUDA, the pinned sdist).
+- llama.cpp: `llama-bench -o json`, all layers on the GPU, twice: prompt processing
+  `-p 512,8192 -n 0` (ubatch 512 and 2048, the faster counts) and token generation
+  `-p 0 -n GEN -d 0,8192` (batch 1: llama-bench decodes one sequence), `-r 3`;
+  avg_ts is tokens/s.
+- the overlay: offline `vllm.LLM` on the same file, CUDA graphs on (the default), one
+  subprocess per path as benchmarks/glm5_throughput.py runs them:
+  `portable`: TRITON_MLA_SPARSE + the portable (Triton) indexer, fp16 (the SM120 path,
+  forced); `upstream`: vLLM's own choice on the H200 (FLASH_ATTN_MLA_SPARSE + DeepGEMM
+  at bf16); `sm120`: capability 12.0 reported (tests/plugins/vllm_report_capability,
+  installed with `pip install --no-deps`), dtype auto, nothing forced.
+  Prefill: one new PROMPT-token request, max_tokens 1, best of three: PROMPT / TTFT.
+  Decode at DEPTH and batch B: B requests of max(DEPTH, 1) tokens, their prompts first
+  put in the prefix cache, then 1 + GEN tokens each; the step time is
+  glm5_throughput.decode_step_s (each request's token timestamps), decode tokens/s =
+  B / step (aggregate over the batch).
+The issue's targets (ratios in the report, overlay / llama.cpp): decode at batch 1 >= 1x
+llama.cpp's tg; aggregate decode at batch 32 >= 3x llama.cpp's tg (batch 1); prefill
+>= 1x llama.cpp's pp; each at the same prompt length or depth. `--profile` profiles 16
+decode steps (batch 1, the deepest depth) per path and reports the GPU-time shares of
+MoE, attention and the indexer by kernel name (the kernel table is kept to check the
+classification).
+"""
+
+import argparse
+import importlib.util
+import json
+import os
+import re
+import shlex
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+PATHS = {
+    "portable": {"backend": "TRITON_MLA_SPARSE", "indexer": "triton", "dtype": "float16",
+                 "env": {}},
+    "upstream": {"backend": None, "indexer": "auto", "dtype": "bfloat16", "env": {}},
+    "sm120": {"backend": None, "indexer": "auto", "dtype": "auto",
+              "env": {"VLLM_TEST_REPORT_CAPABILITY": "12.0",
+                      "VLLM_TEST_REPORT_SHARED_MEM": "101376"}},
+}
+TARGETS = {"decode_b1": 1.0, "decode_b32_aggregate": 3.0, "prefill": 1.0}
+
+
+# ---------------------------------------------------------------------------------------------
+# llama.cpp: llama-bench
+# ---------------------------------------------------------------------------------------------
+def llama_bench_cmds(binary: str, gguf: str, prompts, depths, gen: int, reps: int = 3,
+                     extra=()) -> list[list[str]]:
+    """The two llama-bench runs: prompt processing at depth 0, generation at each depth."""
+    common = [str(binary), "-m", str(gguf), "-o", "json", "-r", str(reps), "-ngl", "999",
+              *extra]
+    return [
+        common + ["-p", ",".join(map(str, prompts)), "-n", "0", "-d", "0",
+                  "-b", str(max(2048, *prompts)), "-ub", "512,2048"],
+        common + ["-p", "0", "-n", str(gen), "-d", ",".join(map(str, depths))],
+    ]
+
+
+def parse_llama_bench(text: str) -> list[dict]:
+    """llama-bench's `-o json` (a list of tests, one object each) as rows: kind "pp"
+    (n_prompt > 0, n_gen 0) or "tg" (n_gen > 0, n_prompt 0), the test's sizes, tokens/s
+    (avg_ts, stddev_ts) and how it ran. Anything printed before the list is skipped;
+    tests that mix prompt and generation (-pg) are left out."""
+    start = text.find("[")
+    if start < 0:
+        raise ValueError("no JSON list in llama-bench's output")
+    tests = json.loads(text[start:])
+    rows = []
+    for t in tests:
+        if t["n_prompt"] > 0 and t["n_gen"] == 0:
+            kind = "pp"
+        elif t["n_gen"] > 0 and t["n_prompt"] == 0:
+            kind = "tg"
+        else:
+            continue
+        rows.append({"kind": kind, "n_prompt": t["n_prompt"], "n_gen": t["n_gen"],
+                     "n_depth": t.get("n_depth", 0), "avg_ts": float(t["avg_ts"]),
+                     "stddev_ts": float(t["stddev_ts"]), "n_batch": t.get("n_batch"),
+                     "n_ubatch": t.get("n_ubatch"), "flash_attn": t.get("flash_attn"),
+                     "n_gpu_layers": t.get("n_gpu_layers"), "backends": t.get("backends"),
+                     "gpu_info": t.get("gpu_info"), "model_type": t.get("model_type"),
+                     "build_commit": t.get("build_commit")})
+    return rows
+
+
+def llama_figures(rows: list[dict]) -> dict:
+    """{"prefill": {prompt: tok/s at depth 0}, "decode": {depth: tok/s}}: the fastest
+    row of each (over ubatch sizes)."""
+    out = {"prefill": {}, "decode": {}}
+    for r in rows:
+        if r["kind"] == "pp" and r["n_depth"] == 0:
+            key, table = r["n_prompt"], out["prefill"]
+        elif r["kind"] == "tg":
+            key, table = r["n_depth"], out["decode"]
+        else:
+            continue
+        table[key] = max(table.get(key, 0.0), r["avg_ts"])
+    return out
+
+
+def run_llama_bench(args) -> tuple[list[dict], list[str]]:
+    rows, cmds = [], llama_bench_cmds(args.llama_bench, args.gguf, args.prompts, args.depths,
+                                      args.gen, args.reps, shlex.split(args.llama_bench_args))
+    for cmd in cmds:
+        res = subprocess.run(cmd, capture_output=True, text=True)
+        if res.returncode != 0:
+            sys.exit(f"llama-bench failed:\n{res.stdout[-2000:]}\n{res.stderr[-4000:]}")
+        rows += parse_llama_bench(res.stdout)
+    return rows, [" ".join(c) for c in cmds]
+
+
+# ---------------------------------------------------------------------------------------------
+# the overlay: vllm.LLM, one subprocess per path
+# ---------------------------------------------------------------------------------------------
+def vllm_figures(rows: list[dict]) -> dict:
+    """{"prefill": {prompt: tok/s}, "decode": {depth: {batch: aggregate tok/s}}}."""
+    out = {"prefill": {}, "decode": {}}
+    for r in rows:
+        if r["kind"] == "prefill":
+            out["prefill"][r["prompt"]] = r["tok_s"]
+        else:
+            out["decode"].setdefault(r["depth"], {})[r["batch"]] = r["tok_s"]
+    return out
+
+
+def ratios(llama: dict, vllm: dict) -> dict:
+    """The issue's ratios, overlay / llama.cpp, where both sides measured the case:
+    decode at batch 1 and the aggregate at batch 32 against llama.cpp's tg (batch 1) at
+    the same depth, prefill against pp at the same prompt length; with the target and
+    whether it is met. Batch 8 is reported against the same tg as well."""
+    out = []
+    for depth, tg in sorted(llama["decode"].items()):
+        for batch, name in ((1, "decode_b1"), (8, "decode_b8_aggregate"),
+                            (32, "decode_b32_aggregate")):
+            ours = vllm["decode"].get(depth, {}).get(batch)
+            if ours is None or not tg:
+                continue
+            out.append(_ratio(name, {"depth": depth, "batch": batch}, ours, tg))
+    for prompt, pp in sorted(llama["prefill"].items()):
+        ours = vllm["prefill"].get(prompt)
+        if ours is not None and pp:
+            out.append(_ratio("prefill", {"prompt": prompt}, ours, pp))
+    return out
+
+
+def _ratio(name: str, case: dict, ours: float, theirs: float) -> dict:
+    r = ours / theirs
+    target = TARGETS.get(name)
+    return {"name": name, **case, "vllm_tok_s": ours, "llama_tok_s": theirs, "ratio": r,
+            "target": target, "meets_target": None if target is None else r >= target}
+
+
+def markdown(results: dict) -> str:
+    """One table per path: case, overlay tok/s, llama.cpp tok/s, ratio, target."""
+    lines = []
+    for path, res in results["paths"].items():
+        if "error" in res:
+            lines += [f"**{path}**: failed, see the JSON report", ""]
+            continue
+        lines += [f"**{path}** ({res.get('settings', '')})", "",
+                  "| case | overlay tok/s | llama.cpp tok/s | overlay / llama.cpp | target |",
+                  "|---|---:|---:|---:|---|"]
+        for r in res["ratios"]:
+            case = (f"prefill {r['prompt']}" if r["name"] == "prefill" else
+                    f"decode batch {r['batch']} at depth {r['depth']}")
+            target = ("-" if r["target"] is None else
+                      f">= {r['target']:g}x: {'met' if r['meets_target'] else 'not met'}")
+            lines.append(f"| {case} | {r['vllm_tok_s']:.1f} | {r['llama_tok_s']:.1f} | "
+                         f"{r['ratio']:.2f} | {target} |")
+        if res.get("profile_shares"):
+            shares = ", ".join(f"{k} {100 * v:.0f}%" for k, v in res["profile_shares"].items())
+            lines.append(f"\nGPU time of one decode step (batch 1): {shares}")
+        lines.append("")
+    return "\n".join(lines)
+
+
+# kernel-name classes for the decode profile (first match wins)
+KERNEL_CLASSES = (
+    ("indexer", re.compile(r"indexer|mqa_logits|fp8_paged_mqa|top_?k_per_row|topk_per_row",
+                           re.I)),
+    ("attention", re.compile(r"sparse_mla|flash_?mla|mla_|attn|attention|flash_fwd", re.I)),
+    ("moe", re.compile(r"moe|expert|grouped_topk|topk_softmax|topk_sigmoid|ggml.*_id|"
+                       r"mul_mat_vec_q_moe|marlin_moe", re.I)),
+)
+
+
+def kernel_shares(kernels: list[tuple[str, float]]) -> dict:
+    """Shares of GPU time per class (KERNEL_CLASSES, else "other") from
+    (kernel name, GPU time) pairs."""
+    total = sum(t for _, t in kernels) or 1.0
+    shares = {name: 0.0 for name, _ in KERNEL_CLASSES}
+    shares["other"] = 0.0
+    for name, t in kernels:
+        cls = next((c for c, pat in KERNEL_CLASSES if pat.search(name)), "other")
+        shares[cls] += t / total
+    return shares
+
+
+def _decode_step_s():
+    spec = importlib.util.spec_from_file_location("glm5_throughput",
+                                                  ROOT / "benchmarks" / "glm5_throughput.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod.decode_step_s
+
+
+def worker(args) -> None:
+    settings = PATHS[args.path]
+    if settings["env"] and importlib.util.find_spec("vllm_report_capability") is None:
+        sys.exit("pip install --no-deps tests/plugins/vllm_report_capability first")
+    os.environ["VLLM_SPARSE_INDEXER_LOGITS"] = settings["indexer"]
+    if args.profile:
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    from vllm import LLM, SamplingParams
+    from vllm.transformers_utils.glm_dsa_gguf import config_from_gguf
+
+    decode_step_s = _decode_step_s()
+    vocab = config_from_gguf(args.gguf).vocab_size
+    longest = max([*args.prompts, *args.depths, 1])
+    llm = LLM(model=args.gguf, skip_tokenizer_init=True, dtype=settings["dtype"],
+              max_model_len=longest + args.gen + 64, block_size=64,
+              enable_prefix_caching=True, disable_log_stats=False,
+              max_num_seqs=max(args.batches), max_num_batched_tokens=max(longest, 8192) + 64,
+              seed=0, gpu_memory_utilization=0.85,
+              attention_config={"backend": settings["backend"]} if settings["backend"] else None)
+
+    def run(n, batch, max_tokens, seed):
+        # distinct tokens per (seed, request): no prefix shared across seeds
+        ids = [[(seed * 7919 + b * 104729 + i * 13) % (vocab - 10) + 10 for i in range(n)]
+               for b in range(batch)]
+        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True,
+                                detokenize=False)
+        t0 = time.perf_counter()
+        outs = llm.generate([{"prompt_token_ids": x} for x in ids], params, use_tqdm=False)
+        return time.perf_counter() - t0, outs
+
+    rows, seed = [], 10
+    run(16, 1, 2, 0)  # warm-up
+    for prompt in args.prompts:
+        run(prompt, 1, 1, 1)  # warm up this length
+        ttft = min(run(prompt, 1, 1, seed + k)[0] for k in range(3))
+        seed += 3
+        rows.append({"kind": "prefill", "prompt": prompt, "ttft_s": ttft, "tok_s": prompt / ttft})
+    for depth in args.depths:
+        for batch in args.batches:
+            seed += 1
+            n = max(depth, 1)
+            if n > 1:
+                run(n, batch, 1, seed)  # the prompts into the prefix cache
+            wall, outs = run(n, batch, 1 + args.gen, seed)
+            step = decode_step_s(outs)
+            rows.append({"kind": "decode", "depth": depth, "batch": batch, "gen": args.gen,
+                         "step_ms": 1e3 * step, "tok_s": batch / step, "wall_s": wall,
+                         "cached_prompt_tokens": sum(o.num_cached_tokens or 0 for o in outs),
+                         "prompt_tokens": batch * n})
+    result = {"rows": rows, "engine_in_process": bool(args.profile)}
+    if args.profile:
+        from torch.profiler import ProfilerActivity, profile
+
+        depth = max(args.depths)
+        run(max(depth, 1), 1, 1, 999)
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            run(max(depth, 1), 1, 1 + 16, 999)
+        kernels = [(e.key, e.device_time_total) for e in prof.key_averages()
+                   if e.device_time_total > 0]
+        kernels.sort(key=lambda k: -k[1])
+        result["profile_kernels"] = kernels[:40]
+        result["profile_shares"] = kernel_shares(kernels)
+    Path(args.out).write_text(json.dumps(result))
+
+
+def backend_lines(log: str) -> list[str]:
+    """vLLM's log lines naming the attention backend or the indexer (what a path ran)."""
+    return sorted({m.group(0).strip() for m in re.finditer(
+        r"[^\n]*(?:[Uu]sing|[Ss]elected)[^\n]*(?:backend|[Ii]ndexer)[^\n]*", log)})
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--gguf", required=True)
+    p.add_argument("--llama-bench", default=None, help="llama-bench (omit: overlay only)")
+    p.add_argument("--llama-bench-args", default="",
+                   help="more llama-bench flags, one string: --llama-bench-args='-fa on'")
+    p.add_argument("--json", default=None)
+    p.add_argument("--md", default=None)
+    p.add_argument("--paths", nargs="*", default=list(PATHS), choices=list(PATHS))
+    p.add_argument("--prompts", type=int, nargs="*", default=[512, 8192])
+    p.add_argument("--depths", type=int, nargs="*", default=[0, 8192])
+    p.add_argument("--batches", type=int, nargs="*", default=[1, 8, 32])
+    p.add_argument("--gen", type=int, default=128)
+    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--profile", action="store_true")
+    p.add_argument("--path", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--out", default=None, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.path:
+        return worker(args)
+    report = {"args": vars(args), "gguf_bytes": Path(args.gguf).stat().st_size, "paths": {}}
+    llama = {"prefill": {}, "decode": {}}
+    if args.llama_bench:
+        rows, cmds = run_llama_bench(args)
+        llama = llama_figures(rows)
+        report["llama_cpp"] = {"commands": cmds, "rows": rows, "figures": llama}
+    with tempfile.TemporaryDirectory() as tmp:
+        for path in args.paths:
+            out = Path(tmp) / f"{path}.json"
+            cmd = [sys.executable, __file__, "--gguf", args.gguf, "--path", path, "--out",
+                   str(out), "--gen", str(args.gen), "--prompts", *map(str, args.prompts),
+                   "--depths", *map(str, args.depths), "--batches", *map(str, args.batches),
+                   *(["--profile"] if args.profile else [])]
+            env = dict(os.environ, **PATHS[path]["env"])
+            res = subprocess.run(cmd, capture_output=True, text=True, env=env)
+            if res.returncode != 0:
+                report["paths"][path] = {"error": res.stderr[-4000:], "ratios": []}
+                continue
+            result = json.loads(out.read_text())
+            figures = vllm_figures(result["rows"])
+            settings = {k: v for k, v in PATHS[path].items() if v}
+            report["paths"][path] = {**result, "figures": figures, "settings": settings,
+                                     "log_backends": backend_lines(res.stdout + res.stderr),
+                                     "ratios": ratios(llama, figures)}
+    text = markdown(report)
+    print(text)
+    if args.md:
+        Path(args.md).write_text(text)
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=1, default=str))
+    return report
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,245 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The GGUF-vs-llama.cpp benchmark's CPU side.
+
+- benchmarks/glm5_llama_cpp_model.py end to end in --small mode: an HF checkpoint,
+  llama.cpp's converter (the pinned sdist's) and llama-quantize Q4_K_M; the GGUF's
+  metadata and tensor shapes (read with the converter's gguf-py) must be the requested
+  dimensions, and the full-size model's checkpoint names and shapes (transformers'
+  GlmMoeDsa on the meta device) GLM-5's.
+- benchmarks/glm5_vs_llama_cpp.py's parsing of llama-bench's `-o json` (a sample with
+  llama-bench.cpp's field list, json_printer's layout) and the ratios against the
+  issue's targets.
+"""
+
+import importlib.util
+import json
+import math
+import os
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def load(name):
+    spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+gen = load("glm5_llama_cpp_model")
+bench = load("glm5_vs_llama_cpp")
+
+
+def test_full_size_checkpoint_is_glm5_shaped():
+    cfg = gen.glm5_config(3)
+    shapes = gen.checkpoint_tensors(cfg)
+    h, heads, experts = 6144, 64, 256
+    assert shapes["model.layers.0.self_attn.q_a_proj.weight"] == (2048, h)
+    assert shapes["model.layers.0.self_attn.q_b_proj.weight"] == (heads * (192 + 64), 2048)
+    assert shapes["model.layers.0.self_attn.kv_a_proj_with_mqa.weight"] == (512 + 64, h)
+    assert shapes["model.layers.0.self_attn.kv_b_proj.weight"] == (heads * (192 + 256), 512)
+    assert shapes["model.layers.0.self_attn.o_proj.weight"] == (h, heads * 256)
+    assert shapes["model.layers.0.self_attn.indexer.wq_b.weight"] == (32 * 128, 2048)
+    assert shapes["model.layers.0.mlp.gate_proj.weight"] == (12288, h)  # dense first layer
+    for layer in (1, 2):
+        prefix = f"model.layers.{layer}.mlp."
+        assert shapes[prefix + "gate.weight"] == (experts, h)
+        assert shapes[prefix + "shared_experts.up_proj.weight"] == (2048, h)
+        ups = [n for n in shapes if n.startswith(prefix + "experts.") and "up_proj" in n]
+        assert len(ups) == experts and shapes[prefix + "experts.255.down_proj.weight"] == (h, 2048)
+    assert not any(n.startswith("model.layers.0.mlp.experts") for n in shapes)
+    assert shapes["lm_head.weight"] == (154880, h)
+    assert cfg["num_experts_per_tok"] == 8 and cfg["n_shared_experts"] == 1
+    assert cfg["index_topk"] == 2048 and cfg["num_hidden_layers"] == 3
+    params = sum(math.prod(s) for s in shapes.values())
+    assert 21e9 < params < 23e9  # 2 MoE layers of 256 x 3 x 6144 x 2048 dominate
+
+
+def test_init_and_space_check(tmp_path):
+    import torch
+
+    g = torch.Generator().manual_seed(0)
+    assert torch.equal(gen.init_tensor("model.norm.weight", (8,), g),
+                       torch.ones(8, dtype=torch.bfloat16))
+    assert not gen.init_tensor("model.layers.1.mlp.gate.e_score_correction_bias", (8,), g).any()
+    w = gen.init_tensor("lm_head.weight", (4096, 256), g).float()
+    assert abs(w.std().item() - 4.0 / 16) < 0.01
+    w = gen.init_tensor("model.layers.0.mlp.down_proj.weight", (1024, 512), g).float()
+    assert abs(w.std().item() - 0.5 / 512 ** 0.5) < 0.002
+    plan = gen.disk_plan(10 ** 15, "bf16", ["Q4_K_M"])
+    with pytest.raises(SystemExit, match="GiB free"):
+        gen.check_space(plan, tmp_path / "work", tmp_path / "out", "bf16", keep=False)
+    gen.check_space(gen.disk_plan(1000, "bf16", ["Q4_K_M"]), tmp_path / "work",
+                    tmp_path / "out", "bf16", keep=False)
+
+
+def test_small_gguf_end_to_end(tmp_path):
+    out = tmp_path / "out"
+    report = gen.main(["--small", "--out", str(out), "--quants", "Q4_K_M", "--layers", "3",
+                       "--experts", "16"])
+    q4 = Path(report["files"]["Q4_K_M"]["path"])
+    assert sorted(report["files"]) == ["Q4_K_M"]  # checkpoint and bf16 removed
+    assert not (out / "glm5-shaped-small-3L-bf16.gguf").exists()
+    assert not (out / "work" / "glm5-shaped-small-3L-hf").exists()
+    assert json.loads((out / "model.json").read_text())["params"] == report["params"]
+    gguf = gen.gr.gguf_module(gen.gr.llama_cpp_dir(out / "work"))
+    reader = gguf.GGUFReader(q4)
+    meta = {f.name: f.contents() for f in reader.fields.values()}
+    cfg = report["config"]
+    a = "glm-dsa."
+    expect = {
+        "general.architecture": "glm-dsa",
+        "general.file_type": int(gguf.LlamaFileType.MOSTLY_Q4_K_M),
+        a + "block_count": 3, a + "leading_dense_block_count": 1,
+        a + "embedding_length": cfg["hidden_size"], a + "vocab_size": cfg["vocab_size"],
+        a + "feed_forward_length": cfg["intermediate_size"],
+        a + "attention.head_count": cfg["num_attention_heads"],
+        a + "attention.q_lora_rank": cfg["q_lora_rank"],
+        a + "attention.kv_lora_rank": 512,
+        a + "attention.key_length": 512 + 64, a + "attention.key_length_mla": 192 + 64,
+        a + "attention.value_length_mla": 256, a + "rope.dimension_count": 64,
+        a + "expert_count": 16, a + "expert_used_count": cfg["num_experts_per_tok"],
+        a + "expert_shared_count": 1,
+        a + "expert_feed_forward_length": cfg["moe_intermediate_size"],
+        a + "attention.indexer.head_count": cfg["index_n_heads"],
+        a + "attention.indexer.key_length": 128,
+        a + "attention.indexer.top_k": cfg["index_topk"],
+    }
+    assert {k: meta.get(k) for k in expect} == expect
+    tensors = {t.name: t for t in reader.tensors}
+    h, e, m = cfg["hidden_size"], 16, cfg["moe_intermediate_size"]
+    for layer in (1, 2):
+        t = tensors[f"blk.{layer}.ffn_up_exps.weight"]
+        assert [int(d) for d in t.shape] == [h, m, e]
+        assert t.tensor_type in (gguf.GGMLQuantizationType.Q4_K, gguf.GGMLQuantizationType.Q5_K,
+                                 gguf.GGMLQuantizationType.Q6_K)
+    assert "blk.0.ffn_up_exps.weight" not in tensors and "blk.0.ffn_up.weight" in tensors
+    assert [int(d) for d in tensors["blk.0.ffn_up.weight"].shape] == [h, cfg["intermediate_size"]]
+    assert [int(d) for d in tensors["blk.2.indexer.attn_q_b.weight"].shape] == [
+        cfg["q_lora_rank"], cfg["index_n_heads"] * 128]
+    assert sum(t.tensor_type == gguf.GGMLQuantizationType.Q4_K for t in reader.tensors) >= 10
+
+
+@pytest.mark.skipif(not os.environ.get("LLAMA_IMATRIX"),
+                    reason="IQ2_M needs llama-imatrix: LLAMA_IMATRIX names one "
+                           "(tools/gpu-host/build-llama-cpp-cuda.sh, GGML_CUDA=OFF on a CPU)")
+def test_small_iq2_m_with_imatrix(tmp_path):
+    report = gen.main(["--small", "--out", str(tmp_path), "--quants", "IQ2_M"])
+    gguf = gen.gr.gguf_module(gen.gr.llama_cpp_dir(tmp_path / "work"))
+    reader = gguf.GGUFReader(report["files"]["IQ2_M"]["path"])
+    assert reader.fields["general.file_type"].contents() == int(gguf.LlamaFileType.MOSTLY_IQ2_M)
+    assert "quantize.imatrix.file" in reader.fields
+    types = {t.name: t.tensor_type for t in reader.tensors}
+    assert types["blk.1.ffn_up_exps.weight"] == gguf.GGMLQuantizationType.IQ2_S
+
+
+def test_iq2_m_needs_an_imatrix_tool(tmp_path, monkeypatch):
+    monkeypatch.delenv("LLAMA_IMATRIX", raising=False)
+    monkeypatch.setattr(gen.shutil, "which", lambda name: None)
+    monkeypatch.setattr(gen.gr, "llama_quantize", lambda: tmp_path / "bin" / "llama-quantize")
+    with pytest.raises(SystemExit, match="importance matrix"):
+        gen.main(["--small", "--out", str(tmp_path / "out"), "--quants", "IQ2_M"])
+    assert "IQ2_M" in gen.NEEDS_IMATRIX and "Q4_K_M" not in gen.NEEDS_IMATRIX
+
+
+# llama-bench.cpp's test::get_fields(), in order; json_printer writes each, then samples
+FIELDS = [
+    "build_commit", "build_number", "cpu_info", "gpu_info", "backends", "model_filename",
+    "model_type", "model_size", "model_n_params", "n_batch", "n_ubatch", "n_threads",
+    "cpu_mask", "cpu_strict", "poll", "type_k", "type_v", "n_gpu_layers", "n_cpu_moe",
+    "split_mode", "main_gpu", "no_kv_offload", "flash_attn", "devices", "tensor_split",
+    "tensor_buft_overrides", "load_mode", "lazy_mode", "embeddings", "no_op_offload",
+    "no_host", "repack", "fit_target", "fit_min_ctx", "n_prompt", "n_gen", "n_depth",
+    "test_time", "avg_ns", "stddev_ns", "avg_ts", "stddev_ts",
+]
+
+
+def bench_test(n_prompt, n_gen, n_depth, avg_ts, n_ubatch=512):
+    n = n_prompt + n_gen
+    values = {f: 0 for f in FIELDS} | {
+        "build_commit": "abc1234", "build_number": 1, "cpu_info": "x", "gpu_info": "NVIDIA H200",
+        "backends": "CUDA", "model_filename": "m.gguf", "model_type": "glm-dsa ?B Q4_K - Medium",
+        "cpu_mask": "0x0", "cpu_strict": False, "type_k": "f16", "type_v": "f16",
+        "split_mode": "layer", "no_kv_offload": False, "devices": "auto", "tensor_split": "0.00",
+        "tensor_buft_overrides": "none", "load_mode": "mmap", "lazy_mode": "auto",
+        "embeddings": False, "n_batch": 8192, "n_ubatch": n_ubatch, "n_gpu_layers": 999,
+        "n_prompt": n_prompt, "n_gen": n_gen, "n_depth": n_depth,
+        "test_time": "2026-12-02T00:00:00Z", "avg_ns": int(n / avg_ts * 1e9),
+        "stddev_ns": 1000, "avg_ts": avg_ts, "stddev_ts": 0.5}
+    body = ",\n".join(f"    {json.dumps(f)}: {json.dumps(values[f])}" for f in FIELDS)
+    return (f"  {{\n{body},\n    \"samples_ns\": [ 1, 2 ],\n"
+            f"    \"samples_ts\": [ {avg_ts}, {avg_ts} ]\n  }}")
+
+
+def bench_output(tests):
+    return "[\n" + ",\n".join(bench_test(*t) for t in tests) + "\n]\n"
+
+
+PP = bench_output([(512, 0, 0, 4000.0, 512), (8192, 0, 0, 3000.0, 512),
+                   (512, 0, 0, 4100.0, 2048), (8192, 0, 0, 3500.0, 2048)])
+TG = bench_output([(0, 128, 0, 100.0), (0, 128, 8192, 80.0)])
+
+
+def test_parse_llama_bench():
+    rows = bench.parse_llama_bench("ggml_cuda_init: found 1 CUDA devices\n" + PP)
+    assert [(r["kind"], r["n_prompt"], r["n_ubatch"], r["avg_ts"]) for r in rows] == [
+        ("pp", 512, 512, 4000.0), ("pp", 8192, 512, 3000.0), ("pp", 512, 2048, 4100.0),
+        ("pp", 8192, 2048, 3500.0)]
+    rows += bench.parse_llama_bench(TG)
+    # a -pg test (prompt and generation together) is not one of the cases
+    rows += bench.parse_llama_bench(bench_output([(512, 128, 0, 999.0)]))
+    figures = bench.llama_figures(rows)
+    assert figures == {"prefill": {512: 4100.0, 8192: 3500.0}, "decode": {0: 100.0, 8192: 80.0}}
+    with pytest.raises(ValueError):
+        bench.parse_llama_bench("error: failed to load model\n")
+
+
+def test_llama_bench_commands():
+    pp, tg = bench.llama_bench_cmds("llama-bench", "m.gguf", [512, 8192], [0, 8192], 128)
+    def flag(cmd, f):
+        return cmd[cmd.index(f) + 1]
+    assert (flag(pp, "-p"), flag(pp, "-n"), flag(pp, "-d"), flag(pp, "-o")) == (
+        "512,8192", "0", "0", "json")
+    assert int(flag(pp, "-b")) >= 8192
+    assert (flag(tg, "-p"), flag(tg, "-n"), flag(tg, "-d")) == ("0", "128", "0,8192")
+
+
+def test_ratios_against_targets():
+    llama = bench.llama_figures(bench.parse_llama_bench(PP) + bench.parse_llama_bench(TG))
+    rows = [{"kind": "prefill", "prompt": 512, "tok_s": 8200.0},
+            {"kind": "prefill", "prompt": 8192, "tok_s": 1750.0}]
+    for depth, per_batch in ((0, {1: 120.0, 8: 500.0, 32: 250.0}),
+                             (8192, {1: 40.0, 8: 300.0, 32: 400.0})):
+        rows += [{"kind": "decode", "depth": depth, "batch": b, "tok_s": v}
+                 for b, v in per_batch.items()]
+    got = {(r["name"], r.get("depth", r.get("prompt"))): r
+           for r in bench.ratios(llama, bench.vllm_figures(rows))}
+    assert got[("decode_b1", 0)]["ratio"] == pytest.approx(1.2)
+    assert got[("decode_b1", 0)]["meets_target"] is True
+    assert got[("decode_b1", 8192)]["ratio"] == pytest.approx(0.5)
+    assert got[("decode_b1", 8192)]["meets_target"] is False
+    # batch 32's aggregate against llama.cpp's batch-1 tg: 250/100 < 3, 400/80 >= 3
+    assert got[("decode_b32_aggregate", 0)]["meets_target"] is False
+    assert got[("decode_b32_aggregate", 8192)]["ratio"] == pytest.approx(5.0)
+    assert got[("decode_b32_aggregate", 8192)]["meets_target"] is True
+    assert got[("decode_b8_aggregate", 0)]["target"] is None
+    assert got[("prefill", 512)]["ratio"] == pytest.approx(2.0)  # against the best ubatch
+    assert got[("prefill", 8192)]["meets_target"] is False
+    assert len(got) == 8
+    md = bench.markdown({"paths": {"portable": {"settings": "x", "ratios": list(got.values())},
+                                   "upstream": {"error": "boom", "ratios": []}}})
+    assert "| decode batch 32 at depth 8192 | 400.0 | 80.0 | 5.00 | >= 3x: met |" in md
+    assert "| prefill 8192 | 1750.0 | 3500.0 | 0.50 | >= 1x: not met |" in md
+    assert "**upstream**: failed" in md
+    # cases only one side measured are left out
+    only_depth0 = bench.vllm_figures(rows[2:3])
+    assert bench.ratios({"prefill": {}, "decode": {8192: 100.0}}, only_depth0) == []
+
+
+def test_kernel_shares():
+    shares = bench.kernel_shares([("fused_moe_kernel", 50.0), ("_sparse_mla_decode_kernel", 20.0),
+                                  ("triton_indexer_logits_decode", 10.0), ("gemv_bf16", 20.0)])
+    assert shares == pytest.approx({"moe": 0.5, "attention": 0.2, "indexer": 0.1, "other": 0.2})

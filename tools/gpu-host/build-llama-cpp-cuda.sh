@@ -1,0 +1,82 @@
+#!/usr/bin/env bash
+# SPDX-License-Identifier: Apache-2.0
+# Build llama.cpp with CUDA from the pinned llama-cpp-python sdist's vendored source,
+# offline, for the GGUF-vs-llama.cpp benchmark (benchmarks/glm5_vs_llama_cpp.py).
+#
+#   bash tools/gpu-host/build-llama-cpp-cuda.sh [SDIST] [OUT_DIR]
+#
+# SDIST: llama_cpp_python-<pin>.tar.gz, the pin of
+#   tests/models/quantization/gguf_reference.py LLAMA_CPP_PYTHON (checked by sha256 here).
+#   Default: $VLLM_OVERLAY_CACHE/upstream/<file>, else ~/.cache/vllm-overlay/upstream/<file>,
+#   where build.py's fetch caches it (the first `python -m pytest tests` or any
+#   gguf_reference.llama_cpp_dir() call downloads it on a machine with network).
+#   The GPU host has no network: carry the sdist and pass its path. It is 73 MiB, more
+#   than one device call carries (64 MiB): `split -b 56m SDIST SDIST.part-` here, one
+#   call per part copying it out of the checkout (as the bundle parts, docs/gpu-host.md),
+#   then `cat SDIST.part-* > SDIST` there; the sha256 check below catches a bad join.
+#   Nothing is downloaded: every FetchContent path (BoringSSL/LibreSSL, CCCL, the
+#   prebuilt web UI) is switched off.
+# OUT_DIR: the build tree; the binaries end in OUT_DIR/bin (default /tmp/llama-cpp-cuda).
+#
+# Environment:
+#   GGML_CUDA=ON|OFF          (default ON; OFF builds the same tools for the CPU, e.g. to
+#                              check this recipe on a machine without nvcc)
+#   CUDA_ARCHS=90             CMAKE_CUDA_ARCHITECTURES (H200: 90; SM120: 120a-real)
+#   TARGETS="..."             default: llama-bench llama-cli llama-server llama-imatrix
+#                              (llama-imatrix: IQ2_M needs an importance matrix, see
+#                              benchmarks/glm5_llama_cpp_model.py)
+#   JOBS=N                    parallel compile jobs (default: nproc)
+set -euo pipefail
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
+read -r SDIST_NAME SDIST_SHA < <(python3 -c "
+import sys; sys.path.insert(0, '$ROOT/tests/models/quantization')
+import gguf_reference as g; print(*g.LLAMA_CPP_PYTHON[1:])")
+CACHE="${VLLM_OVERLAY_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/vllm-overlay}/upstream"
+SDIST="${1:-$CACHE/$SDIST_NAME}"
+OUT="${2:-/tmp/llama-cpp-cuda}"
+GGML_CUDA="${GGML_CUDA:-ON}"
+CUDA_ARCHS="${CUDA_ARCHS:-90}"
+TARGETS="${TARGETS:-llama-bench llama-cli llama-server llama-imatrix}"
+JOBS="${JOBS:-$(nproc)}"
+
+[ -f "$SDIST" ] || { echo "no sdist at $SDIST (carry $SDIST_NAME; see the header)" >&2; exit 2; }
+got="$(sha256sum "$SDIST" | cut -d' ' -f1)"
+[ "$got" = "$SDIST_SHA" ] || { echo "$SDIST: sha256 $got, the pin is $SDIST_SHA" >&2; exit 2; }
+for tool in cmake ninja; do
+    command -v "$tool" >/dev/null || { echo "needs $tool" >&2; exit 2; }
+done
+if [ "$GGML_CUDA" = ON ]; then
+    command -v nvcc >/dev/null || { echo "GGML_CUDA=ON needs nvcc on PATH" >&2; exit 2; }
+fi
+
+SRC="$OUT/src"
+prefix="${SDIST_NAME%.tar.gz}/vendor/llama.cpp"
+if [ ! -f "$SRC/.complete" ]; then
+    rm -rf "$SRC" && mkdir -p "$SRC"
+    tar -xzf "$SDIST" -C "$SRC" --strip-components=3 "$prefix"
+    touch "$SRC/.complete"
+fi
+
+flags=(
+    -G Ninja -DCMAKE_BUILD_TYPE=Release
+    -DGGML_CUDA="$GGML_CUDA" -DGGML_NATIVE=OFF -DBUILD_SHARED_LIBS=OFF
+    -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=ON
+    -DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_UI=OFF
+    -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_BORINGSSL=OFF -DLLAMA_BUILD_LIBRESSL=OFF
+    -DGGML_CUDA_CUB_3DOT2=OFF
+    -DFETCHCONTENT_FULLY_DISCONNECTED=ON
+)
+[ "$GGML_CUDA" = ON ] && flags+=(-DCMAKE_CUDA_ARCHITECTURES="$CUDA_ARCHS")
+
+start=$(date +%s)
+cmake -S "$SRC" -B "$OUT/build" "${flags[@]}" >"$OUT/cmake.log" 2>&1 \
+    || { tail -40 "$OUT/cmake.log" >&2; exit 1; }
+# shellcheck disable=SC2086
+cmake --build "$OUT/build" --target $TARGETS -j "$JOBS" >"$OUT/build.log" 2>&1 \
+    || { tail -60 "$OUT/build.log" >&2; exit 1; }
+mkdir -p "$OUT/bin"
+for t in $TARGETS; do
+    cp "$OUT/build/bin/$t" "$OUT/bin/$t"
+done
+echo "built $TARGETS (GGML_CUDA=$GGML_CUDA, CUDA archs $CUDA_ARCHS) in $(( $(date +%s) - start )) s: $OUT/bin"
