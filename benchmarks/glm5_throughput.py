@@ -68,26 +68,35 @@ def decode_step_s(outputs) -> float:
     return steps[len(steps) // 2]
 
 
+def timed_generate(llm, n: int, batch: int, max_tokens: int, seed: int, vocab: int):
+    """(wall seconds, outputs) of greedy generation for `batch` prompts of `n` token
+    ids in 10..vocab-1, distinct per (seed, request): no prefix shared across seeds."""
+    from vllm import SamplingParams
+
+    ids = [[(seed * 7919 + b * 104729 + i * 13) % (vocab - 10) + 10 for i in range(n)]
+           for b in range(batch)]
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True,
+                            detokenize=False)
+    t0 = time.perf_counter()
+    outs = llm.generate([{"prompt_token_ids": x} for x in ids], params, use_tqdm=False)
+    return time.perf_counter() - t0, outs
+
+
 def worker(args) -> None:
     os.environ["VLLM_SPARSE_INDEXER_LOGITS"] = PATHS[args.path]["indexer"]
     if args.profile:  # the profiler sees only this process's kernels
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    from vllm import LLM, SamplingParams
+    from vllm import LLM
 
     llm = LLM(model=args.model_dir, load_format="dummy", skip_tokenizer_init=True,
               max_model_len=max(args.contexts) + args.gen + 16, block_size=64,
               enable_prefix_caching=True, disable_log_stats=False,
               max_num_seqs=args.batch, seed=0, gpu_memory_utilization=0.85,
               attention_config={"backend": PATHS[args.path]["backend"]})
+
     def run(ctx, batch, max_tokens, seed):
-        # distinct tokens per (seed, request): no prefix shared across seeds
-        ids = [[(seed * 7919 + b * 104729 + i * 13) % 150000 + 10 for i in range(ctx)]
-               for b in range(batch)]
-        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True,
-                                detokenize=False)
-        t0 = time.perf_counter()
-        outs = llm.generate([{"prompt_token_ids": x} for x in ids], params, use_tqdm=False)
-        return time.perf_counter() - t0, outs
+        # token ids 10..150009, inside GLM-5's vocabulary
+        return timed_generate(llm, ctx, batch, max_tokens, seed, vocab=150010)
 
     rows = []
     for ctx in args.contexts:

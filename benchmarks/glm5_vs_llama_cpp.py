@@ -39,7 +39,6 @@ import shlex
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -210,12 +209,13 @@ def kernel_shares(kernels: list[tuple[str, float]]) -> dict:
     return shares
 
 
-def _decode_step_s():
+def _glm5_throughput():
+    """benchmarks/glm5_throughput.py (decode_step_s, timed_generate)."""
     spec = importlib.util.spec_from_file_location("glm5_throughput",
                                                   ROOT / "benchmarks" / "glm5_throughput.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
-    return mod.decode_step_s
+    return mod
 
 
 def worker(args) -> None:
@@ -225,10 +225,11 @@ def worker(args) -> None:
     os.environ["VLLM_SPARSE_INDEXER_LOGITS"] = settings["indexer"]
     if args.profile:
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    from vllm import LLM, SamplingParams
+    from vllm import LLM
     from vllm.transformers_utils.glm_dsa_gguf import config_from_gguf
 
-    decode_step_s = _decode_step_s()
+    throughput = _glm5_throughput()
+    decode_step_s = throughput.decode_step_s
     vocab = config_from_gguf(args.gguf).vocab_size
     longest = max([*args.prompts, *args.depths, 1])
     llm = LLM(model=args.gguf, skip_tokenizer_init=True, dtype=settings["dtype"],
@@ -239,14 +240,7 @@ def worker(args) -> None:
               attention_config={"backend": settings["backend"]} if settings["backend"] else None)
 
     def run(n, batch, max_tokens, seed):
-        # distinct tokens per (seed, request): no prefix shared across seeds
-        ids = [[(seed * 7919 + b * 104729 + i * 13) % (vocab - 10) + 10 for i in range(n)]
-               for b in range(batch)]
-        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True,
-                                detokenize=False)
-        t0 = time.perf_counter()
-        outs = llm.generate([{"prompt_token_ids": x} for x in ids], params, use_tqdm=False)
-        return time.perf_counter() - t0, outs
+        return throughput.timed_generate(llm, n, batch, max_tokens, seed, vocab)
 
     rows, seed = [], 10
     run(16, 1, 2, 0)  # warm-up
