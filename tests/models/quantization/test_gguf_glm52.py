@@ -38,7 +38,8 @@ from safetensors.torch import load_file
 
 import gguf_reference as gr  # tests/models/quantization
 from glm5_tiny import GLM52_INDEXER_TYPES
-from test_gguf_glm_dsa import CONFIG_FIELDS, REL_ERR, stack_name, yielded
+from test_gguf_glm_dsa import (CONFIG_FIELDS, REL_ERR, assert_checkpoint_values, hf_view,
+                              stack_name, stored_types, yielded)
 from vllm.transformers_utils import glm_dsa_gguf as gg
 from vllm_gguf_plugin.weights_adapter import glm_dsa
 from vllm_gguf_plugin.weights_adapter.glm_dsa import GlmDsaGGUF, runs_indexer
@@ -113,20 +114,12 @@ def test_weights_equal_hf_weights(glm52_ggufs, hf52, kind):
     stacked = {n for n, w in out.items() if ".experts.0." in n and w.dim() == 3}
     assert {stack_name(k) if stack_name(k) in stacked else k for k in main} == set(out)
     assert not [n for n in out if ".indexer." in n and int(n.split(".")[2]) in SHARED]
-    stored = {}
-    for g, h in reader.gguf_to_hf.items():
-        stored.setdefault(h, set()).add(reader.tensors[g].tensor_type.name)
+    stored = stored_types(reader)
     for name, w in out.items():
-        stacked = w.dim() == 3 and ".experts.0." in name
-        ref = (torch.stack([hf52[name.replace(".experts.0.", f".experts.{e}.")]
-                            for e in range(config.n_routed_experts)]) if stacked else hf52[name])
+        ref = hf_view(hf52, name, config, stacked=w.dim() == 3 and ".experts.0." in name)
         assert w.shape == ref.shape, name
-        types = stored[name if name in stored else stack_name(name)]
-        if types <= {"F32", "BF16"}:
-            torch.testing.assert_close(w, ref, rtol=0, atol=0, msg=name)
-        else:
-            err = ((w - ref).norm() / ref.norm()).item()
-            assert err <= max(REL_ERR[t] for t in types if t in REL_ERR), (name, types, err)
+        assert_checkpoint_values(name, w, ref, stored[name if name in stored
+                                                     else stack_name(name)])
 
 
 VLLM_KINDS = ("bf16", "copies-bf16", "Q4_K_M", "copies-Q4_K_M")

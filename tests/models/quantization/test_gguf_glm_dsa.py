@@ -73,6 +73,26 @@ def stack_name(name: str) -> str:
     return name.split(".experts.")[0] + ".experts.0." + name.rsplit(".", 2)[1] + ".weight"
 
 
+def stored_types(reader) -> dict[str, set[str]]:
+    """{vLLM name: the GGUF types of the tensors it is made of}."""
+    stored = {}
+    for g, h in reader.gguf_to_hf.items():
+        stored.setdefault(h, set()).add(reader.tensors[g].tensor_type.name)
+    return stored
+
+
+def assert_checkpoint_values(name, w, ref, types):
+    """A yielded tensor holds the checkpoint's values as its GGUF types store them:
+    bf16/f32 exactly, f16 exactly rounded, quantized within the type's error."""
+    if types <= {"F32", "BF16"}:  # the bf16 checkpoint's values, exactly
+        torch.testing.assert_close(w, ref, rtol=0, atol=0, msg=name)
+    elif types == {"F16"}:  # exactly the checkpoint's values rounded to fp16
+        torch.testing.assert_close(w, ref.half().float(), rtol=0, atol=0, msg=name)
+    else:
+        err = ((w - ref).norm() / ref.norm()).item()
+        assert err <= max(REL_ERR[t] for t in types if t in REL_ERR), (name, types, err)
+
+
 def hf_view(hf, name, config, stacked):
     """The HF weight for a yielded name (experts.0 of a stacked tensor = all experts)."""
     if stacked:
@@ -187,21 +207,12 @@ def test_weights_equal_hf_weights(glm5_ggufs, hf, kind):
     main = {k for k in hf if not k.startswith(f"model.layers.{config.num_hidden_layers}.")}
     covered = {k for k in main if k in out or (".experts." in k and stack_name(k) in out)}
     assert covered == main
-    stored = {}
-    for g, h in reader.gguf_to_hf.items():
-        stored.setdefault(h, set()).add(reader.tensors[g].tensor_type.name)
+    stored = stored_types(reader)
     for name, w in out.items():
         ref = hf_view(hf, name, config, stacked=w.dim() == 3)
         assert w.shape == ref.shape, name
-        key = name if name in stored else stack_name(name)
-        types = stored[key]
-        if types <= {"F32", "BF16"}:  # the bf16 checkpoint's values, exactly
-            torch.testing.assert_close(w, ref, rtol=0, atol=0, msg=name)
-        elif types == {"F16"}:  # exactly the checkpoint's values rounded to fp16
-            torch.testing.assert_close(w, ref.half().float(), rtol=0, atol=0, msg=name)
-        else:
-            err = ((w - ref).norm() / ref.norm()).item()
-            assert err <= max(REL_ERR[t] for t in types if t in REL_ERR), (name, types, err)
+        assert_checkpoint_values(name, w, ref, stored[name if name in stored
+                                                     else stack_name(name)])
     # kv_b_proj: [k_b[h]^T ; v_b[h]] from the file's own (dequantized) halves, exactly
     for layer in range(config.num_hidden_layers):
         k_b = reader.dequantized(f"blk.{layer}.attn_k_b.weight")
