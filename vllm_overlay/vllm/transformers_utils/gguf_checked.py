@@ -76,6 +76,14 @@ class _Cursor:
         self.pos += n
         return value
 
+    def text(self, what: str) -> str:
+        """A string that must be UTF-8 (a key, a tensor name)."""
+        raw = self.string(what)
+        try:
+            return raw.decode("utf-8")
+        except UnicodeDecodeError:
+            self.fail(f"{what} is not UTF-8 ({raw[:40]!r})")
+
     def value(self, vtype: int, what: str, depth: int = 0):
         """Read one value of `vtype`, checking that it fits: a Python scalar, bytes
         for a string, (element type, numpy array or list of bytes) for an array."""
@@ -192,11 +200,7 @@ class GGUFFile:
             c.fail(f"states {n_kv} metadata entries, more than its size allows")
         alignment = GGUF_DEFAULT_ALIGNMENT
         for i in range(n_kv):
-            raw = c.string(f"metadata key {i}")
-            try:
-                key = raw.decode("utf-8")
-            except UnicodeDecodeError:
-                c.fail(f"metadata key {i} is not UTF-8 ({raw[:40]!r})")
+            key = c.text(f"metadata key {i}")
             if key in self.fields:
                 c.fail(f"metadata key {key!r} appears twice")
             vtype = c.scalar("I", f"the type of {key!r}")
@@ -213,11 +217,7 @@ class GGUFFile:
             c.fail(f"states {n_tensors} tensors, more than its size allows")
         infos, names = [], set()
         for i in range(n_tensors):
-            raw = c.string(f"the name of tensor {i}")
-            try:
-                name = raw.decode("utf-8")
-            except UnicodeDecodeError:
-                c.fail(f"the name of tensor {i} is not UTF-8 ({raw[:40]!r})")
+            name = c.text(f"the name of tensor {i}")
             if name in names:
                 c.fail(f"tensor {name!r} appears twice")
             names.add(name)
