@@ -271,19 +271,12 @@ class _Hparams:
         self.reader, self.path = reader, path
 
     def get(self, key: str, default=_REQUIRED, kind=int, lo=0, hi=None, above=None):
-        """glm-dsa.<key>: of `kind` (int by default, >= 0) within [lo, hi];
-        `kind` None: unchecked."""
-        f = self.reader.fields.get(f"{GGUF_ARCH}.{key}")
-        if f is None:
-            if default is _REQUIRED:
-                raise GGUFError(f"{self.path}: metadata key '{GGUF_ARCH}.{key}' is missing")
-            return default
-        value = f.contents()
-        if kind is not None:
-            if kind not in (int, float):
-                lo = None
-            check_value(self.path, f"{GGUF_ARCH}.{key}", value, kind, lo, hi, above=above)
-        return value
+        """glm-dsa.<key> (`field`): of `kind` (int by default, >= 0) within
+        [lo, hi]; `kind` None: unchecked."""
+        required = default is _REQUIRED
+        return field(self.reader, f"{GGUF_ARCH}.{key}", None if required else default,
+                     required=required, kind=kind, lo=lo if kind in (int, float) else None,
+                     hi=hi, above=above)
 
     def per_layer(self, key: str, n: int, default=_REQUIRED, lo=0, hi=None):
         """A key llama.cpp reads with get_key_or_arr: one integer, or one per
