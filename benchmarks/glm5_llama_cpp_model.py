@@ -22,15 +22,15 @@ tests/models/glm5_tiny.py initializes the tiny model. Steps:
 3. llama-quantize (gguf_reference.llama_quantize: built here from the same sdist, or
    VLLM_OVERLAY_LLAMA_QUANTIZE) to each of `--quants`.
 
-IQ2_M needs an importance matrix: llama.cpp's llama-quant.cpp (tensor_requires_imatrix)
-refuses IQ2_XXS/IQ2_XS/IQ2_S/IQ1_*/IQ3_XXS target tensors without one, and IQ2_M's
-default tensor type is IQ2_S. So for those types the script first runs llama.cpp's
-`llama-imatrix` on the intermediate GGUF over a generated text (16 chunks of 512
-tokens: about 256 routed tokens per expert and layer, so every expert should get data) and passes its
-output with `--imatrix`: a real importance matrix of this random model, no dummy. It
-needs a `llama-imatrix` binary (`--llama-imatrix`, env LLAMA_IMATRIX; built by
-tools/gpu-host/build-llama-cpp-cuda.sh). Without one, use `--quants Q4_K_M Q2_K`:
-Q2_K is the nearest 2-bit type llama-quantize makes without an imatrix.
+IQ2_M needs an importance matrix (gguf_reference.NEEDS_IMATRIX: llama.cpp's
+quantizer refuses IQ2_S tensors without one, and IQ2_S is IQ2_M's default type):
+the script first runs llama.cpp's `llama-imatrix` on the intermediate GGUF over a
+generated text (gguf_reference.make_imatrix: 16 chunks of 512 tokens, about 256
+routed tokens per expert and layer, so every expert should get data) and passes its
+output with `--imatrix`: a real importance matrix of this random model, no dummy.
+The binary is `--llama-imatrix` (env LLAMA_IMATRIX; the CUDA one of
+tools/gpu-host/build-llama-cpp-cuda.sh for the full-size model), else the CPU one
+the tests build.
 
 Disk (default 3 layers, 22.1B parameters): the checkpoint 44 GB, the bf16 GGUF 44 GB
 (q8_0: 23 GB), Q4_K_M about 13 GB, IQ2_M about 8 GB. The checkpoint is deleted after
@@ -48,7 +48,6 @@ import json
 import math
 import os
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
@@ -74,8 +73,6 @@ SMALL_DIMS = {
     "num_experts_per_tok": 2, "intermediate_size": 512, "index_n_heads": 4, "index_topk": 64,
     "vocab_size": 2048, "max_position_embeddings": 4096,
 }
-# llama-quantize types whose tensors need an importance matrix (llama-quant.cpp)
-NEEDS_IMATRIX = {"IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ2_M", "IQ1_S", "IQ1_M", "IQ3_XXS", "Q2_K_S"}
 # bits per weight, for the disk estimate only
 BPW = {"bf16": 16.0, "q8_0": 8.5, "Q4_K_M": 4.9, "IQ2_M": 2.9, "Q2_K": 3.0}
 SHARD_BYTES = 2 << 30
@@ -200,38 +197,13 @@ def check_space(plan: dict, work: Path, out: Path, intermediate: str, keep: bool
                      "--intermediate q8_0 or fewer --layers")
 
 
-def calibration_text(path: Path, sentences: int = 4000) -> Path:
-    path.write_text("".join(
-        f"GLM-5 sparse attention test sentence number {i}: the quick brown fox jumps over "
-        f"{i * 7} lazy dogs; 你好, мир! " for i in range(sentences)))
-    return path
-
-
 def find_imatrix(explicit: str | None) -> Path:
+    """llama-imatrix: --llama-imatrix or LLAMA_IMATRIX (the CUDA build, for the
+    full-size model), else the tests' CPU build (gguf_reference.llama_tool)."""
     cand = explicit or os.environ.get("LLAMA_IMATRIX")
-    if cand is None:
-        near = gr.llama_quantize().parent / "llama-imatrix"
-        cand = str(near) if near.exists() else shutil.which("llama-imatrix")
-    if not cand or not Path(cand).exists():
-        sys.exit("IQ2_M (and the other very-low-bit types) need an importance matrix from "
-                 "llama-imatrix: pass --llama-imatrix BIN (tools/gpu-host/"
-                 "build-llama-cpp-cuda.sh builds it), or use Q2_K, which needs none")
-    return Path(cand)
-
-
-def run(cmd: list, what: str) -> None:
-    res = subprocess.run([str(c) for c in cmd], capture_output=True, text=True)
-    if res.returncode != 0:
-        raise RuntimeError(f"{what} failed:\n{res.stdout[-2000:]}\n{res.stderr[-4000:]}")
-
-
-def make_imatrix(binary: Path, gguf_file: Path, work: Path, chunks: int = 16,
-                 ctx: int = 512) -> Path:
-    text = calibration_text(work / "calibration.txt")
-    out = work / "imatrix.gguf"
-    run([binary, "-m", gguf_file, "-f", text, "-o", out, "-c", ctx, "--chunks", chunks,
-         "-ngl", 999, "--no-ppl"], "llama-imatrix")
-    return out
+    if cand and not Path(cand).exists():
+        sys.exit(f"no llama-imatrix at {cand}")
+    return Path(cand) if cand else gr.llama_tool("llama-imatrix")
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -261,7 +233,7 @@ def main(argv: list[str] | None = None) -> dict:
     if not args.no_space_check:
         check_space(plan, work, out, args.intermediate, args.keep)
     imatrix_bin = (find_imatrix(args.llama_imatrix)
-                   if any(q in NEEDS_IMATRIX for q in args.quants) else None)
+                   if any(q in gr.NEEDS_IMATRIX for q in args.quants) else None)
     stem = f"glm5-shaped-{'small-' if args.small else ''}{args.layers}L"
     ckpt = write_checkpoint(cfg, work / f"{stem}-hf", args.seed, shapes)
     llama_cpp = gr.llama_cpp_dir(work)
@@ -269,12 +241,12 @@ def main(argv: list[str] | None = None) -> dict:
     if not args.keep:
         shutil.rmtree(ckpt)
     files = {args.intermediate: inter}
-    imatrix = make_imatrix(imatrix_bin, inter, work) if imatrix_bin else None
+    imatrix = (gr.make_imatrix(inter, work / "imatrix.gguf", binary=imatrix_bin,
+                               extra=("-ngl", "999")) if imatrix_bin else None)
     for q in args.quants:
         dst = out / f"{stem}-{q}.gguf"
-        extra = (["--allow-requantize"] if args.intermediate != "bf16" else []) + (
-            ["--imatrix", imatrix] if q in NEEDS_IMATRIX else [])
-        run([gr.llama_quantize(), *extra, inter, dst, q], f"llama-quantize {q}")
+        gr.quantize(inter, dst, q, imatrix if q in gr.NEEDS_IMATRIX else None,
+                    extra=("--allow-requantize",) if args.intermediate != "bf16" else ())
         files[q] = dst
     if not args.keep and args.quants:
         inter.unlink()

@@ -2,7 +2,8 @@
 """The GGUF-vs-llama.cpp benchmark's CPU side.
 
 - benchmarks/glm5_llama_cpp_model.py end to end in --small mode: an HF checkpoint,
-  llama.cpp's converter (the pinned sdist's) and llama-quantize Q4_K_M; the GGUF's
+  llama.cpp's converter (the pinned sdist's) and llama-quantize Q4_K_M, and IQ2_M with
+  an importance matrix from llama-imatrix (both built from the sdist); the GGUF's
   metadata and tensor shapes (read with the converter's gguf-py) must be the requested
   dimensions, and the full-size model's checkpoint names and shapes (transformers'
   GlmMoeDsa on the meta device) GLM-5's.
@@ -14,7 +15,6 @@
 import importlib.util
 import json
 import math
-import os
 from pathlib import Path
 
 import pytest
@@ -123,9 +123,6 @@ def test_small_gguf_end_to_end(tmp_path):
     assert sum(t.tensor_type == gguf.GGMLQuantizationType.Q4_K for t in reader.tensors) >= 10
 
 
-@pytest.mark.skipif(not os.environ.get("LLAMA_IMATRIX"),
-                    reason="IQ2_M needs llama-imatrix: LLAMA_IMATRIX names one "
-                           "(tools/gpu-host/build-llama-cpp-cuda.sh, GGML_CUDA=OFF on a CPU)")
 def test_small_iq2_m_with_imatrix(tmp_path):
     report = gen.main(["--small", "--out", str(tmp_path), "--quants", "IQ2_M"])
     gguf = gen.gr.gguf_module(gen.gr.llama_cpp_dir(tmp_path / "work"))
@@ -134,15 +131,6 @@ def test_small_iq2_m_with_imatrix(tmp_path):
     assert "quantize.imatrix.file" in reader.fields
     types = {t.name: t.tensor_type for t in reader.tensors}
     assert types["blk.1.ffn_up_exps.weight"] == gguf.GGMLQuantizationType.IQ2_S
-
-
-def test_iq2_m_needs_an_imatrix_tool(tmp_path, monkeypatch):
-    monkeypatch.delenv("LLAMA_IMATRIX", raising=False)
-    monkeypatch.setattr(gen.shutil, "which", lambda name: None)
-    monkeypatch.setattr(gen.gr, "llama_quantize", lambda: tmp_path / "bin" / "llama-quantize")
-    with pytest.raises(SystemExit, match="importance matrix"):
-        gen.main(["--small", "--out", str(tmp_path / "out"), "--quants", "IQ2_M"])
-    assert "IQ2_M" in gen.NEEDS_IMATRIX and "Q4_K_M" not in gen.NEEDS_IMATRIX
 
 
 # llama-bench.cpp's test::get_fields(), in order; json_printer writes each, then samples
@@ -207,11 +195,43 @@ def test_llama_bench_commands():
     assert (flag(tg, "-p"), flag(tg, "-n"), flag(tg, "-d")) == ("0", "128", "0,8192")
 
 
+# batched-bench.cpp's jsonl line (its LOG format), between its other log lines
+def batched_line(pp, pl, speed_tg, tg=128):
+    return ('{"n_kv_max": 300000, "n_batch": 2048, "n_ubatch": 512, "flash_attn": -1, '
+            '"is_pp_shared": 0, "n_gpu_layers": 999, "n_threads": 16, "n_threads_batch": 16, '
+            f'"pp": {pp}, "tg": {tg}, "pl": {pl}, "n_kv": {pl * (pp + tg)}, "t_pp": 0.5, '
+            f'"speed_pp": 1000.000000, "t_tg": {pl * tg / speed_tg:.6f}, '
+            f'"speed_tg": {speed_tg:.6f}, "t": 2.0, "speed": 900.0}}')
+
+
+BATCHED = "\n".join(["main: n_kv_max = 300000", batched_line(1, 8, 160.0),
+                      batched_line(1, 32, 80.0), batched_line(8192, 8, 100.0),
+                      batched_line(8192, 32, 130.0), "llama_perf_context_print: ..."])
+
+
+def test_batched_bench_command_and_rows():
+    cmd = bench.batched_bench_cmd("bin/llama-batched-bench", "m.gguf", [0, 8192], [8, 32], 128)
+
+    def flag(f):
+        return cmd[cmd.index(f) + 1]
+    assert (flag("-npp"), flag("-ntg"), flag("-npl"), flag("--output-format")) == (
+        "1,8192", "128", "8,32", "jsonl")
+    assert int(flag("-c")) >= 32 * (8192 + 128)  # every sequence fits the context
+    assert "-kvu" in cmd
+    rows = bench.parse_batched_bench(BATCHED)
+    assert [(r["pp"], r["pl"]) for r in rows] == [(1, 8), (1, 32), (8192, 8), (8192, 32)]
+    assert bench.batched_figures(rows) == {0: {8: 160.0, 32: 80.0},
+                                           8192: {8: 100.0, 32: 130.0}}
+    with pytest.raises(ValueError, match="no jsonl rows"):
+        bench.parse_batched_bench("main: error: unable to load model")
+
+
 def test_ratios_against_targets():
     llama = bench.llama_figures(bench.parse_llama_bench(PP) + bench.parse_llama_bench(TG))
+    llama["aggregate"] = bench.batched_figures(bench.parse_batched_bench(BATCHED))
     rows = [{"kind": "prefill", "prompt": 512, "tok_s": 8200.0},
             {"kind": "prefill", "prompt": 8192, "tok_s": 1750.0}]
-    for depth, per_batch in ((0, {1: 120.0, 8: 500.0, 32: 250.0}),
+    for depth, per_batch in ((0, {1: 120.0, 8: 500.0, 32: 200.0}),
                              (8192, {1: 40.0, 8: 300.0, 32: 400.0})):
         rows += [{"kind": "decode", "depth": depth, "batch": b, "tok_s": v}
                  for b, v in per_batch.items()]
@@ -221,17 +241,19 @@ def test_ratios_against_targets():
     assert got[("decode_b1", 0)]["meets_target"] is True
     assert got[("decode_b1", 8192)]["ratio"] == pytest.approx(0.5)
     assert got[("decode_b1", 8192)]["meets_target"] is False
-    # batch 32's aggregate against llama.cpp's batch-1 tg: 250/100 < 3, 400/80 >= 3
+    # batch 32's aggregate against llama-batched-bench's at 32: 200/80 < 3, 400/130 >= 3
+    assert got[("decode_b32_aggregate", 0)]["ratio"] == pytest.approx(2.5)
     assert got[("decode_b32_aggregate", 0)]["meets_target"] is False
-    assert got[("decode_b32_aggregate", 8192)]["ratio"] == pytest.approx(5.0)
+    assert got[("decode_b32_aggregate", 8192)]["ratio"] == pytest.approx(400 / 130)
     assert got[("decode_b32_aggregate", 8192)]["meets_target"] is True
+    assert got[("decode_b8_aggregate", 0)]["ratio"] == pytest.approx(500 / 160)
     assert got[("decode_b8_aggregate", 0)]["target"] is None
     assert got[("prefill", 512)]["ratio"] == pytest.approx(2.0)  # against the best ubatch
     assert got[("prefill", 8192)]["meets_target"] is False
     assert len(got) == 8
     md = bench.markdown({"paths": {"portable": {"settings": "x", "ratios": list(got.values())},
                                    "upstream": {"error": "boom", "ratios": []}}})
-    assert "| decode batch 32 at depth 8192 | 400.0 | 80.0 | 5.00 | >= 3x: met |" in md
+    assert "| decode batch 32 at depth 8192 | 400.0 | 130.0 | 3.08 | >= 3x: met |" in md
     assert "| prefill 8192 | 1750.0 | 3500.0 | 0.50 | >= 1x: not met |" in md
     assert "**upstream**: failed" in md
     # cases only one side measured are left out

@@ -54,22 +54,32 @@ def llama_cpp_dir(cache: Path) -> Path:
     return dest / "vendor" / "llama.cpp"
 
 
-def llama_quantize() -> Path:
-    """llama.cpp's `llama-quantize`, built once from the pinned sdist's vendored
-    source (CPU only, static) into build.py's cache; a few minutes on 2 cores.
-    VLLM_OVERLAY_LLAMA_QUANTIZE names a prebuilt one (the offline GPU host)."""
-    if os.environ.get("VLLM_OVERLAY_LLAMA_QUANTIZE"):
-        return Path(os.environ["VLLM_OVERLAY_LLAMA_QUANTIZE"])
+# llama.cpp's tools the tests run, built together from the pinned sdist
+LLAMA_TOOLS = ("llama-quantize", "llama-imatrix")
+# llama-quantize types whose tensors need an importance matrix: llama-quant.cpp
+# (tensor_requires_imatrix) refuses IQ2_XXS/IQ2_XS/IQ2_S/IQ1_* targets without one,
+# and IQ2_M's default tensor type is IQ2_S
+NEEDS_IMATRIX = {"IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ2_M", "IQ1_S", "IQ1_M", "IQ3_XXS", "Q2_K_S"}
+
+
+def llama_tool(name: str) -> Path:
+    """One of LLAMA_TOOLS, built once from the pinned sdist's vendored source (CPU
+    only, static) into build.py's cache; a few minutes on 2 cores.
+    VLLM_OVERLAY_LLAMA_QUANTIZE / VLLM_OVERLAY_LLAMA_IMATRIX name prebuilt ones
+    (the offline GPU host)."""
+    env = "VLLM_OVERLAY_" + name.upper().replace("-", "_")
+    if os.environ.get(env):
+        return Path(os.environ[env])
     sys.path.insert(0, str(ROOT))
     import build
 
     sdist = build.fetch(*LLAMA_CPP_PYTHON)
-    home = build.cache_dir() / f"llama-quantize-{sdist.name.removesuffix('.tar.gz')}"
-    binary = home / "build" / "bin" / "llama-quantize"
+    home = build.cache_dir() / f"llama-tools-{sdist.name.removesuffix('.tar.gz')}"
+    binary = home / "build" / "bin" / name
     if binary.exists():
         return binary
     if shutil.which("cmake") is None:
-        raise RuntimeError("building llama.cpp's quantizer needs cmake (and a C++ compiler)")
+        raise RuntimeError("building llama.cpp's tools needs cmake (and a C++ compiler)")
     work = home.with_name(f"{home.name}.partial-{os.getpid()}")
     shutil.rmtree(work, ignore_errors=True)
     prefix = f"{sdist.name.removesuffix('.tar.gz')}/vendor/llama.cpp/"
@@ -79,9 +89,10 @@ def llama_quantize() -> Path:
     src = work / prefix
     flags = ["-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=OFF", "-DBUILD_SHARED_LIBS=OFF",
              "-DLLAMA_CURL=OFF", "-DLLAMA_OPENSSL=OFF", "-DLLAMA_BUILD_TESTS=OFF",
-             "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_BUILD_SERVER=OFF"]
+             "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_BUILD_SERVER=OFF",
+             "-DLLAMA_BUILD_UI=OFF", "-DLLAMA_USE_PREBUILT_UI=OFF"]
     for cmd in (["cmake", "-S", str(src), "-B", str(work / "build"), *flags],
-                ["cmake", "--build", str(work / "build"), "--target", "llama-quantize",
+                ["cmake", "--build", str(work / "build"), "--target", *LLAMA_TOOLS,
                  "-j", str(os.cpu_count() or 2)]):
         res = subprocess.run(cmd, capture_output=True, text=True)
         if res.returncode != 0:
@@ -94,9 +105,63 @@ def llama_quantize() -> Path:
     return binary
 
 
-def quantize(src: Path, out: Path, qtype: str) -> Path:
-    res = subprocess.run([str(llama_quantize()), str(src), str(out), qtype],
-                         capture_output=True, text=True)
+def llama_quantize() -> Path:
+    return llama_tool("llama-quantize")
+
+
+def calibration_text(path: Path, sentences: int = 4000) -> Path:
+    """A generated text for llama-imatrix (words, numbers, CJK and Cyrillic)."""
+    path.write_text("".join(
+        f"GLM-5 sparse attention test sentence number {i}: the quick brown fox jumps over "
+        f"{i * 7} lazy dogs; 你好, мир! " for i in range(sentences)))
+    return path
+
+
+def make_imatrix(gguf_file: Path, out: Path, chunks: int = 16, ctx: int = 512,
+                 binary: Path | None = None, extra: tuple[str, ...] = ()) -> Path:
+    """llama.cpp's importance matrix of `gguf_file` over calibration_text: a real
+    matrix of the model, no dummy."""
+    text = calibration_text(out.with_suffix(".txt"))
+    cmd = [str(binary or llama_tool("llama-imatrix")), "-m", str(gguf_file), "-f", str(text),
+           "-o", str(out), "-c", str(ctx), "--chunks", str(chunks), "--no-ppl", *extra]
+    res = subprocess.run(cmd, capture_output=True, text=True)
+    if res.returncode != 0 or not out.exists():
+        raise RuntimeError(f"llama-imatrix failed:\n{res.stdout[-2000:]}\n{res.stderr[-3000:]}")
+    return out
+
+
+# llama-imatrix runs the main model only, so it has no data for the MTP (nextn)
+# block, and llama-quantize refuses the types of NEEDS_IMATRIX there; the block of
+# such a file is quantized to this I-quant, which needs none
+MTP_BLOCK_TYPE = "IQ4_XS"
+
+
+def mtp_blocks(gguf_file: Path) -> list[int]:
+    """The MTP (nextn) blocks of a GGUF: the last nextn_predict_layers of block_count."""
+    import gguf
+
+    reader = gguf.GGUFReader(gguf_file)
+    arch = reader.fields["general.architecture"].contents()
+    n = reader.fields.get(f"{arch}.nextn_predict_layers")
+    blocks = reader.fields[f"{arch}.block_count"].contents()
+    n = n.contents() if n is not None else 0
+    return list(range(blocks - n, blocks))
+
+
+def quantize(src: Path, out: Path, qtype: str, imatrix: Path | None = None,
+             extra: tuple[str, ...] = ()) -> Path:
+    """llama-quantize `src` to `qtype`; the types of NEEDS_IMATRIX get an importance
+    matrix of `src` (make_imatrix) unless one is given, and MTP_BLOCK_TYPE for the
+    MTP block's tensors."""
+    if qtype in NEEDS_IMATRIX:
+        if imatrix is None:
+            imatrix = make_imatrix(src, out.with_name(out.stem + ".imatrix.gguf"), chunks=8,
+                                   ctx=128)
+        for b in mtp_blocks(src):
+            extra = (*extra, "--tensor-type", rf"blk\.{b}\.={MTP_BLOCK_TYPE.lower()}")
+    cmd = [str(llama_quantize()), *extra, *(["--imatrix", str(imatrix)] if imatrix else []),
+           str(src), str(out), qtype]
+    res = subprocess.run(cmd, capture_output=True, text=True)
     if res.returncode != 0:
         raise RuntimeError(f"llama-quantize failed:\n{res.stdout[-2000:]}\n{res.stderr[-2000:]}")
     return out

@@ -4,17 +4,17 @@ GGUF the way the engine does it for `--speculative-config '{"method": "mtp", ...
 and run on given inputs.
 
     python glm5_mtp_cpu.py FILE.gguf --out OUT.pt [--inputs IN.pt] [--tokens N]
-        [--dtype float32|bfloat16] [--no-target]
+        [--dtype float32|bfloat16]
 
 Run it as a script (glm5_vllm_cpu's stubs change vLLM's platform for the process).
 The configs are made by vLLM's own code: EngineArgs for the target (nothing but the
 file), SpeculativeConfig for the draft (method "mtp": the draft's ModelConfig, its
-hf_config override to deepseek_mtp); the engine's order of loading is kept: the
-target model first (GGUFModelLoader.load_model, as the GPU model runner), then the
-draft through the same loader with the draft's model config (what the MTP proposer's
-get_model does): GGUFModelLoader.load_model as it is, but for
-process_weights_after_loading, which prepares device kernels and is left out (as in
-glm5_vllm_cpu.py).
+hf_config override to deepseek_mtp). The engine's loading is kept: the target model
+first (GGUFModelLoader.load_model, as the GPU model runner), then vLLM's MTP
+proposer (EagleProposer, as the GPU model runner makes it for method "mtp") and its
+load_model(target): the draft through the GGUF loader with the draft's model config,
+then what the proposer shares of the target's modules (embedding, head). Left out: process_weights_after_loading, which prepares device kernels (as
+in glm5_vllm_cpu.py), and pinned host memory.
 
 With --inputs (a torch file {"input_ids": [T], "positions": [T], "hidden_states":
 [T, hidden]}), the draft's forward runs on the CPU (DeepSeekMTP.forward and
@@ -30,12 +30,14 @@ earlier token):
   top-k, renormalized, scaled, over the loaded w13/w2 stacks (gate rows first).
 OUT.pt holds {"logits": [T, vocab], "hidden_states": [T, hidden] (pre-norm),
 "params": {name: tensor}} (the draft's parameters as loaded, before the proposer
-shares the target's embedding; a GGUF parameter of merged shards, which stays
-uninitialized until process_weights_after_loading, as "<name>:<shard id>" per
-shard, its weight type likewise).
+shares the target's; a GGUF parameter of merged shards, which stays uninitialized
+until process_weights_after_loading, as "<name>:<shard id>" per shard, its weight
+type likewise).
 
 Prints JSON on its last line: the draft's config fields, its parameters'
-[dtype, shape], which quant method each module took.
+[dtype, shape] as loaded, which quant method each module took, and what the
+proposer shares: whether the draft's embedding and each MTP layer's head are the
+target's modules, and the GGUF tensor each of them was loaded from.
 """
 
 import argparse
@@ -75,19 +77,48 @@ def configs(gguf_file: str, num_speculative_tokens: int, dtype: str):
     return config, spec.draft_model_config
 
 
-def build(gguf_file: str, num_speculative_tokens: int, dtype: str, with_target: bool):
+def build(gguf_file: str, num_speculative_tokens: int, dtype: str):
+    """(config, draft config, target, the proposer after load_model, the draft as
+    the loader filled it: {"tensors": loaded_tensors, "params": describe'd})."""
+    import vllm.v1.spec_decode.llm_base_proposer as proposer_module
     import vllm_gguf_plugin.loader as loader_module
     from vllm.config import set_current_vllm_config
+    from vllm.v1.spec_decode.eagle import EagleProposer
     from vllm_gguf_plugin.loader import GGUFModelLoader
 
     loader_module.process_weights_after_loading = lambda *args, **kwargs: None
+    proposer_module.PIN_MEMORY = False  # pinned host memory needs a GPU
     config, draft_config = configs(gguf_file, num_speculative_tokens, dtype)
+    loaded = {}
     with set_current_vllm_config(config):
-        loader = GGUFModelLoader(config.load_config)
-        if with_target:
-            loader.load_model(config, config.model_config)
-        model = loader.load_model(config, draft_config)
-    return config, draft_config, model
+        target = GGUFModelLoader(config.load_config).load_model(config, config.model_config)
+        proposer = EagleProposer(config, torch.device("cpu"))
+        get_model = proposer._get_model
+
+        def get_draft():  # the draft as loaded, before the proposer shares modules
+            model = get_model()
+            loaded["tensors"] = loaded_tensors(model)
+            loaded["params"] = {n: describe(t) for n, t in model.named_parameters()}
+            return model
+
+        proposer._get_model = get_draft
+        proposer.load_model(target)
+    return config, draft_config, target, proposer, loaded
+
+
+def sharing(target, draft) -> dict:
+    """What the draft holds of the target's after the proposer's load_model, and the
+    GGUF tensor each module was loaded from (the adapter's gguf_source)."""
+    def source(module):
+        return list(getattr(module, "gguf_source", None) or [None, None])[1]
+
+    heads = {k: layer.shared_head.head for k, layer in draft.model.layers.items()}
+    return {"embed_shared": draft.model.embed_tokens is target.model.embed_tokens,
+            "embed_source": source(draft.model.embed_tokens),
+            "target_embed_source": source(target.model.embed_tokens),
+            "head_shared": {k: h is target.lm_head for k, h in heads.items()},
+            "head_source": {k: source(h) for k, h in heads.items()},
+            "target_head_source": source(target.lm_head)}
 
 
 def loaded_tensors(model) -> dict[str, torch.Tensor]:
@@ -200,18 +231,15 @@ def main():
     p.add_argument("--inputs", default=None)
     p.add_argument("--tokens", type=int, default=1, help="num_speculative_tokens")
     p.add_argument("--dtype", default="float32")
-    p.add_argument("--no-target", action="store_true",
-                   help="load the draft alone (no target model loaded first)")
     args = p.parse_args()
     from vllm.plugins import load_general_plugins
 
     load_general_plugins()
     stub_device_selection()
     init_single_process()
-    config, draft_config, model = build(args.gguf, args.tokens, args.dtype,
-                                        with_target=not args.no_target)
-    params = dict(model.named_parameters())
-    result = {"params": loaded_tensors(model)}
+    config, draft_config, target, proposer, loaded = build(args.gguf, args.tokens, args.dtype)
+    model = proposer.model
+    result = {"params": loaded["tensors"]}
     if args.inputs is not None:
         result.update(run(config, model, torch.load(args.inputs)))
     torch.save(result, args.out)
@@ -229,8 +257,9 @@ def main():
                   "quantization": draft_config.quantization},
         "target_model_type": config.model_config.hf_config.model_type,
         "model_class": type(model).__name__,
-        "params": {n: describe(t) for n, t in params.items()},
+        "params": loaded["params"],
         "quant_methods": quant_methods(model),
+        "sharing": sharing(target, model),
     }))
 
 

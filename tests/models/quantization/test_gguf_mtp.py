@@ -3,16 +3,24 @@
 
 The model is the trained tiny GLM-5 (glm5_trained.py: main model and MTP head
 trained together on a corpus with a known rule), as llama.cpp writes it: bf16 and
-q8_0 from its converter, Q4_K_M from llama-quantize, and bf16 with the converter's
---no-mtp. vLLM's draft for `--speculative-config '{"method": "mtp", ...}'`
-(SpeculativeConfig's deepseek_mtp config, DeepSeekMTP) is built and filled by the
-GGUF plugin's loader in a subprocess (glm5_mtp_cpu.py), after the target model, as
-the engine does. References:
+q8_0 from its converter; Q4_K_M, Q2_K and IQ2_M (with an importance matrix from
+llama-imatrix) from llama-quantize, which quantizes the embedding and the nextn
+tensors too; bf16 with the converter's --no-mtp; and q8_0 of a checkpoint whose MTP
+block has its own embedding (GLM-5's has none). vLLM's draft for
+`--speculative-config '{"method": "mtp", ...}'` (SpeculativeConfig's deepseek_mtp
+config, DeepSeekMTP) is built by vLLM's MTP proposer (EagleProposer.load_model:
+the GGUF plugin's loader, then what it shares of the target's modules) in a
+subprocess (glm5_mtp_cpu.py), after the target model, as the engine does.
+References:
 - the HF checkpoint the files were converted from: every draft parameter holds the
   checkpoint's tensors (in vLLM's fused layout), exactly for tensors the file stores
   in bf16/f32, within the quant type's error otherwise (quantized parameters
   dequantized by gguf-py); which GGUF tensors a parameter comes from is looked up in
   gguf-py's own name map, and every tensor of the file's MTP block is used;
+- what the proposer shares: the target's embedding and head where the file's draft
+  tensor is the target's (the checkpoint's MTP head is a copy of lm_head, so its
+  nextn copy in the file is the same bytes exactly when llama.cpp gave both the
+  same type; the checkpoint has no MTP embedding), the file's own tensor otherwise;
 - the draft's logits on the CPU (vLLM's modules, the device kernels replaced by
   PyTorch) against the nextn block written here from the architecture (DeepSeek-V3's
   MTP module as vLLM runs it): the embedding of token t+1 (zero at position 0) and
@@ -24,6 +32,7 @@ the engine does. References:
 
 import json
 import math
+import shutil
 from pathlib import Path
 
 import pytest
@@ -31,12 +40,20 @@ import torch
 
 import glm5_trained
 import gguf_reference as gr
-from test_gguf_glm_dsa import REL_ERR
+from test_gguf_glm_dsa import REL_ERR as GLM_DSA_REL_ERR
 
 HERE = Path(__file__).resolve().parent
 N = glm5_trained.N_LAYERS  # the MTP block is layer N (blk.N in the GGUF)
-KINDS = ("bf16", "q8_0", "Q4_K_M")
+KINDS = ("bf16", "q8_0", "Q4_K_M", "Q2_K", "IQ2_M")
+# the MTP block's own embedding (not in GLM-5's checkpoint): the main one with rows
+# changed, so that its file tensor is not the target's
+OWN_EMBED = "own-embed-q8_0"
 EXACT = {"F32", "BF16"}  # types that hold the bf16 checkpoint's values exactly
+# relative error bounds of the other types llama-quantize writes here, about 1.35x
+# the largest measured on this model's draft (Q2_K 0.30, IQ3_S 0.17, Q3_K 0.15,
+# IQ4_XS 0.077, IQ4_NL with IQ4_XS 0.075); Q4_0 holds only some kv_b heads here
+REL_ERR = {**GLM_DSA_REL_ERR, "Q4_0": 0.12, "IQ4_NL": 0.1, "IQ4_XS": 0.1, "Q3_K": 0.2,
+           "IQ3_S": 0.22, "Q2_K": 0.4}
 T = 48  # corpus tokens for the logits check (<= index_topk: the top-k is every token)
 # vLLM parameters that fuse checkpoint tensors (row blocks, in this order)
 FUSED = {"fused_qkv_a_proj": ("q_a_proj", "kv_a_proj_with_mqa"),
@@ -60,13 +77,25 @@ def checkpoint(trained) -> dict[str, torch.Tensor]:
 @pytest.fixture(scope="module")
 def mtp_ggufs(trained, tmp_path_factory):
     """(llama.cpp tree, {kind: GGUF}) of the trained model."""
+    from safetensors.torch import load_file, save_file
+
     llama_cpp = gr.llama_cpp_dir(tmp_path_factory.getbasetemp() / "llama-cpp")
     tmp = tmp_path_factory.mktemp("gguf-mtp")
     files = {k: gr.convert(llama_cpp, trained, tmp / f"glm5-trained-{k}.gguf", k)
              for k in ("bf16", "q8_0")}
-    files["Q4_K_M"] = gr.quantize(files["bf16"], tmp / "glm5-trained-Q4_K_M.gguf", "Q4_K_M")
+    for k in ("Q4_K_M", "Q2_K", "IQ2_M"):
+        files[k] = gr.quantize(files["bf16"], tmp / f"glm5-trained-{k}.gguf", k)
     files["no-mtp"] = gr.convert(llama_cpp, trained, tmp / "glm5-trained-no-mtp-bf16.gguf",
                                  "bf16", "--no-mtp")
+    own = tmp / "glm5-trained-own-embed"
+    shutil.copytree(trained, own)
+    tensors = load_file(own / "model.safetensors")
+    embed = tensors["model.embed_tokens.weight"].clone()
+    embed[::2] = -embed[::2]
+    tensors[f"model.layers.{N}.embed_tokens.weight"] = embed
+    save_file(tensors, own / "model.safetensors", metadata={"format": "pt"})
+    files[OWN_EMBED] = gr.convert(llama_cpp, own, tmp / "glm5-trained-own-embed-q8_0.gguf",
+                                  "q8_0")
     return llama_cpp, files
 
 
@@ -156,7 +185,7 @@ def drafts(run_without_gpu, mtp_ggufs, mtp_inputs, tmp_path_factory) -> dict:
     torch.save({k: mtp_inputs[k] for k in ("input_ids", "positions", "hidden_states")},
                tmp / "inputs.pt")
     out = {}
-    for kind in KINDS:
+    for kind in (*KINDS, OWN_EMBED):
         extra = ["--inputs", tmp / "inputs.pt"] if kind == "bf16" else []
         summary = run_without_gpu(HERE / "glm5_mtp_cpu.py", mtp_ggufs[1][kind], "--out",
                                   tmp / f"{kind}.pt", *extra)
@@ -271,6 +300,48 @@ def test_nextn_tensors_fill_every_draft_parameter(drafts, mtp_ggufs, checkpoint,
         assert errors, "no tensor of the draft was quantized"
 
 
+@pytest.mark.parametrize("kind", (*KINDS, OWN_EMBED))
+def test_proposer_shares_only_what_the_file_holds_once(drafts, mtp_ggufs, kind):
+    """vLLM's MTP proposer after loading the draft (EagleProposer.load_model; with a
+    quantized embedding it failed there, reading `.weight` of a module that holds
+    `qweight`): the draft has the target's embedding and head exactly where the
+    file's draft tensor is the target's, and the file's own tensor otherwise."""
+    from safetensors.torch import load_file
+
+    summary, out = drafts[kind]
+    sharing = summary["sharing"]
+    gguf = gr.gguf_module(mtp_ggufs[0])
+    reader = gguf.GGUFReader(mtp_ggufs[1][kind])
+    types = {t.name: t.tensor_type.name for t in reader.tensors}
+    if kind != "bf16":  # the files people serve: the embedding and head in blocks
+        assert types["token_embd.weight"] not in EXACT | {"F16"}
+        assert types[f"blk.{N}.nextn.shared_head_head.weight"] not in EXACT | {"F16"}
+    if kind == "IQ2_M":
+        assert reader.fields["general.file_type"].contents() == int(
+            gguf.LlamaFileType.MOSTLY_IQ2_M)
+        assert "IQ2_S" in types.values()
+    head, embed = f"blk.{N}.nextn.shared_head_head.weight", f"blk.{N}.nextn.embed_tokens.weight"
+    # the checkpoint's MTP head is a copy of lm_head: one tensor where stored alike
+    same_head = types[head] == types["output.weight"]
+    assert sharing["target_head_source"] == "output.weight"
+    assert sharing["head_source"] == {str(N): "output.weight" if same_head else head}
+    assert sharing["head_shared"] == {str(N): same_head}
+    assert sharing["target_embed_source"] == "token_embd.weight"
+    if kind != OWN_EMBED:
+        # no MTP embedding in GLM-5's checkpoint: the draft's is the target's
+        assert embed not in types
+        assert sharing["embed_source"] == "token_embd.weight" and sharing["embed_shared"]
+        return
+    assert sharing["embed_source"] == embed and not sharing["embed_shared"]
+    # the draft's own embedding holds the file's copy, not the main one
+    hf = load_file(Path(mtp_ggufs[1][kind]).parent / "glm5-trained-own-embed" / "model.safetensors")
+    own, main = hf[f"model.layers.{N}.embed_tokens.weight"].float(), \
+        hf["model.embed_tokens.weight"].float()
+    got = out["params"]["model.embed_tokens.weight"].float()
+    assert ((got - own).norm() / own.norm()).item() <= REL_ERR["Q8_0"]
+    assert ((got - main).norm() / main.norm()).item() > 0.5
+
+
 def test_draft_logits_equal_the_nextn_block(drafts, mtp_inputs, checkpoint, trained):
     """The bf16 file's draft (float32) through vLLM's DeepSeekMTP on the CPU against
     the nextn block computed here; its greedy tokens are the corpus rule's."""
@@ -338,6 +409,23 @@ def test_incomplete_mtp_block_is_refused(mtp_ggufs, tmp_path, drop, error):
     config = draft_config(f).hf_config
     with pytest.raises(GGUFError, match=r"cut\.gguf: .*" + error.format(N=N)):
         GlmDsaGGUF([f], config)
+
+
+def test_unsupported_nextn_type_is_refused_before_loading(mtp_ggufs, tmp_path):
+    """A nextn tensor in a type the plugin's kernels cannot run (TQ2_0, ternary, by
+    llama-quantize's --tensor-type): the draft's reader (what the adapter's
+    prepare_loading builds, before the model exists) names the tensor, the type and
+    the file; the main model, which does not load the block, is unaffected."""
+    from vllm.transformers_utils import glm_dsa_gguf as gg
+    from vllm_gguf_plugin.weights_adapter.glm_dsa import GGUFError, GlmDsaGGUF
+
+    f = gr.quantize(mtp_ggufs[1]["bf16"], tmp_path / "ternary-eh-proj.gguf", "Q8_0",
+                    extra=("--tensor-type", rf"blk\.{N}\.nextn\.eh_proj=tq2_0"))
+    GlmDsaGGUF([f], gg.config_from_gguf(f))
+    with pytest.raises(GGUFError, match=rf"ternary-eh-proj\.gguf: GGUF tensor "
+                                        rf"'blk\.{N}\.nextn\.eh_proj\.weight' has type TQ2_0, "
+                                        "which the GGUF plugin's kernels do not support"):
+        GlmDsaGGUF([f], draft_config(f).hf_config)
 
 
 def test_missing_nextn_head_falls_back_to_output(mtp_ggufs, checkpoint, tmp_path):

@@ -61,6 +61,7 @@ from vllm.transformers_utils.glm_dsa_gguf import (
 )
 
 from ..quantization.utils import DEQUANT_TYPES
+from ..spec_decode import patch_mtp_sharing
 from .base import BaseGGUFWeightsAdapter, GGUFLoadSpec
 from .default import GGUFWeightsAdapter
 
@@ -506,6 +507,39 @@ class GlmDsaGGUF:
                         types[hf.replace(f".{shards[0]}.", f".{fused}.")] = types[hf]
         return types
 
+    def _same_bytes(self, a: str, b: str) -> bool:
+        t, u = self.tensors[a], self.tensors[b]
+        return (t.tensor_type == u.tensor_type and _shape(t) == _shape(u)
+                and np.array_equal(np.asarray(t.data), np.asarray(u.data)))
+
+    def shared_sources(self) -> dict[str, tuple[str, str]]:
+        """{module: (file, GGUF tensor)} for the modules an MTP draft and its
+        target may share, the embedding and the output head: the main model's
+        `token_embd` and `output`; for the draft, its nextn copy, or the main
+        tensor where the block has no copy or its copy holds the same bytes. The
+        MTP proposer shares the target's module where the two name one tensor."""
+        main_head = "output.weight" if "output.weight" in self.tensors else "token_embd.weight"
+        path = str(self.path.resolve())
+        if not is_mtp_draft(self.config):
+            return {"model.embed_tokens": (path, "token_embd.weight"),
+                    "lm_head": (path, main_head)}
+        out = {}
+        L = self.config.num_hidden_layers
+        for i in range(L, L + _n_mtp(self.config)):
+            for rest, module in (("nextn.embed_tokens.weight", "model.embed_tokens"),
+                                 ("nextn.shared_head_head.weight",
+                                  f"model.layers.{i}.shared_head.head")):
+                name, main = f"blk.{i}.{rest}", "token_embd.weight"
+                if rest == "nextn.shared_head_head.weight":
+                    main = main_head
+                if name not in self.tensors:
+                    name = self.fallbacks[self._hf_name(name)]
+                elif self._same_bytes(name, main):
+                    name = main
+                # DeepSeekMTP loads the embedding of its first MTP layer only
+                out.setdefault(module, (path, name))
+        return out
+
     def _raw(self, name: str) -> torch.Tensor:
         """The stored data: elements for F32/F16/BF16, blocks for quantized types."""
         t = self.tensors[name]
@@ -580,6 +614,9 @@ class GlmDsaGGUFAdapter(BaseGGUFWeightsAdapter):
         from vllm.config import get_current_vllm_config
 
         files = split_files(model_path)
+        if is_mtp_draft(model_config.hf_config):
+            # the proposer shares target modules with this draft after loading it
+            patch_mtp_sharing()
         # the tensor parallel split must keep whole quant blocks per rank
         parallel = get_current_vllm_config().parallel_config
         tp = parallel.tensor_parallel_size
@@ -599,3 +636,7 @@ class GlmDsaGGUFAdapter(BaseGGUFWeightsAdapter):
 
     def check_loaded(self, model: torch.nn.Module, loaded: Iterable[str]) -> None:
         check_all_loaded(model, loaded)
+        # what the MTP proposer compares before it shares target modules with the
+        # draft (vllm_gguf_plugin/spec_decode.py)
+        for module, source in self.gguf.shared_sources().items():
+            model.get_submodule(module).gguf_source = source
