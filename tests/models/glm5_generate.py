@@ -43,8 +43,9 @@ def count_triton_indexer_calls() -> dict[str, int]:
     return calls
 
 
-def attention_backend_name(llm) -> str | None:
-    """The attention backend the engine's layers use (in-process engine only)."""
+def attention_backend_name(llm, layer_filter=None) -> str | None:
+    """The attention backend the engine's layers use (in-process engine only): those
+    whose name `layer_filter` takes, else all."""
     from vllm.config import get_layers_from_vllm_config
     from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
 
@@ -53,9 +54,12 @@ def attention_backend_name(llm) -> str | None:
         layers = get_layers_from_vllm_config(config, AttentionLayerBase)
     except Exception:  # noqa: BLE001 - reporting only
         return None
-    names = {layer.get_attn_backend().get_name() for layer in layers.values()}
+    names = {layer.get_attn_backend().get_name() for name, layer in layers.items()
+             if layer_filter is None or layer_filter(name)}
     # the sparse indexer's key cache is a layer of its own; report the attention
     names -= {"DEEPSEEK_V32_INDEXER"}
+    if not names:
+        return None
     return names.pop() if len(names) == 1 else ",".join(sorted(names))
 
 

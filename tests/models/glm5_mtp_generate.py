@@ -16,7 +16,9 @@ calls can be counted):
   verification step) and the acceptance rate per draft position;
 - decode speed at batch 1 and 8: after a warm-up, each batch is generated once with
   one new token and once with --speed-tokens; the decode rate is the extra tokens
-  over the extra time (the prefill cancels out).
+  over the extra time (the prefill cancels out); --speed-tokens 0 leaves it out.
+The attention backends of the target's layers and of the draft's (its MTP
+layers, `mtp_block`) are reported apart.
 """
 
 import argparse
@@ -101,7 +103,7 @@ def main():
     p.add_argument("--dtype", default="float16")
     p.add_argument("--eager", action="store_true")
     p.add_argument("--max-tokens", type=int, default=64)
-    p.add_argument("--speed-tokens", type=int, default=256)
+    p.add_argument("--speed-tokens", type=int, default=256, help="0: no speed runs")
     args = p.parse_args()
     os.environ["VLLM_SPARSE_INDEXER_LOGITS"] = args.indexer
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
@@ -124,7 +126,7 @@ def main():
     outs = llm.generate(batch, sampling(args.max_tokens), use_tqdm=False)
     spec = acceptance(before, spec_counts(llm.get_metrics()))
     speed = {}
-    for n in (1, 8):
+    for n in (1, 8) if args.speed_tokens else ():
         llm.generate(batch[:n], sampling(args.speed_tokens), use_tqdm=False)  # warm-up
         times = []
         for tokens in (1, args.speed_tokens):
@@ -135,6 +137,8 @@ def main():
     result = {
         "args": vars(args),
         "attention_backend": attention_backend_name(llm),
+        "target_attention_backend": attention_backend_name(llm, lambda n: ".mtp_block." not in n),
+        "draft_attention_backend": attention_backend_name(llm, lambda n: ".mtp_block." in n),
         "indexer_backend": il.indexer_logits_backend(),
         "triton_indexer_calls": calls,
         "acceptance": spec,

@@ -6,6 +6,8 @@
 # bench (kernel benchmarks), glm52 (the tiny GLM-5.2 from its GGUFs, needs .llama-cpp/ as gguf),
 # sm80 (the engine as on SM80/SM86 with the 16-bit-dot indexer), chat (`vllm serve` of a GGUF
 # with GLM-5's reasoning and tool-call parsers), mtp (MTP speculative decoding from a GGUF),
+# mtpq (benchmarks/glm5_mtp_matrix.py: MTP from safetensors, bf16, q8_0, Q4_K_M and IQ2_M
+# files of the trained tiny GLM-5 and the tiny GLM-5.2, eager, graphs, as on SM120),
 # gguf (the tiny GLM-5 from llama.cpp GGUFs in the engine; needs
 # .llama-cpp/ carried: the converter tree and a llama-quantize binary, see
 # tests/models/quantization/gguf_reference.py), mla (the sparse MLA kernel tests only), sweep
@@ -51,6 +53,7 @@ export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 VLLM_NO_USAGE_
 export VLLM_OVERLAY_UPSTREAM_TESTS="${VLLM_OVERLAY_UPSTREAM_TESTS:-$here/.upstream-tests}"
 export VLLM_OVERLAY_LLAMA_CPP="${VLLM_OVERLAY_LLAMA_CPP:-$here/.llama-cpp}"
 export VLLM_OVERLAY_LLAMA_QUANTIZE="${VLLM_OVERLAY_LLAMA_QUANTIZE:-$here/.llama-cpp/bin/llama-quantize}"
+export VLLM_OVERLAY_LLAMA_IMATRIX="${VLLM_OVERLAY_LLAMA_IMATRIX:-$here/.llama-cpp/bin/llama-imatrix}"
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv > "$out/gpu.txt"
 for stage in $stages; do
   case "$stage" in
@@ -99,6 +102,15 @@ for stage in $stages; do
         tests/models/quantization/test_glm5_gguf_mtp_gpu.py -q -s -p no:cacheprovider \
         -p no:warnings 2>&1 | tee "$out/mtp.log" \
         | grep -E "passed|failed|error|REPORT|FAILED|Error" || rc=1 ;;
+    mtpq)
+      # MTP by file type: lossless up to near-ties, acceptance against the bf16 file's,
+      # TRITON_MLA_SPARSE for target and draft (one engine per row, MTPQ_PARALLEL at once)
+      pip install -q --no-deps --no-build-isolation --target /tmp/site \
+        tests/plugins/vllm_report_capability >/dev/null 2>&1 || rc=1
+      [ -d .glm5-trained ] && export VLLM_OVERLAY_GLM5_TRAINED="$here/.glm5-trained"
+      timeout "${MTPQ_TIMEOUT:-580}" python3 benchmarks/glm5_mtp_matrix.py --out /tmp/mtpq \
+        --parallel "${MTPQ_PARALLEL:-8}" ${MTPQ_ARGS:-} --json "$out/mtp-matrix.json" 2>&1 \
+        | tee "$out/mtp-matrix.log" | grep -E "^\||Error" || rc=1 ;;
     upstream)
       timeout 300 python3 -m pytest tests/v1/attention/test_upstream_sparse_mla_backends.py -q \
         -p no:cacheprovider -p no:warnings 2>&1 | tee "$out/upstream-tests.log" | tail -3 || rc=1 ;;

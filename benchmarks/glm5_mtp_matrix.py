@@ -1,0 +1,199 @@
+# SPDX-License-Identifier: Apache-2.0
+"""MTP speculative decoding in vLLM from the files people serve: lossless greedy
+output and acceptance, by file type.
+
+    python benchmarks/glm5_mtp_matrix.py --out DIR [--parallel 8] [--models glm5 glm52]
+        [--json FILE]
+
+Models: the trained tiny GLM-5 (tests/models/glm5_trained.py, whose MTP head
+predicts its corpus) and the tiny GLM-5.2 (tests/models/glm5_tiny.py: IndexShare,
+`index_share_for_mtp_iteration`; random weights, so its drafts are rarely
+accepted). Sources: the safetensors checkpoint, and the GGUFs llama.cpp writes of
+it: bf16 and q8_0 (converter), Q4_K_M and IQ2_M (llama-quantize; IQ2_M with an
+importance matrix from llama-imatrix), which quantize the embedding and the
+nextn tensors too. Each row is one engine (tests/models/glm5_mtp_generate.py:
+greedy, 8 corpus prompts of 40-320 tokens, 64 new tokens) with N = 0 (no MTP) or
+N = 1..3 draft tokens; TRITON_MLA_SPARSE named for target and draft, the portable
+indexer, float16, eager; plus CUDA graphs for the GLM-5's bf16 and Q4_K_M at N = 0
+and 3, and Q4_K_M as on SM120 (capability 12.0 and its shared memory reported, nothing forced,
+dtype auto) at N = 0 and 3. Rows run as parallel processes on one GPU.
+
+Checks (exit status 1 when one fails or a row did not run):
+- greedy output with MTP is the output without it (same model, source, mode),
+  except at near-ties: at the first token where they part, the top-2 logprob gap
+  of the run without MTP is under NEAR_TIE nats; every parting is reported with
+  its gap;
+- the acceptance length of each GGUF row within 10% of the bf16 file's at the same
+  N (and safetensors' is reported beside them);
+- target and draft ran TRITON_MLA_SPARSE.
+"""
+
+import argparse
+import concurrent.futures
+import json
+import os
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT / "tests" / "models"), str(ROOT / "tests" / "models" / "quantization")]
+
+NEAR_TIE = 0.05  # nats
+ACCEPTANCE_TOLERANCE = 0.10  # relative to the bf16 file's
+MODELS = ("glm5", "glm52")
+SOURCES = ("safetensors", "bf16", "q8_0", "Q4_K_M", "IQ2_M")
+DRAFT_TOKENS = (1, 2, 3)
+FORCED = {"attention_backend": "TRITON_MLA_SPARSE", "indexer": "triton", "dtype": "float16"}
+SM120_ENV = {"VLLM_TEST_REPORT_CAPABILITY": "12.0", "VLLM_TEST_REPORT_SHARED_MEM": "101376"}
+
+
+def rows(models=MODELS) -> list[dict]:
+    out = [dict(model=m, source=s, mode="eager", n=n)
+           for m in models for s in SOURCES for n in (0, *DRAFT_TOKENS)]
+    if "glm5" in models:  # CUDA graphs on the model whose drafts are accepted
+        out += [dict(model="glm5", source=s, mode="graphs", n=n)
+                for s in ("bf16", "Q4_K_M") for n in (0, 3)]
+    out += [dict(model=m, source="Q4_K_M", mode="sm120", n=n) for m in models for n in (0, 3)]
+    return out
+
+
+def key(row: dict) -> tuple:
+    return row["model"], row["source"], row["mode"], row["n"]
+
+
+def parting(base: dict, spec: dict) -> dict | None:
+    """Where a run with MTP first parts from the run without it: prompt, step, both
+    tokens, and the top-2 logprob gap of the run without MTP there; None if never."""
+    for i, (oa, ob) in enumerate(zip(base["outputs"], spec["outputs"])):
+        for j, (ta, tb) in enumerate(zip(oa["tokens"], ob["tokens"])):
+            if ta != tb:
+                top = sorted(oa["logprobs"][j].values(), reverse=True)
+                gap = top[0] - top[1] if len(top) > 1 else float("inf")
+                return {"prompt": i, "step": j, "without_mtp": ta, "with_mtp": tb, "gap": gap}
+    return None
+
+
+def check(results: dict) -> list[dict]:
+    """The rows with their checks: lossless (or a near-tie parting), acceptance
+    against the bf16 file's, the backends."""
+    table = []
+    for k, res in results.items():
+        model, source, mode, n = k
+        row = dict(res, model=model, source=source, mode=mode, n=n)
+        problems = []
+        if "error" in res:
+            problems.append("did not run")
+        else:
+            if {res.get("target_attention_backend"), res.get("draft_attention_backend")
+                    if n else "TRITON_MLA_SPARSE"} != {"TRITON_MLA_SPARSE"}:
+                problems.append("backend")
+            base = results.get((model, source, mode, 0))
+            if n and base is not None and "error" not in base:
+                row["parting"] = p = parting(base, res)
+                if p is not None and not p["gap"] < NEAR_TIE:
+                    problems.append(f"parts at a gap of {p['gap']:.3f}")
+            elif n:
+                problems.append("no run without MTP to compare")
+            ref = results.get((model, "bf16", mode, n))
+            al = res.get("acceptance", {}).get("acceptance_length")
+            if n and source not in ("bf16", "safetensors"):
+                ref_al = (ref or {}).get("acceptance", {}).get("acceptance_length")
+                row["acceptance_vs_bf16"] = None if not ref_al else al / ref_al
+                if ref_al is None or abs(al / ref_al - 1) > ACCEPTANCE_TOLERANCE:
+                    problems.append("acceptance")
+        row["status"] = "pass" if not problems else "FAIL: " + ", ".join(problems)
+        table.append(row)
+    return table
+
+
+def prepare(out: Path, models) -> dict:
+    """{(model, source): path} of every source."""
+    import glm5_trained
+    import gguf_reference as gr
+    from glm5_tiny import make_tiny_glm52
+
+    llama_cpp = gr.llama_cpp_dir(out / "llama-cpp")
+    checkpoints = {}
+    if "glm5" in models:
+        checkpoints["glm5"] = glm5_trained.trained_glm5()
+    if "glm52" in models:
+        checkpoints["glm52"] = make_tiny_glm52(out / "tiny-glm52")
+        gr.write_tokenizer(checkpoints["glm52"], gr.config(checkpoints["glm52"])["vocab_size"])
+    files = {}
+    for model, ckpt in checkpoints.items():
+        files[(model, "safetensors")] = ckpt
+        for kind in ("bf16", "q8_0"):
+            files[(model, kind)] = gr.convert(llama_cpp, ckpt, out / f"{model}-{kind}.gguf", kind)
+        for kind in ("Q4_K_M", "IQ2_M"):
+            files[(model, kind)] = gr.quantize(files[(model, "bf16")],
+                                               out / f"{model}-{kind}.gguf", kind)
+    return files
+
+
+def run_row(row: dict, model: Path, out: Path) -> dict:
+    from glm5_runs import _run
+
+    name = "-".join(map(str, row.values()))
+    args = ["--model", str(model), "--num-speculative-tokens", str(row["n"]),
+            "--speed-tokens", "0"]
+    env = None
+    if row["mode"] == "sm120":
+        env = {**os.environ, **SM120_ENV}
+        args += ["--dtype", "auto", "--eager"]
+    else:
+        for k, v in FORCED.items():
+            args += [f"--{k.replace('_', '-')}", v]
+        args += ["--eager"] if row["mode"] == "eager" else []
+    try:
+        res = _run("glm5_mtp_generate.py", out / f"{name}.json", args, env=env)
+    except AssertionError as e:
+        return {**row, "error": str(e)[:600]}
+    return {**row, **{k: res[k] for k in ("acceptance", "attention_backend",
+                                          "target_attention_backend",
+                                          "draft_attention_backend", "indexer_backend")},
+            "outputs": res["outputs"]}
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--out", required=True)
+    p.add_argument("--models", nargs="+", choices=MODELS, default=list(MODELS))
+    p.add_argument("--parallel", type=int, default=8,
+                   help="engines at a time (each takes 10%% of the GPU's memory)")
+    p.add_argument("--json", default=None)
+    args = p.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    files = prepare(out, args.models)
+    results = {}
+    todo = rows(args.models)
+    with concurrent.futures.ThreadPoolExecutor(args.parallel) as pool:
+        futures = [pool.submit(run_row, r, files[(r["model"], r["source"])], out)
+                   for r in todo]
+        for fut in concurrent.futures.as_completed(futures):
+            r = fut.result()
+            results[key(r)] = r
+            print("row " + json.dumps({k: v for k, v in r.items() if k != "outputs"}),
+                  flush=True)
+    table = check({key(r): results[key(r)] for r in todo})
+    print("| model | source | mode | N | acceptance length | vs bf16 | first parting (gap) "
+          "| draft backend | status |")
+    print("|---|---|---|---:|---:|---:|---|---|---|")
+    for r in table:
+        al = r.get("acceptance", {}).get("acceptance_length")
+        vs = r.get("acceptance_vs_bf16")
+        part = r.get("parting")
+        part = "-" if not r["n"] else ("none" if part is None else
+                                       f"prompt {part['prompt']} step {part['step']} "
+                                       f"({part['gap']:.3f})")
+        print(f"| {r['model']} | {r['source']} | {r['mode']} | {r['n']} | "
+              f"{'-' if al is None else f'{al:.2f}'} | {'-' if vs is None else f'{vs:.3f}'} | "
+              f"{part} | {r.get('draft_attention_backend') or '-'} | {r['status']} |")
+    summary = [{k: v for k, v in r.items() if k != "outputs"} for r in table]
+    (Path(args.json) if args.json else out / "mtp-matrix.json").write_text(
+        json.dumps(summary, indent=1))
+    sys.exit(0 if all(r["status"] == "pass" for r in table) else 1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,71 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The MTP matrix (benchmarks/glm5_mtp_matrix.py) enumerates its rows and applies its
+checks: lossless greedy output up to a stated near-tie, acceptance against the bf16
+file's, TRITON_MLA_SPARSE for target and draft."""
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+spec = importlib.util.spec_from_file_location("mtp_matrix", ROOT / "benchmarks" / "glm5_mtp_matrix.py")
+matrix = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(matrix)
+
+
+def test_every_row_once():
+    rows = matrix.rows()
+    keys = [matrix.key(r) for r in rows]
+    assert len(keys) == len(set(keys))
+    for model in matrix.MODELS:
+        for source in matrix.SOURCES:
+            # each file type with and without MTP, N = 1..3, each with its N = 0 run
+            assert {r["n"] for r in rows if (r["model"], r["source"], r["mode"]) ==
+                    (model, source, "eager")} == {0, 1, 2, 3}
+        for mode in ("graphs", "sm120") if model == "glm5" else ("sm120",):
+            assert {(r["source"], r["n"]) for r in rows
+                    if r["model"] == model and r["mode"] == mode} >= {("Q4_K_M", 0), ("Q4_K_M", 3)}
+
+
+def run(tokens, logprobs=None, al=None, backend="TRITON_MLA_SPARSE"):
+    logprobs = logprobs or [{str(t): -0.1, "999": -3.0} for t in tokens]
+    return {"outputs": [{"tokens": tokens, "logprobs": logprobs}],
+            "acceptance": {"acceptance_length": al},
+            "target_attention_backend": backend, "draft_attention_backend": backend}
+
+
+def test_parting_and_its_gap():
+    base = run([5, 6, 7], [{"5": -0.1}, {"6": -0.2, "8": -0.23}, {"7": -0.1, "9": -2.0}])
+    assert matrix.parting(base, run([5, 6, 7])) is None
+    p = matrix.parting(base, run([5, 8, 7]))
+    assert (p["prompt"], p["step"], p["without_mtp"], p["with_mtp"]) == (0, 1, 6, 8)
+    assert p["gap"] == pytest.approx(0.03)
+
+
+def test_checks():
+    near_tie = [{"5": -0.1, "9": -2.0}, {"6": -0.70, "8": -0.72}, {"7": -0.1, "9": -2.0}]
+    clear = [{"5": -0.1, "9": -2.0}, {"6": -0.1, "8": -2.0}, {"7": -0.1, "9": -2.0}]
+    results = {
+        ("glm5", "bf16", "eager", 0): run([5, 6, 7], clear),
+        ("glm5", "bf16", "eager", 1): run([5, 6, 7], al=2.0),
+        ("glm5", "q8_0", "eager", 0): run([5, 6, 7], near_tie),
+        ("glm5", "q8_0", "eager", 1): run([5, 8, 7], al=1.9),  # parts at a near-tie
+        ("glm5", "Q4_K_M", "eager", 0): run([5, 6, 7], clear),
+        ("glm5", "Q4_K_M", "eager", 1): run([5, 8, 7], al=2.0),  # parts where it is clear
+        ("glm5", "IQ2_M", "eager", 0): run([5, 6, 7], clear),
+        ("glm5", "IQ2_M", "eager", 1): run([5, 6, 7], al=1.7),  # 15% below bf16
+        ("glm5", "safetensors", "eager", 0): run([5, 6, 7], clear),
+        ("glm5", "safetensors", "eager", 1): run([5, 6, 7], al=2.1,
+                                                 backend="FLASH_ATTN_MLA_SPARSE"),
+        ("glm52", "bf16", "eager", 1): {"error": "boom"},
+    }
+    status = {(r["source"], r["n"]): r["status"] for r in matrix.check(results)
+              if r["model"] == "glm5"}
+    assert status[("bf16", 1)] == "pass"
+    assert status[("q8_0", 1)] == "pass"
+    assert status[("Q4_K_M", 1)].startswith("FAIL: parts at a gap of 1.900")
+    assert status[("IQ2_M", 1)] == "FAIL: acceptance"
+    assert status[("safetensors", 1)] == "FAIL: backend"
+    failed = [r for r in matrix.check(results) if "error" in r]
+    assert failed[0]["status"] == "FAIL: did not run"
