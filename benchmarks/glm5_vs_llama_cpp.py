@@ -2,7 +2,7 @@
 """GGUF prefill and decode speed: the overlay against llama.cpp, same file, same GPU.
 
     python benchmarks/glm5_vs_llama_cpp.py --gguf FILE.gguf --llama-bench BIN
-        [--json out.json] [--md out.md] [--paths portable upstream sm120]
+        [--llama-batched-bench BIN2] [--json out.json] [--md out.md] [--paths portable upstream sm120]
         [--prompts 512 8192] [--depths 0 8192] [--batches 1 8 32] [--gen 128] [--profile]
 
 FILE is a GLM-5-shaped GGUF from benchmarks/glm5_llama_cpp_model.py; BIN is
@@ -22,8 +22,11 @@ llama-bench from tools/gpu-host/build-llama-cpp-cuda.sh (CUDA, the pinned sdist)
   put in the prefix cache, then 1 + GEN tokens each; the step time is
   glm5_throughput.decode_step_s (each request's token timestamps), decode tokens/s =
   B / step (aggregate over the batch).
+- llama.cpp's aggregate decode: `llama-batched-bench` (--llama-batched-bench) with 8 and
+  32 sequences of max(DEPTH, 1) prompt tokens each, GEN tokens decoded together;
+  speed_tg is the aggregate tokens/s.
 The issue's targets (ratios in the report, overlay / llama.cpp): decode at batch 1 >= 1x
-llama.cpp's tg; aggregate decode at batch 32 >= 3x llama.cpp's tg (batch 1); prefill
+llama.cpp's tg; aggregate decode at batch 32 >= 3x llama-batched-bench's at 32; prefill
 >= 1x llama.cpp's pp; each at the same prompt length or depth. `--profile` profiles 16
 decode steps (batch 1, the deepest depth) per path and reports the GPU-time shares of
 MoE, attention and the indexer by kernel name (the kernel table is kept to check the
@@ -111,6 +114,42 @@ def llama_figures(rows: list[dict]) -> dict:
     return out
 
 
+def batched_bench_cmd(binary: str, gguf: str, depths, batches, gen: int,
+                      extra=()) -> list[str]:
+    """llama-batched-bench: B sequences of max(depth, 1) prompt tokens each (not shared),
+    then `gen` tokens each, decoded together; jsonl, one line per (prompt, batch)."""
+    prompts = sorted({max(d, 1) for d in depths})
+    ctx = max(batches) * (max(prompts) + gen + 16)
+    return [str(binary), "-m", str(gguf), "-ngl", "999", "-c", str(ctx), "-b", "2048",
+            "-ub", "512", "-npp", ",".join(map(str, prompts)), "-ntg", str(gen),
+            "-npl", ",".join(map(str, batches)), "-kvu", "--output-format", "jsonl", *extra]
+
+
+def parse_batched_bench(text: str) -> list[dict]:
+    """The jsonl lines of llama-batched-bench (batched-bench.cpp): per prompt length
+    `pp` and batch `pl`, speed_tg = pl * tg / t_tg is the aggregate decode tokens/s."""
+    rows = []
+    for line in text.splitlines():
+        line = line.strip()
+        if line.startswith("{") and '"speed_tg"' in line:
+            r = json.loads(line)
+            rows.append({"pp": r["pp"], "tg": r["tg"], "pl": r["pl"], "n_kv": r["n_kv"],
+                         "speed_pp": r["speed_pp"], "speed_tg": r["speed_tg"],
+                         "t_tg": r["t_tg"], "flash_attn": r["flash_attn"]})
+    if not rows:
+        raise ValueError("no jsonl rows in llama-batched-bench's output")
+    return rows
+
+
+def batched_figures(rows: list[dict]) -> dict:
+    """{depth: {batch: aggregate decode tok/s}} (a prompt of 1 token is depth 0)."""
+    out = {}
+    for r in rows:
+        depth = 0 if r["pp"] == 1 else r["pp"]
+        out.setdefault(depth, {})[r["pl"]] = r["speed_tg"]
+    return out
+
+
 def run_llama_bench(args) -> tuple[list[dict], list[str]]:
     rows, cmds = [], llama_bench_cmds(args.llama_bench, args.gguf, args.prompts, args.depths,
                                       args.gen, args.reps, shlex.split(args.llama_bench_args))
@@ -138,17 +177,21 @@ def vllm_figures(rows: list[dict]) -> dict:
 
 def ratios(llama: dict, vllm: dict) -> dict:
     """The issue's ratios, overlay / llama.cpp, where both sides measured the case:
-    decode at batch 1 and the aggregate at batch 32 against llama.cpp's tg (batch 1) at
-    the same depth, prefill against pp at the same prompt length; with the target and
-    whether it is met. Batch 8 is reported against the same tg as well."""
+    decode at batch 1 against llama-bench's tg at the same depth; the aggregate decode
+    at batch 8 and 32 against llama-batched-bench's at the same batch and depth;
+    prefill against pp at the same prompt length; with the target and whether it is
+    met."""
     out = []
     for depth, tg in sorted(llama["decode"].items()):
-        for batch, name in ((1, "decode_b1"), (8, "decode_b8_aggregate"),
-                            (32, "decode_b32_aggregate")):
+        ours = vllm["decode"].get(depth, {}).get(1)
+        if ours is not None and tg:
+            out.append(_ratio("decode_b1", {"depth": depth, "batch": 1}, ours, tg))
+    for depth, per_batch in sorted(llama.get("aggregate", {}).items()):
+        for batch, theirs in sorted(per_batch.items()):
             ours = vllm["decode"].get(depth, {}).get(batch)
-            if ours is None or not tg:
-                continue
-            out.append(_ratio(name, {"depth": depth, "batch": batch}, ours, tg))
+            if ours is not None and theirs:
+                out.append(_ratio(f"decode_b{batch}_aggregate", {"depth": depth, "batch": batch},
+                                  ours, theirs))
     for prompt, pp in sorted(llama["prefill"].items()):
         ours = vllm["prefill"].get(prompt)
         if ours is not None and pp:
@@ -287,6 +330,8 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--gguf", required=True)
     p.add_argument("--llama-bench", default=None, help="llama-bench (omit: overlay only)")
+    p.add_argument("--llama-batched-bench", default=None,
+                   help="llama-batched-bench (omit: no aggregate decode of llama.cpp)")
     p.add_argument("--llama-bench-args", default="",
                    help="more llama-bench flags, one string: --llama-bench-args='-fa on'")
     p.add_argument("--json", default=None)
@@ -309,6 +354,16 @@ def main(argv=None):
         rows, cmds = run_llama_bench(args)
         llama = llama_figures(rows)
         report["llama_cpp"] = {"commands": cmds, "rows": rows, "figures": llama}
+    if args.llama_batched_bench:
+        cmd = batched_bench_cmd(args.llama_batched_bench, args.gguf, args.depths,
+                                [b for b in args.batches if b > 1], args.gen,
+                                shlex.split(args.llama_bench_args))
+        res = subprocess.run(cmd, capture_output=True, text=True)
+        if res.returncode != 0:
+            sys.exit(f"llama-batched-bench failed:\n{res.stdout[-2000:]}\n{res.stderr[-4000:]}")
+        rows = parse_batched_bench(res.stdout + res.stderr)
+        llama["aggregate"] = batched_figures(rows)
+        report.setdefault("llama_cpp", {})["batched"] = {"command": " ".join(cmd), "rows": rows}
     with tempfile.TemporaryDirectory() as tmp:
         for path in args.paths:
             out = Path(tmp) / f"{path}.json"

@@ -10,10 +10,9 @@
 #   Default: $VLLM_OVERLAY_CACHE/upstream/<file>, else ~/.cache/vllm-overlay/upstream/<file>,
 #   where build.py's fetch caches it (the first `python -m pytest tests` or any
 #   gguf_reference.llama_cpp_dir() call downloads it on a machine with network).
-#   The GPU host has no network: carry the sdist and pass its path. It is 73 MiB, more
-#   than one device call carries (64 MiB): `split -b 56m SDIST SDIST.part-` here, one
-#   call per part copying it out of the checkout (as the bundle parts, docs/gpu-host.md),
-#   then `cat SDIST.part-* > SDIST` there; the sha256 check below catches a bad join.
+#   The GPU host has no network: carry the source. The sdist is 73 MiB, more than one
+#   device call carries (64 MiB); tools/gpu-host/llama-cpp-source.sh cuts what the build
+#   needs out of it (6 MiB, xz-checked), and SDIST may name that archive instead.
 #   Nothing is downloaded: every FetchContent path (BoringSSL/LibreSSL, CCCL, the
 #   prebuilt web UI) is switched off.
 # OUT_DIR: the build tree; the binaries end in OUT_DIR/bin (default /tmp/llama-cpp-cuda).
@@ -26,6 +25,11 @@
 #                              (llama-imatrix: IQ2_M needs an importance matrix, see
 #                              benchmarks/glm5_llama_cpp_model.py)
 #   JOBS=N                    parallel compile jobs (default: nproc)
+#   SHARED=ON|OFF             (default OFF) ON links ggml and llama as shared libraries
+#                              (copied to OUT_DIR/bin too): one copy of the CUDA code for
+#                              every tool, small enough to carry to the GPU host
+#   EXTRA_CMAKE="..."         more cmake -D flags, e.g. where cuBLAS lives on a machine
+#                              whose CUDA toolkit lacks it (-DCUDA_cublas_LIBRARY=...)
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
@@ -39,10 +43,15 @@ GGML_CUDA="${GGML_CUDA:-ON}"
 CUDA_ARCHS="${CUDA_ARCHS:-90}"
 TARGETS="${TARGETS:-llama-bench llama-cli llama-server llama-imatrix}"
 JOBS="${JOBS:-$(nproc)}"
+SHARED="${SHARED:-OFF}"
 
 [ -f "$SDIST" ] || { echo "no sdist at $SDIST (carry $SDIST_NAME; see the header)" >&2; exit 2; }
-got="$(sha256sum "$SDIST" | cut -d' ' -f1)"
-[ "$got" = "$SDIST_SHA" ] || { echo "$SDIST: sha256 $got, the pin is $SDIST_SHA" >&2; exit 2; }
+if [ "${SDIST%.tar.xz}" = "$SDIST" ]; then
+    got="$(sha256sum "$SDIST" | cut -d' ' -f1)"
+    [ "$got" = "$SDIST_SHA" ] || { echo "$SDIST: sha256 $got, the pin is $SDIST_SHA" >&2; exit 2; }
+else
+    xz -t "$SDIST" || { echo "$SDIST: not a whole xz archive" >&2; exit 2; }
+fi
 for tool in cmake ninja; do
     command -v "$tool" >/dev/null || { echo "needs $tool" >&2; exit 2; }
 done
@@ -54,13 +63,17 @@ SRC="$OUT/src"
 prefix="${SDIST_NAME%.tar.gz}/vendor/llama.cpp"
 if [ ! -f "$SRC/.complete" ]; then
     rm -rf "$SRC" && mkdir -p "$SRC"
-    tar -xzf "$SDIST" -C "$SRC" --strip-components=3 "$prefix"
+    if [ "${SDIST%.tar.xz}" = "$SDIST" ]; then
+        tar -xzf "$SDIST" -C "$SRC" --strip-components=3 "$prefix"
+    else
+        tar -xJf "$SDIST" -C "$SRC" --strip-components=1 llama.cpp
+    fi
     touch "$SRC/.complete"
 fi
 
 flags=(
     -G Ninja -DCMAKE_BUILD_TYPE=Release
-    -DGGML_CUDA="$GGML_CUDA" -DGGML_NATIVE=OFF -DBUILD_SHARED_LIBS=OFF
+    -DGGML_CUDA="$GGML_CUDA" -DGGML_NATIVE=OFF -DBUILD_SHARED_LIBS="$SHARED"
     -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=ON
     -DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_UI=OFF
     -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_BORINGSSL=OFF -DLLAMA_BUILD_LIBRESSL=OFF
@@ -68,6 +81,8 @@ flags=(
     -DFETCHCONTENT_FULLY_DISCONNECTED=ON
 )
 [ "$GGML_CUDA" = ON ] && flags+=(-DCMAKE_CUDA_ARCHITECTURES="$CUDA_ARCHS")
+# shellcheck disable=SC2206
+[ -n "${EXTRA_CMAKE:-}" ] && flags+=($EXTRA_CMAKE)
 
 start=$(date +%s)
 cmake -S "$SRC" -B "$OUT/build" "${flags[@]}" >"$OUT/cmake.log" 2>&1 \
@@ -79,4 +94,7 @@ mkdir -p "$OUT/bin"
 for t in $TARGETS; do
     cp "$OUT/build/bin/$t" "$OUT/bin/$t"
 done
+if [ "$SHARED" = ON ]; then
+    cp -P "$OUT"/build/bin/lib*.so* "$OUT/bin/"
+fi
 echo "built $TARGETS (GGML_CUDA=$GGML_CUDA, CUDA archs $CUDA_ARCHS) in $(( $(date +%s) - start )) s: $OUT/bin"
