@@ -81,6 +81,32 @@ flags=(
     -DFETCHCONTENT_FULLY_DISCONNECTED=ON
 )
 [ "$GGML_CUDA" = ON ] && flags+=(-DCMAKE_CUDA_ARCHITECTURES="$CUDA_ARCHS")
+# A toolkit without cuBLAS (some images carry nvcc and the runtime only): the cuBLAS of
+# the pip wheels beside torch (nvidia-cublas), and the driver's libcuda for the stub.
+if [ "$GGML_CUDA" = ON ]; then
+    tk="$(dirname "$(dirname "$(readlink -f "$(command -v nvcc)")")")"
+    if ! compgen -G "$tk/lib64/libcublas.so*" >/dev/null \
+            && ! compgen -G "$tk/targets/*/lib/libcublas.so*" >/dev/null; then
+        lib="$(python3 -c 'import glob, nvidia, os
+print(os.path.dirname(sorted(glob.glob(os.path.join(nvidia.__path__[0], "*", "lib",
+                                                    "libcublas.so.*")))[0]))' 2>/dev/null)" \
+            || { echo "no cuBLAS in $tk nor in the nvidia pip wheels" >&2; exit 2; }
+        mkdir -p "$OUT/cublas/include"
+        cp "${lib%/lib}"/include/cublas*.h "$OUT/cublas/include/"
+        ln -sf "$lib"/libcublas.so.* "$OUT/cublas/libcublas.so"
+        ln -sf "$lib"/libcublasLt.so.* "$OUT/cublas/libcublasLt.so"
+        flags+=(-DCUDA_cublas_LIBRARY="$OUT/cublas/libcublas.so"
+                -DCUDA_cublasLt_LIBRARY="$OUT/cublas/libcublasLt.so"
+                -DCMAKE_CUDA_FLAGS="-I$OUT/cublas/include" -DCMAKE_CXX_FLAGS="-I$OUT/cublas/include")
+        echo "cuBLAS from $lib (run with LD_LIBRARY_PATH=$lib)"
+    fi
+    if ! compgen -G "$tk/lib64/stubs/libcuda.so" >/dev/null \
+            && ! compgen -G "$tk/targets/*/lib/stubs/libcuda.so" >/dev/null; then
+        drv="$(ldconfig -p | awk '/libcuda\.so\.1 /{print $NF; exit}')"
+        [ -n "$drv" ] || drv="$(compgen -G "/usr/local/nvidia/lib*/libcuda.so.1" | head -1 || true)"
+        [ -n "$drv" ] && flags+=(-DCUDA_cuda_driver_LIBRARY="$drv")
+    fi
+fi
 # shellcheck disable=SC2206
 [ -n "${EXTRA_CMAKE:-}" ] && flags+=($EXTRA_CMAKE)
 

@@ -47,7 +47,7 @@ for stage in $stages; do
   esac
 done
 # shellcheck disable=SC1091
-source /tmp/site/env.sh
+[ -f /tmp/site/env.sh ] && source /tmp/site/env.sh
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 VLLM_NO_USAGE_STATS=1 \
   DO_NOT_TRACK=1 TVM_FFI_DISABLE_TORCH_C_DLPACK=1 VLLM_USE_FLASHINFER_SAMPLER=0
 export VLLM_OVERLAY_UPSTREAM_TESTS="${VLLM_OVERLAY_UPSTREAM_TESTS:-$here/.upstream-tests}"
