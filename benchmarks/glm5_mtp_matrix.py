@@ -24,7 +24,7 @@ Checks (exit status 1 when one fails or a row did not run):
   of the run without MTP is under NEAR_TIE nats; every parting is reported with
   its gap;
 - the acceptance length of each GGUF row within 10% of the bf16 file's at the same
-  N (and safetensors' is reported beside them);
+  N and mode (eager where bf16 has no row in that mode), safetensors' reported beside;
 - target and draft ran TRITON_MLA_SPARSE.
 """
 
@@ -94,7 +94,8 @@ def check(results: dict) -> list[dict]:
                     problems.append(f"parts at a gap of {p['gap']:.3f}")
             elif n:
                 problems.append("no run without MTP to compare")
-            ref = results.get((model, "bf16", mode, n))
+            # the bf16 file's row in the same mode, else its eager row (sm120 has none)
+            ref = results.get((model, "bf16", mode, n)) or results.get((model, "bf16", "eager", n))
             al = res.get("acceptance", {}).get("acceptance_length")
             if n and source not in ("bf16", "safetensors"):
                 ref_al = (ref or {}).get("acceptance", {}).get("acceptance_length")

@@ -18,12 +18,13 @@ calls can be counted):
   one new token and once with --speed-tokens; the decode rate is the extra tokens
   over the extra time (the prefill cancels out); --speed-tokens 0 leaves it out.
 The attention backends of the target's layers and of the draft's (its MTP
-layers, `mtp_block`) are reported apart.
+layers, model.layers.<num_hidden_layers + i>) are reported apart.
 """
 
 import argparse
 import json
 import os
+import re
 import time
 
 PROMPT_LENS = (40, 64, 96, 128, 160, 200, 256, 320)
@@ -116,6 +117,12 @@ def main():
     calls = count_triton_indexer_calls()
 
     llm = LLM(**llm_kwargs(args))
+    # DeepSeekMTP names its layers after the target's: model.layers.<num_hidden_layers + i>
+    n_target = llm.llm_engine.vllm_config.model_config.hf_config.num_hidden_layers
+
+    def is_draft(name: str) -> bool:
+        m = re.match(r"model\.layers\.(\d+)\.", name)
+        return m is not None and int(m[1]) >= n_target
     batch = [{"prompt_token_ids": ids} for ids in prompts(PROMPT_LENS)]
 
     def sampling(n):
@@ -137,8 +144,8 @@ def main():
     result = {
         "args": vars(args),
         "attention_backend": attention_backend_name(llm),
-        "target_attention_backend": attention_backend_name(llm, lambda n: ".mtp_block." not in n),
-        "draft_attention_backend": attention_backend_name(llm, lambda n: ".mtp_block." in n),
+        "target_attention_backend": attention_backend_name(llm, lambda n: not is_draft(n)),
+        "draft_attention_backend": attention_backend_name(llm, is_draft),
         "indexer_backend": il.indexer_logits_backend(),
         "triton_indexer_calls": calls,
         "acceptance": spec,

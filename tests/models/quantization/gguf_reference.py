@@ -138,8 +138,7 @@ MTP_BLOCK_TYPE = "IQ4_XS"
 
 def mtp_blocks(gguf_file: Path) -> list[int]:
     """The MTP (nextn) blocks of a GGUF: the last nextn_predict_layers of block_count."""
-    import gguf
-
+    gguf = gguf_module(llama_cpp_dir(Path(gguf_file).parent / "llama-cpp"))
     reader = gguf.GGUFReader(gguf_file)
     arch = reader.fields["general.architecture"].contents()
     n = reader.fields.get(f"{arch}.nextn_predict_layers")
