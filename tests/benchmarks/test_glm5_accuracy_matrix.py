@@ -1,13 +1,9 @@
 # SPDX-License-Identifier: Apache-2.0
 """The accuracy matrix enumerates every row and applies its stated bound."""
 
-import importlib.util
-from pathlib import Path
+from benchmark_scripts import load_benchmark
 
-ROOT = Path(__file__).resolve().parents[2]
-spec = importlib.util.spec_from_file_location("matrix", ROOT / "benchmarks" / "glm5_accuracy_matrix.py")
-matrix = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(matrix)
+matrix = load_benchmark("glm5_accuracy_matrix")
 
 
 def test_every_row_once():

@@ -3,15 +3,10 @@
 checks: lossless greedy output up to a stated near-tie, acceptance against the bf16
 file's, TRITON_MLA_SPARSE for target and draft."""
 
-import importlib.util
-from pathlib import Path
-
 import pytest
+from benchmark_scripts import load_benchmark
 
-ROOT = Path(__file__).resolve().parents[2]
-spec = importlib.util.spec_from_file_location("mtp_matrix", ROOT / "benchmarks" / "glm5_mtp_matrix.py")
-matrix = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(matrix)
+matrix = load_benchmark("glm5_mtp_matrix")
 
 
 def test_every_row_once():

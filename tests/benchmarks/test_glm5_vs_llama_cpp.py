@@ -12,25 +12,15 @@
   issue's targets.
 """
 
-import importlib.util
 import json
 import math
 from pathlib import Path
 
 import pytest
+from benchmark_scripts import load_benchmark
 
-ROOT = Path(__file__).resolve().parents[2]
-
-
-def load(name):
-    spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / f"{name}.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-gen = load("glm5_llama_cpp_model")
-bench = load("glm5_vs_llama_cpp")
+gen = load_benchmark("glm5_llama_cpp_model")
+bench = load_benchmark("glm5_vs_llama_cpp")
 
 
 def test_full_size_checkpoint_is_glm5_shaped():
