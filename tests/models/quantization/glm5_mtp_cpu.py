@@ -109,8 +109,10 @@ def build(gguf_file: str, num_speculative_tokens: int, dtype: str):
 def sharing(target, draft) -> dict:
     """What the draft holds of the target's after the proposer's load_model, and the
     GGUF tensor each module was loaded from (the adapter's gguf_source)."""
+    from vllm_gguf_plugin.spec_decode import gguf_source
+
     def source(module):
-        return list(getattr(module, "gguf_source", None) or [None, None])[1]
+        return (gguf_source(module) or (None, None))[1]
 
     heads = {k: layer.shared_head.head for k, layer in draft.model.layers.items()}
     return {"embed_shared": draft.model.embed_tokens is target.model.embed_tokens,

@@ -512,29 +512,29 @@ class GlmDsaGGUF:
         return (t.tensor_type == u.tensor_type and _shape(t) == _shape(u)
                 and np.array_equal(np.asarray(t.data), np.asarray(u.data)))
 
+    def _main_tensor(self, nextn: str) -> str:
+        """The main model's tensor a nextn tensor stands for (_NEXTN_FALLBACK's first
+        one in the file)."""
+        return next(g for g in _NEXTN_FALLBACK[nextn] if g in self.tensors)
+
     def shared_sources(self) -> dict[str, tuple[str, str]]:
         """{module: (file, GGUF tensor)} for the modules an MTP draft and its
         target may share, the embedding and the output head: the main model's
         `token_embd` and `output`; for the draft, its nextn copy, or the main
         tensor where the block has no copy or its copy holds the same bytes. The
         MTP proposer shares the target's module where the two name one tensor."""
-        main_head = "output.weight" if "output.weight" in self.tensors else "token_embd.weight"
         path = str(self.path.resolve())
         if not is_mtp_draft(self.config):
             return {"model.embed_tokens": (path, "token_embd.weight"),
-                    "lm_head": (path, main_head)}
+                    "lm_head": (path, self._main_tensor("nextn.shared_head_head.weight"))}
         out = {}
         L = self.config.num_hidden_layers
         for i in range(L, L + _n_mtp(self.config)):
             for rest, module in (("nextn.embed_tokens.weight", "model.embed_tokens"),
                                  ("nextn.shared_head_head.weight",
                                   f"model.layers.{i}.shared_head.head")):
-                name, main = f"blk.{i}.{rest}", "token_embd.weight"
-                if rest == "nextn.shared_head_head.weight":
-                    main = main_head
-                if name not in self.tensors:
-                    name = self.fallbacks[self._hf_name(name)]
-                elif self._same_bytes(name, main):
+                name, main = f"blk.{i}.{rest}", self._main_tensor(rest)
+                if name not in self.tensors or self._same_bytes(name, main):
                     name = main
                 # DeepSeekMTP loads the embedding of its first MTP layer only
                 out.setdefault(module, (path, name))
