@@ -9,20 +9,23 @@ Models: the trained tiny GLM-5 (tests/models/glm5_trained.py, whose MTP head
 predicts its corpus) and the tiny GLM-5.2 (tests/models/glm5_tiny.py: IndexShare,
 `index_share_for_mtp_iteration`; random weights, so its drafts are rarely
 accepted). Sources: the safetensors checkpoint, and the GGUFs llama.cpp writes of
-it: bf16 and q8_0 (converter), Q4_K_M and IQ2_M (llama-quantize; IQ2_M with an
-importance matrix from llama-imatrix), which quantize the embedding and the
+it: bf16, f16 and q8_0 (converter), Q4_K_M, Q2_K and IQ2_M (llama-quantize; IQ2_M
+with an importance matrix from llama-imatrix), which quantize the embedding and the
 nextn tensors too. Each row is one engine (tests/models/glm5_mtp_generate.py:
 greedy, 8 corpus prompts of 40-320 tokens, 64 new tokens) with N = 0 (no MTP) or
 N = 1..3 draft tokens; TRITON_MLA_SPARSE named for target and draft, the portable
 indexer, float16, eager; plus CUDA graphs for the GLM-5's bf16 and Q4_K_M at N = 0
-and 3, and Q4_K_M as on SM120 (capability 12.0 and its shared memory reported, nothing forced,
-dtype auto) at N = 0 and 3. Rows run as parallel processes on one GPU.
+and 3, Q4_K_M as on SM120 (capability 12.0 and its shared memory reported, nothing forced,
+dtype auto) at N = 0 and 3, and mode `bi`: the GLM-5's files under VLLM_BATCH_INVARIANT=1
+(eager), where every token count runs the same GGUF kernels, so that a verification step
+of N + 1 tokens computes what a decode step computes. Rows run as parallel processes on
+one GPU; `--modes` and `--sources` take a subset.
 
 Checks (exit status 1 when one fails or a row did not run):
 - greedy output with MTP is the output without it (same model, source, mode),
   except at near-ties: at the first token where they part, the top-2 logprob gap
   of the run without MTP is under NEAR_TIE nats; every parting is reported with
-  its gap;
+  its gap; under batch invariance (mode `bi`) with no parting at all;
 - the acceptance length of each GGUF row within 10% of the bf16 file's at the same
   N and mode (eager where bf16 has no row in that mode), safetensors' reported beside;
 - target and draft ran TRITON_MLA_SPARSE.
@@ -41,19 +44,30 @@ sys.path[:0] = [str(ROOT / "tests" / "models"), str(ROOT / "tests" / "models" / 
 NEAR_TIE = 0.05  # nats
 ACCEPTANCE_TOLERANCE = 0.10  # relative to the bf16 file's
 MODELS = ("glm5", "glm52")
-SOURCES = ("safetensors", "bf16", "q8_0", "Q4_K_M", "IQ2_M")
+SOURCES = ("safetensors", "bf16", "f16", "q8_0", "Q4_K_M", "Q2_K", "IQ2_M")
+CONVERTED = ("bf16", "f16", "q8_0")  # llama.cpp's converter writes these
+MODES = ("eager", "graphs", "sm120", "bi")
 DRAFT_TOKENS = (1, 2, 3)
 FORCED = {"attention_backend": "TRITON_MLA_SPARSE", "indexer": "triton", "dtype": "float16"}
 SM120_ENV = {"VLLM_TEST_REPORT_CAPABILITY": "12.0", "VLLM_TEST_REPORT_SHARED_MEM": "101376"}
+BI_ENV = {"VLLM_BATCH_INVARIANT": "1"}
+BI_SOURCES = ("bf16", "q8_0", "Q4_K_M", "Q2_K", "IQ2_M")
 
 
-def rows(models=MODELS) -> list[dict]:
-    out = [dict(model=m, source=s, mode="eager", n=n)
-           for m in models for s in SOURCES for n in (0, *DRAFT_TOKENS)]
-    if "glm5" in models:  # CUDA graphs on the model whose drafts are accepted
+def rows(models=MODELS, modes=MODES, sources=SOURCES) -> list[dict]:
+    out = []
+    if "eager" in modes:
+        out += [dict(model=m, source=s, mode="eager", n=n)
+                for m in models for s in sources for n in (0, *DRAFT_TOKENS)]
+    if "graphs" in modes and "glm5" in models:  # the model whose drafts are accepted
         out += [dict(model="glm5", source=s, mode="graphs", n=n)
-                for s in ("bf16", "Q4_K_M") for n in (0, 3)]
-    out += [dict(model=m, source="Q4_K_M", mode="sm120", n=n) for m in models for n in (0, 3)]
+                for s in ("bf16", "Q4_K_M") if s in sources for n in (0, 3)]
+    if "sm120" in modes and "Q4_K_M" in sources:
+        out += [dict(model=m, source="Q4_K_M", mode="sm120", n=n) for m in models
+                for n in (0, 3)]
+    if "bi" in modes and "glm5" in models:
+        out += [dict(model="glm5", source=s, mode="bi", n=n)
+                for s in BI_SOURCES if s in sources for n in (0, *DRAFT_TOKENS)]
     return out
 
 
@@ -90,7 +104,7 @@ def check(results: dict) -> list[dict]:
             base = results.get((model, source, mode, 0))
             if n and base is not None and "error" not in base:
                 row["parting"] = p = parting(base, res)
-                if p is not None and not p["gap"] < NEAR_TIE:
+                if p is not None and (mode == "bi" or not p["gap"] < NEAR_TIE):
                     problems.append(f"parts at a gap of {p['gap']:.3f}")
             elif n:
                 problems.append("no run without MTP to compare")
@@ -107,8 +121,8 @@ def check(results: dict) -> list[dict]:
     return table
 
 
-def prepare(out: Path, models) -> dict:
-    """{(model, source): path} of every source."""
+def prepare(out: Path, models, sources=SOURCES) -> dict:
+    """{(model, source): path} of each source (bf16 always: the quantizer's input)."""
     import glm5_trained
     import gguf_reference as gr
     from glm5_tiny import make_tiny_glm52
@@ -123,11 +137,14 @@ def prepare(out: Path, models) -> dict:
     files = {}
     for model, ckpt in checkpoints.items():
         files[(model, "safetensors")] = ckpt
-        for kind in ("bf16", "q8_0"):
-            files[(model, kind)] = gr.convert(llama_cpp, ckpt, out / f"{model}-{kind}.gguf", kind)
-        for kind in ("Q4_K_M", "IQ2_M"):
-            files[(model, kind)] = gr.quantize(files[(model, "bf16")],
-                                               out / f"{model}-{kind}.gguf", kind)
+        for kind in CONVERTED:
+            if kind == "bf16" or kind in sources:
+                files[(model, kind)] = gr.convert(llama_cpp, ckpt, out / f"{model}-{kind}.gguf",
+                                                  kind)
+        for kind in SOURCES:
+            if kind not in CONVERTED and kind != "safetensors" and kind in sources:
+                files[(model, kind)] = gr.quantize(files[(model, "bf16")],
+                                                   out / f"{model}-{kind}.gguf", kind)
     return files
 
 
@@ -137,14 +154,14 @@ def run_row(row: dict, model: Path, out: Path) -> dict:
     name = "-".join(map(str, row.values()))
     args = ["--model", str(model), "--num-speculative-tokens", str(row["n"]),
             "--speed-tokens", "0"]
-    env = None
+    env = {**os.environ, **BI_ENV} if row["mode"] == "bi" else None
     if row["mode"] == "sm120":
         env = {**os.environ, **SM120_ENV}
         args += ["--dtype", "auto", "--eager"]
     else:
         for k, v in FORCED.items():
             args += [f"--{k.replace('_', '-')}", v]
-        args += ["--eager"] if row["mode"] == "eager" else []
+        args += ["--eager"] if row["mode"] in ("eager", "bi") else []
     try:
         res = _run("glm5_mtp_generate.py", out / f"{name}.json", args, env=env)
     except AssertionError as e:
@@ -161,13 +178,15 @@ def main():
     p.add_argument("--models", nargs="+", choices=MODELS, default=list(MODELS))
     p.add_argument("--parallel", type=int, default=8,
                    help="engines at a time (each takes 10%% of the GPU's memory)")
+    p.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
+    p.add_argument("--sources", nargs="+", choices=SOURCES, default=list(SOURCES))
     p.add_argument("--json", default=None)
     args = p.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    files = prepare(out, args.models)
+    files = prepare(out, args.models, args.sources)
     results = {}
-    todo = rows(args.models)
+    todo = rows(args.models, args.modes, args.sources)
     with concurrent.futures.ThreadPoolExecutor(args.parallel) as pool:
         futures = [pool.submit(run_row, r, files[(r["model"], r["source"])], out)
                    for r in todo]

@@ -64,3 +64,29 @@ def test_checks():
     assert status[("safetensors", 1)] == "FAIL: backend"
     failed = [r for r in matrix.check(results) if "error" in r]
     assert failed[0]["status"] == "FAIL: did not run"
+
+
+def test_batch_invariant_rows_and_subsets():
+    rows = matrix.rows()
+    bi = {(r["source"], r["n"]) for r in rows if r["mode"] == "bi"}
+    # the GLM-5's quantized files under batch invariance, each N with its N = 0 run
+    assert bi == {(s, n) for s in matrix.BI_SOURCES for n in (0, 1, 2, 3)}
+    assert all(r["model"] == "glm5" for r in rows if r["mode"] == "bi")
+    some = matrix.rows(("glm5",), modes=("bi",), sources=("Q4_K_M", "IQ2_M"))
+    assert {(r["mode"], r["source"]) for r in some} == {("bi", "Q4_K_M"), ("bi", "IQ2_M")}
+    assert {"f16", "Q2_K"} <= set(matrix.SOURCES)
+
+
+def test_batch_invariant_rows_allow_no_parting():
+    """Under batch invariance a run with MTP computes what the run without it computes:
+    any parting fails, even at a near-tie."""
+    near_tie = [{"5": -0.1, "9": -2.0}, {"6": -0.70, "8": -0.72}, {"7": -0.1, "9": -2.0}]
+    results = {
+        ("glm5", "bf16", "bi", 0): run([5, 6, 7], near_tie),
+        ("glm5", "bf16", "bi", 1): run([5, 6, 7], al=2.0),
+        ("glm5", "Q4_K_M", "bi", 0): run([5, 6, 7], near_tie),
+        ("glm5", "Q4_K_M", "bi", 1): run([5, 8, 7], al=2.0),
+    }
+    status = {r["source"]: r["status"] for r in matrix.check(results) if r["n"] == 1}
+    assert status["bf16"] == "pass"
+    assert status["Q4_K_M"] == "FAIL: parts at a gap of 0.020"
