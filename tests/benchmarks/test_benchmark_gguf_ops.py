@@ -1,0 +1,89 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The GGUF kernel benchmark (benchmarks/kernels/benchmark_gguf_ops.py): its random
+blocks are valid GGUF data for every type it times (gguf-py dequantizes them to small
+finite values), its flop/byte counts, its choice of the fastest right path and its
+table; on a GPU, every path of a small dense and MoE case against float32."""
+
+import math
+import sys
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "benchmarks" / "kernels"))  # as when run as a script
+import benchmark_gguf_ops as bench  # noqa: E402
+
+ALL_TYPES = ("Q4_0", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ2_XXS", "IQ2_XS",
+             "IQ2_S", "IQ3_XXS", "IQ3_S", "IQ4_XS", "IQ4_NL", "IQ1_S", "IQ1_M")
+
+
+@pytest.mark.parametrize("qtype", sorted(set(ALL_TYPES) | set(bench.TYPES)))
+def test_random_blocks_are_valid_gguf(qtype):
+    gen = torch.Generator().manual_seed(0)
+    blocks = bench.random_blocks(qtype, 4, 512, gen)
+    block, size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[qtype]]
+    assert blocks.dtype == torch.uint8 and blocks.shape == (4, 512 // block * size)
+    w = gguf.quants.dequantize(blocks.numpy(), gguf.GGMLQuantizationType[qtype])
+    assert w.shape == (4, 512) and np.isfinite(w).all()
+    # float16 scales below 2^-7 times the largest sub-scale (int8) and code (6 bits)
+    assert np.abs(w).max() < 2.0 ** -7 * 128 * 64
+    assert np.abs(w).max() > 0  # not all zeros: the values vary
+    with pytest.raises(ValueError, match="whole blocks"):
+        bench.random_blocks(qtype, 1, block + 1)
+
+
+def test_flop_and_bytes():
+    flop, nbytes = bench.dense_flop_bytes(4, 256, 512, "Q8_0")
+    assert flop == 2 * 4 * 256 * 512
+    assert nbytes == 256 * 512 // 32 * 34 + 2 * 4 * (256 + 512)
+    shape = {"experts": 8, "hidden": 256, "intermediate": 128, "top_k": 2}
+    per_expert = 3 * 256 * 128 // 256 * 144  # Q4_K: 144 bytes per 256 values
+    flop, nbytes = bench.moe_flop_bytes(1, "Q4_K", shape)
+    assert flop == 2 * 1 * 2 * 3 * 256 * 128
+    assert nbytes == 2 * per_expert + 2 * 256 * 2  # one token hits top_k experts
+    _, nbytes = bench.moe_flop_bytes(64, "Q4_K", shape)
+    assert nbytes == 8 * per_expert + 2 * 64 * 256 * 2  # every expert, once
+
+
+def test_fastest_skips_wrong_paths_and_bounds():
+    paths = {"plugin": {"us": 10.0, "rel": 0.01}, "mmq": {"us": 5.0, "rel": 0.2},
+             "triton": {"us": 8.0, "rel": 0.001}, "mm16": {"us": 1.0, "rel": 0.0},
+             "dequant": {"error": "RuntimeError: x"}}
+    assert bench.fastest(paths) == "triton"
+    assert bench.fastest({"mm16": {"us": 1.0, "rel": 0.0}}) is None
+
+
+def test_table():
+    rows = [{"op": "dense", "case": "q_b", "type": "Q4_K", "M": 8, "flop": 2e9, "bytes": 1e7,
+             "paths": {"plugin": {"us": 20.0, "rel": 0.01}, "mmq": {"us": 10.0, "rel": 0.3},
+                       "triton": {"us": 10.0, "rel": 0.001}}, "fastest": "triton"},
+            {"op": "moe", "case": "moe-256x2048", "type": "Q4_K", "M": 1, "flop": 1e6,
+             "bytes": 1e6, "paths": {"plugin": {"error": "x"}, "vec": {"us": 2.0, "rel": 0.0}},
+             "fastest": "vec"}]
+    lines = bench.table(rows)
+    assert lines[0] == ("| op | type | M | plugin | mmq | triton | vec | fastest | "
+                        "plugin / fastest | fastest TFLOP/s, TB/s |")
+    cells = lines[2].split(" | ")
+    assert cells[3:6] == ["20.0", "10.0 (rel 0.30!)", "10.0"]
+    assert cells[7:10] == ["triton", "2.00", "200.0, 1.00 |"]
+    assert lines[3].split(" | ")[3] == "error" and lines[3].split(" | ")[8] == "-"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K", "Q8_0", "IQ2_S"])
+def test_every_path_matches_float32(qtype):
+    gen = torch.Generator().manual_seed(1)
+    dense = bench.dense_case(qtype, "small", [1, 8, 40], gen=gen, shape=(512, 1024))
+    moe = bench.moe_case(qtype, [1, 8, 96], gen=gen, triton_block_m=(4, 16),
+                         shape={"experts": 8, "hidden": 512, "intermediate": 256, "top_k": 2})
+    for row in dense + moe:
+        for name, res in row["paths"].items():
+            assert "error" not in res, (row["op"], row["M"], name, res)
+            # int8 activations (mmvq, mmq, vec) round more than the 16-bit paths
+            assert res["rel"] < bench.WRONG, (row["op"], row["M"], name, res["rel"])
+            assert math.isfinite(res["us"]) and res["us"] > 0
+        assert row["fastest"] is not None
