@@ -4,6 +4,7 @@
     python benchmarks/glm5_vs_llama_cpp.py --gguf FILE.gguf --llama-bench BIN
         [--llama-batched-bench BIN2] [--json out.json] [--md out.md] [--paths portable upstream sm120]
         [--prompts 512 8192] [--depths 0 8192] [--batches 1 8 32] [--gen 128] [--profile]
+        [--llama-profile NCU]
 
 FILE is a GLM-5-shaped GGUF from benchmarks/glm5_llama_cpp_model.py; BIN is
 llama-bench from tools/gpu-host/build-llama-cpp-cuda.sh (CUDA, the pinned sdist).
@@ -28,9 +29,12 @@ llama-bench from tools/gpu-host/build-llama-cpp-cuda.sh (CUDA, the pinned sdist)
 The issue's targets (ratios in the report, overlay / llama.cpp): decode at batch 1 >= 1x
 llama.cpp's tg; aggregate decode at batch 32 >= 3x llama-batched-bench's at 32; prefill
 >= 1x llama.cpp's pp; each at the same prompt length or depth. `--profile` profiles 16
-decode steps (batch 1, the deepest depth) per path and reports the GPU-time shares of
-MoE, attention and the indexer by kernel name (the kernel table is kept to check the
-classification).
+decode steps (batch 1, the deepest depth) and one prefill of the shortest prompt per path
+(torch.profiler) and reports the GPU-time shares of MoE, the other quantized products,
+16-bit GEMMs, attention and the indexer by kernel name (the kernel table is kept to check
+the classification). `--llama-profile NCU` does the same for llama.cpp with Nsight Compute
+(kernel durations, warm caches, clocks left alone) over llama-bench: a tg run (one
+warm-up token and 8 decoded at depth 0) and a pp run of the shortest prompt.
 """
 
 import argparse
@@ -150,6 +154,55 @@ def batched_figures(rows: list[dict]) -> dict:
     return out
 
 
+def ncu_kernels(text: str) -> list[tuple[str, float]]:
+    """(kernel name, microseconds) per launch from `ncu --csv` output with the metric
+    gpu__time_duration.sum (its unit column: nsecond, usecond, msecond or second)."""
+    import csv
+
+    scale = {"nsecond": 1e-3, "usecond": 1.0, "msecond": 1e3, "second": 1e6}
+    lines = [line for line in text.splitlines() if line.startswith('"')]
+    out = []
+    for row in csv.DictReader(lines):
+        if row.get("Metric Name") == "gpu__time_duration.sum":
+            value = float(row["Metric Value"].replace(",", ""))
+            out.append((row["Kernel Name"], value * scale[row["Metric Unit"]]))
+    if not out:
+        raise ValueError("no gpu__time_duration.sum rows in ncu's output")
+    return out
+
+
+def summed(kernels: list[tuple[str, float]]) -> list[tuple[str, float]]:
+    """Launches of the same kernel added up, the longest first."""
+    total: dict[str, float] = {}
+    for name, t in kernels:
+        total[name] = total.get(name, 0.0) + t
+    return sorted(total.items(), key=lambda k: -k[1])
+
+
+def llama_profiles(ncu: str, binary: str, gguf: str, prompt: int, extra=()) -> dict:
+    """Nsight Compute over llama-bench: {"decode": ..., "prefill": ...}, each with the
+    command, its kernels (summed by name, top 40), shares by class and total GPU us."""
+    import tempfile
+
+    runs = {"decode": ["-p", "0", "-n", "8", "-d", "0"],
+            "prefill": ["-p", str(prompt), "-n", "0", "-ub", "512"]}
+    out = {}
+    for kind, bench_args in runs.items():
+        with tempfile.NamedTemporaryFile(suffix=".csv") as log:
+            cmd = [ncu, "--csv", "--log-file", log.name, "--metrics", "gpu__time_duration.sum",
+                   "--clock-control", "none", "--cache-control", "none", str(binary), "-m",
+                   str(gguf), "-ngl", "999", "-r", "1", *bench_args, *extra]
+            res = subprocess.run(cmd, capture_output=True, text=True)
+            if res.returncode != 0:
+                out[kind] = {"command": " ".join(cmd), "error": res.stderr[-2000:]}
+                continue
+            kernels = ncu_kernels(Path(log.name).read_text())
+        out[kind] = {"command": " ".join(cmd), "launches": len(kernels),
+                     "kernels": summed(kernels)[:40], "shares": kernel_shares(kernels),
+                     "gpu_us": sum(t for _, t in kernels)}
+    return out
+
+
 def run_llama_bench(args) -> tuple[list[dict], list[str]]:
     rows, cmds = [], llama_bench_cmds(args.llama_bench, args.gguf, args.prompts, args.depths,
                                       args.gen, args.reps, shlex.split(args.llama_bench_args))
@@ -224,19 +277,37 @@ def markdown(results: dict) -> str:
             lines.append(f"| {case} | {r['vllm_tok_s']:.1f} | {r['llama_tok_s']:.1f} | "
                          f"{r['ratio']:.2f} | {target} |")
         if res.get("profile_shares"):
-            shares = ", ".join(f"{k} {100 * v:.0f}%" for k, v in res["profile_shares"].items())
-            lines.append(f"\nGPU time of one decode step (batch 1): {shares}")
+            lines.append(f"\nGPU time of one decode step (batch 1): "
+                         f"{_shares(res['profile_shares'])}")
+        if res.get("profile_prefill"):
+            pf = res["profile_prefill"]
+            lines.append(f"GPU time of a {pf['prompt']}-token prefill, "
+                         f"{pf['gpu_us'] / 1e3:.1f} ms: {_shares(pf['shares'])}")
         lines.append("")
+    for kind, prof in results.get("llama_cpp", {}).get("profiles", {}).items():
+        if "error" in prof:
+            lines.append(f"llama.cpp {kind} profile: failed, see the JSON report")
+        else:
+            lines.append(f"llama.cpp {kind} (ncu, {prof['launches']} launches, "
+                         f"{prof['gpu_us'] / 1e3:.1f} ms): {_shares(prof['shares'])}")
     return "\n".join(lines)
 
 
-# kernel-name classes for the decode profile (first match wins)
+def _shares(shares: dict) -> str:
+    return ", ".join(f"{k} {100 * v:.0f}%" for k, v in shares.items())
+
+
+# kernel-name classes for the profiles, both engines (first match wins): llama.cpp's MoE
+# runs its quantized-product kernels with expert ids, so there "quantized" holds its MoE
 KERNEL_CLASSES = (
     ("indexer", re.compile(r"indexer|mqa_logits|fp8_paged_mqa|top_?k_per_row|topk_per_row",
                            re.I)),
     ("attention", re.compile(r"sparse_mla|flash_?mla|mla_|attn|attention|flash_fwd", re.I)),
     ("moe", re.compile(r"moe|expert|grouped_topk|topk_softmax|topk_sigmoid|ggml.*_id|"
                        r"mul_mat_vec_q_moe|marlin_moe", re.I)),
+    ("quantized", re.compile(r"mul_mat_vec_q|mul_mat_q|mmvq|mmq|dequantize|quantize_q8_1|"
+                             r"quantize_mmq|gemm_q|_gemm_iq", re.I)),
+    ("gemm16", re.compile(r"gemm|cutlass|cublas|xmma|nvjet|matmul", re.I)),
 )
 
 
@@ -308,15 +379,23 @@ def worker(args) -> None:
     if args.profile:
         from torch.profiler import ProfilerActivity, profile
 
+        def profiled(fn) -> list[tuple[str, float]]:
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                fn()
+            kernels = [(e.key, e.device_time_total) for e in prof.key_averages()
+                       if e.device_time_total > 0]
+            return sorted(kernels, key=lambda k: -k[1])
+
         depth = max(args.depths)
         run(max(depth, 1), 1, 1, 999)
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            run(max(depth, 1), 1, 1 + 16, 999)
-        kernels = [(e.key, e.device_time_total) for e in prof.key_averages()
-                   if e.device_time_total > 0]
-        kernels.sort(key=lambda k: -k[1])
+        kernels = profiled(lambda: run(max(depth, 1), 1, 1 + 16, 999))
         result["profile_kernels"] = kernels[:40]
         result["profile_shares"] = kernel_shares(kernels)
+        prompt = min(args.prompts)
+        kernels = profiled(lambda: run(prompt, 1, 1, 1999))  # a new prompt: a whole prefill
+        result["profile_prefill"] = {"prompt": prompt, "kernels": kernels[:40],
+                                     "shares": kernel_shares(kernels),
+                                     "gpu_us": sum(t for _, t in kernels)}
     Path(args.out).write_text(json.dumps(result))
 
 
@@ -343,6 +422,8 @@ def main(argv=None):
     p.add_argument("--gen", type=int, default=128)
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--profile", action="store_true")
+    p.add_argument("--llama-profile", default=None, metavar="NCU",
+                   help="Nsight Compute (ncu) to profile llama-bench's decode and prefill")
     p.add_argument("--path", default=None, help=argparse.SUPPRESS)
     p.add_argument("--out", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -354,6 +435,10 @@ def main(argv=None):
         rows, cmds = run_llama_bench(args)
         llama = llama_figures(rows)
         report["llama_cpp"] = {"commands": cmds, "rows": rows, "figures": llama}
+    if args.llama_profile and args.llama_bench:
+        report.setdefault("llama_cpp", {})["profiles"] = llama_profiles(
+            args.llama_profile, args.llama_bench, args.gguf, min(args.prompts),
+            shlex.split(args.llama_bench_args))
     if args.llama_batched_bench:
         cmd = batched_bench_cmd(args.llama_batched_bench, args.gguf, args.depths,
                                 [b for b in args.batches if b > 1], args.gen,

@@ -254,4 +254,41 @@ def test_ratios_against_targets():
 def test_kernel_shares():
     shares = bench.kernel_shares([("fused_moe_kernel", 50.0), ("_sparse_mla_decode_kernel", 20.0),
                                   ("triton_indexer_logits_decode", 10.0), ("gemv_bf16", 20.0)])
-    assert shares == pytest.approx({"moe": 0.5, "attention": 0.2, "indexer": 0.1, "other": 0.2})
+    assert shares == pytest.approx({"moe": 0.5, "attention": 0.2, "indexer": 0.1,
+                                    "quantized": 0.0, "gemm16": 0.0, "other": 0.2})
+
+
+def test_kernel_classes_of_both_engines():
+    """The plugin's and llama.cpp's kernel names land in the same classes: quantized
+    products (MMVQ/MMQ and their activation quantization), MoE, 16-bit GEMMs."""
+    names = {"void mul_mat_vec_q<(ggml_type)12, 1, false>(...)": "quantized",
+             "void mul_mat_q<(ggml_type)14, 64, false>(...)": "quantized",
+             "void quantize_mmq_q8_1<(mmq_q8_1_ds_layout)1>(...)": "quantized",
+             "dequantize_block_q4_K": "quantized",
+             "moe_vec_q4_K_q8_1": "moe",
+             "void flash_attn_ext_f16<576, 512, 4, 8, 64, 1, false>(...)": "attention",
+             "sm90_xmma_gemm_bf16bf16_bf16f32": "gemm16",
+             "nvjet_hsh_128x256_64x4_1x2_h_bz_coopA_NNT": "gemm16",
+             "rms_norm_f32<1024>": "other"}
+    for name, cls in names.items():
+        shares = bench.kernel_shares([(name, 1.0)])
+        assert shares[cls] == 1.0, (name, shares)
+
+
+def test_ncu_csv():
+    text = "\n".join([
+        "==PROF== Connected to process 42",
+        '"ID","Process ID","Process Name","Host Name","Kernel Name","Context","Stream",'
+        '"Block Size","Grid Size","Device","CC","Section Name","Metric Name","Metric Unit",'
+        '"Metric Value"',
+        '"0","42","llama-bench","h","mul_mat_vec_q","1","7","(32, 1, 1)","(1, 1, 1)","0",'
+        '"9.0","Command line profiler metrics","gpu__time_duration.sum","usecond","12.50"',
+        '"1","42","llama-bench","h","rms_norm_f32","1","7","(32, 1, 1)","(1, 1, 1)","0",'
+        '"9.0","Command line profiler metrics","gpu__time_duration.sum","nsecond","1,500"',
+        '"2","42","llama-bench","h","mul_mat_vec_q","1","7","(32, 1, 1)","(1, 1, 1)","0",'
+        '"9.0","Command line profiler metrics","gpu__time_duration.sum","msecond","0.01"'])
+    kernels = bench.ncu_kernels(text)
+    assert kernels == [("mul_mat_vec_q", 12.5), ("rms_norm_f32", 1.5), ("mul_mat_vec_q", 10.0)]
+    assert bench.summed(kernels) == [("mul_mat_vec_q", 22.5), ("rms_norm_f32", 1.5)]
+    with pytest.raises(ValueError, match="no gpu__time_duration"):
+        bench.ncu_kernels("==PROF== nothing")
