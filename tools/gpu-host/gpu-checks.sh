@@ -17,7 +17,11 @@
 # (benchmarks/glm5_throughput.py), matrix (benchmarks/glm5_accuracy_matrix.py), serve
 # (tools/gpu-host/serve-check.sh: `vllm serve` of the GGUF under load), rerun
 # (tests/models/glm5_rerun.py: two identical runs per path), tp2 (TP2 against TP1, needs two GPUs),
-# bi (batch invariance: prompts alone and batched repeat exactly). Logs and JSON go
+# bi (batch invariance: prompts alone and batched repeat exactly), ggufops
+# (benchmarks/kernels/benchmark_gguf_ops.py; GGUF_OPS_ARGS), gguftests (the GPU tests of the
+# GGUF kernels: batch invariance and the benchmark's paths), llamaacc
+# (benchmarks/glm5_gguf_accuracy.py: the overlay and llama.cpp against transformers fp32 on
+# the tiny GLM-5's GGUFs; LLAMA_LIB: the folder of a CUDA libllama.so). Logs and JSON go
 # to OUT_DIR. Split the stages over calls when one
 # call's time limit is short: /tmp/site stays while the machine does. The device tool
 # brings back only a few files: point OUT_DIR at a /tmp folder and copy the JSON
@@ -180,6 +184,20 @@ for stage in $stages; do
         --modes ${MATRIX_MODES:-eager graphs} 2>&1 \
         | tee "$out/matrix.log" | grep -E "^\|" || rc=1
       cp /tmp/matrix/matrix.json "$out/matrix-${MATRIX_MODES:-all}.json" 2>/dev/null || true ;;
+    ggufops)
+      timeout "${GGUF_OPS_TIMEOUT:-400}" python3 benchmarks/kernels/benchmark_gguf_ops.py \
+        ${GGUF_OPS_ARGS:-} --json "$out/gguf-ops.json" --md "$out/gguf-ops.md" \
+        > "$out/gguf-ops.log" 2>&1 || rc=1
+      cat "$out/gguf-ops.md" 2>/dev/null || tail -20 "$out/gguf-ops.log" ;;
+    gguftests)
+      timeout 400 python3 -m pytest tests/models/quantization/test_gguf_batch_invariant.py \
+        tests/benchmarks/test_benchmark_gguf_ops.py -m gpu -q -p no:cacheprovider \
+        -p no:warnings 2>&1 | tee "$out/gguf-tests.log" | grep -E "passed|failed|Error" || rc=1 ;;
+    llamaacc)
+      timeout "${LLAMAACC_TIMEOUT:-540}" python3 benchmarks/glm5_gguf_accuracy.py \
+        --out /tmp/llamaacc --llama-lib "${LLAMA_LIB:?LLAMA_LIB}" \
+        ${LLAMA_BINDINGS:+--bindings "$LLAMA_BINDINGS"} --json "$out/gguf-accuracy.json" 2>&1 \
+        | tee "$out/gguf-accuracy.log" | grep -E "^\||Error" || rc=1 ;;
     *) echo "unknown stage $stage"; exit 2 ;;
   esac
 done

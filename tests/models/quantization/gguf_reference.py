@@ -54,8 +54,9 @@ def llama_cpp_dir(cache: Path) -> Path:
     return dest / "vendor" / "llama.cpp"
 
 
-# llama.cpp's tools the tests run, built together from the pinned sdist
-LLAMA_TOOLS = ("llama-quantize", "llama-imatrix")
+# llama.cpp's tools the tests run, built together from the pinned sdist; `llama` is
+# libllama.so, which benchmarks/llama_cpp_logits.py loads
+LLAMA_TOOLS = ("llama-quantize", "llama-imatrix", "llama")
 # llama-quantize types whose tensors need an importance matrix: llama-quant.cpp
 # (tensor_requires_imatrix) refuses IQ2_XXS/IQ2_XS/IQ2_S/IQ1_* targets without one,
 # and IQ2_M's default tensor type is IQ2_S
@@ -64,9 +65,10 @@ NEEDS_IMATRIX = {"IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ2_M", "IQ1_S", "IQ1_M", "IQ3_X
 
 def llama_tool(name: str) -> Path:
     """One of LLAMA_TOOLS, built once from the pinned sdist's vendored source (CPU
-    only, static) into build.py's cache; a few minutes on 2 cores.
-    VLLM_OVERLAY_LLAMA_QUANTIZE / VLLM_OVERLAY_LLAMA_IMATRIX name prebuilt ones
-    (the offline GPU host)."""
+    only, shared libraries beside the tools, found through $ORIGIN so that the folder
+    can move) into build.py's cache; a few minutes on 2 cores. For `llama`, the path
+    of libllama.so. VLLM_OVERLAY_LLAMA_QUANTIZE / VLLM_OVERLAY_LLAMA_IMATRIX name
+    prebuilt ones (the offline GPU host)."""
     env = "VLLM_OVERLAY_" + name.upper().replace("-", "_")
     if os.environ.get(env):
         return Path(os.environ[env])
@@ -74,8 +76,8 @@ def llama_tool(name: str) -> Path:
     import build
 
     sdist = build.fetch(*LLAMA_CPP_PYTHON)
-    home = build.cache_dir() / f"llama-tools-{sdist.name.removesuffix('.tar.gz')}"
-    binary = home / "build" / "bin" / name
+    home = build.cache_dir() / f"llama-tools-shared-{sdist.name.removesuffix('.tar.gz')}"
+    binary = home / "build" / "bin" / (f"lib{name}.so" if name == "llama" else name)
     if binary.exists():
         return binary
     if shutil.which("cmake") is None:
@@ -87,7 +89,8 @@ def llama_tool(name: str) -> Path:
         tar.extractall(work, members=[m for m in tar.getmembers() if m.name.startswith(prefix)],
                        filter="data")
     src = work / prefix
-    flags = ["-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=OFF", "-DBUILD_SHARED_LIBS=OFF",
+    flags = ["-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=OFF", "-DBUILD_SHARED_LIBS=ON",
+             "-DCMAKE_BUILD_RPATH_USE_ORIGIN=ON",
              "-DLLAMA_CURL=OFF", "-DLLAMA_OPENSSL=OFF", "-DLLAMA_BUILD_TESTS=OFF",
              "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_BUILD_SERVER=OFF",
              "-DLLAMA_BUILD_UI=OFF", "-DLLAMA_USE_PREBUILT_UI=OFF"]

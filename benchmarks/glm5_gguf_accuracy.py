@@ -1,0 +1,135 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Accuracy on the same GGUF: the overlay and llama.cpp against transformers fp32.
+
+    python benchmarks/glm5_gguf_accuracy.py --out DIR --llama-lib DIR [--bindings DIR]
+        [--paths portable-fp16 portable-bf16 upstream-bf16] [--eager] [--json FILE]
+
+The tiny GLM-5 (tests/models/glm5_tiny.py) as llama.cpp writes it: bf16, q8_0
+(converter) and Q4_K_M (llama-quantize), made and referenced as
+benchmarks/glm5_accuracy_matrix.py does (transformers' GlmMoeDsaForCausalLM in float32 on
+each file's weights dequantized by gguf-py). Both engines run the same prompts
+(tests/models/glm5_generate.py: token ids, 300-1000 tokens, longer than the model's
+index_topk, then 32 greedy tokens):
+- the overlay: tests/models/glm5_generate.py (vLLM, CUDA graphs unless --eager) on each
+  path of PATHS;
+- llama.cpp: benchmarks/llama_cpp_logits.py on libllama.so of `--llama-lib` (all layers
+  on the GPU, prompt in one batch).
+One metric, tests/models/glm5_runs.compare(): the mean |delta| of the prompt tokens'
+logprobs over the tokens both top-5 lists hold, the prompt token's own included (with its
+max, and the greedy agreement up to the first parting). The table gives each engine's
+error on each file and the overlay's over llama.cpp's (the issue's target: <= 1 on the
+quantized files).
+"""
+
+import argparse
+import concurrent.futures
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT / "benchmarks"), str(ROOT / "tests" / "models"),
+                str(ROOT / "tests" / "models" / "quantization")]
+
+SOURCES = ("gguf-bf16", "gguf-q8_0", "gguf-Q4_K_M")
+PATHS = {
+    # SM120's path, forced: our attention backend and indexer, float16 (its GGUF default)
+    "portable-fp16": {"attention_backend": "TRITON_MLA_SPARSE", "indexer": "triton",
+                      "dtype": "float16"},
+    "portable-bf16": {"attention_backend": "TRITON_MLA_SPARSE", "indexer": "triton",
+                      "dtype": "bfloat16"},
+    # vLLM's own choice on the GPU it runs on (FlashMLA/FA sparse + DeepGEMM on the H200)
+    "upstream-bf16": {"dtype": "bfloat16"},
+}
+
+
+def llama_cpp_run(gguf: Path, out: Path, lib: str, bindings: str | None) -> dict:
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "llama_cpp_logits.py"), "--gguf",
+           str(gguf), "--lib", lib, "--out", str(out),
+           *(["--bindings", bindings] if bindings else [])]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+    out.with_suffix(".log").write_text(res.stdout + res.stderr)
+    if res.returncode != 0:
+        raise RuntimeError(f"llama_cpp_logits.py failed ({res.returncode}): "
+                           f"{res.stderr[-1500:]}")
+    return json.loads(out.read_text())
+
+
+def rows_table(results: dict, paths) -> list[str]:
+    """source | llama.cpp mean (max, greedy) | each path's mean (max, greedy) and its
+    ratio to llama.cpp's mean."""
+    def cell(r):
+        if r is None:
+            return "-"
+        if "error" in r:
+            return "error"
+        return f"{r['mean']:.3f} ({r['max']:.2f}, {r['greedy_agreement']:.2f})"
+
+    head = ["source", "llama.cpp"] + [f"{p} | {p} / llama.cpp" for p in paths]
+    lines = ["| " + " | ".join(head) + " |",
+             "|---|---|" + "---|---:|" * len(paths)]
+    for source in SOURCES:
+        llama = results.get((source, "llama.cpp"))
+        cells = [source, cell(llama)]
+        for p in paths:
+            r = results.get((source, p))
+            ratio = ("-" if not r or "error" in r or not llama or "error" in llama
+                     else f"{r['mean'] / llama['mean']:.2f}")
+            cells += [cell(r), ratio]
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--out", required=True)
+    p.add_argument("--llama-lib", required=True, help="the folder holding libllama.so")
+    p.add_argument("--bindings", default=None,
+                   help="the llama-cpp-python sdist folder (llama_cpp_logits.py --bindings)")
+    p.add_argument("--paths", nargs="+", choices=list(PATHS), default=list(PATHS))
+    p.add_argument("--eager", action="store_true")
+    p.add_argument("--parallel", type=int, default=6)
+    p.add_argument("--json", default=None)
+    args = p.parse_args()
+    import glm5_accuracy_matrix
+    from glm5_runs import compare, generate
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    sources = glm5_accuracy_matrix.prepare(out)  # {source: (file, fp32 reference)}
+
+    def overlay(source, path):
+        f, ref = sources[source]
+        res = generate(f, out / f"{source}-{path}.json", eager=args.eager,
+                       **PATHS[path])
+        return {**compare(ref, res), "attention_backend": res.get("attention_backend"),
+                "indexer_backend": res["indexer_backend"], "dtype": res["dtype"]}
+
+    def llama(source):
+        f, ref = sources[source]
+        return compare(ref, llama_cpp_run(f, out / f"{source}-llama.json", args.llama_lib,
+                                          args.bindings))
+
+    jobs = {(s, "llama.cpp"): (llama, (s,)) for s in SOURCES}
+    jobs.update({(s, path): (overlay, (s, path)) for s in SOURCES for path in args.paths})
+    results = {}
+    with concurrent.futures.ThreadPoolExecutor(args.parallel) as pool:
+        futures = {pool.submit(fn, *a): k for k, (fn, a) in jobs.items()}
+        for fut in concurrent.futures.as_completed(futures):
+            k = futures[fut]
+            try:
+                results[k] = fut.result()
+            except Exception as e:  # noqa: BLE001 - a failed row is reported, not dropped
+                results[k] = {"error": str(e)[-1500:]}  # the end holds the cause
+            print("row " + json.dumps({"source": k[0], "engine": k[1], **results[k]}),
+                  flush=True)
+    lines = rows_table(results, args.paths)
+    print("\n".join(lines))
+    report = [{"source": s, "engine": e, **r} for (s, e), r in sorted(results.items())]
+    (Path(args.json) if args.json else out / "accuracy.json").write_text(
+        json.dumps({"rows": report, "eager": args.eager}, indent=1))
+
+
+if __name__ == "__main__":
+    main()

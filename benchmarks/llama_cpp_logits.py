@@ -1,0 +1,181 @@
+# SPDX-License-Identifier: Apache-2.0
+"""llama.cpp's logits on glm5_generate.py's prompts, in glm5_generate.py's output format.
+
+    python benchmarks/llama_cpp_logits.py --gguf FILE.gguf --lib DIR --out OUT.json
+        [--bindings DIR] [--max-tokens 32] [--n-gpu-layers 999] [--n-ubatch 512]
+
+DIR holds libllama.so (and its libggml*.so) of the pinned llama.cpp, e.g. a shared build
+of tools/gpu-host/build-llama-cpp-cuda.sh (SHARED=ON) or of the tests' CPU build. The
+bindings are llama-cpp-python's own ctypes module (`llama_cpp/llama_cpp.py` of the
+pinned sdist, which matches its vendored llama.cpp): `--bindings` names the sdist's
+folder, else it is extracted from build.py's cache. Only that module is loaded, not the
+package's high-level API (which needs more packages).
+
+For each prompt (glm5_generate.prompts: fixed random token ids): the whole prompt in one
+llama_decode with logits for every position, then `--max-tokens` greedy steps of one
+token each (as llama.cpp decodes); the top-5 logprobs (log-softmax of the float32
+logits) and the prompt token's own, the greedy tokens and their top-5, as
+glm5_generate.py writes them, so tests/models/glm5_runs.compare() reads both. Logits
+are what llama.cpp computes: its activations' types (int8 for quantized products on
+CUDA) and its float32 output.
+"""
+
+import argparse
+import ctypes
+import importlib
+import json
+import sys
+import tarfile
+import types
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT / "tests" / "models"), str(ROOT / "tests" / "models" / "quantization")]
+
+
+def bindings_dir(explicit: str | None) -> Path:
+    """The folder holding llama-cpp-python's `llama_cpp/` package (the pinned sdist's)."""
+    if explicit:
+        return Path(explicit)
+    sys.path.insert(0, str(ROOT))
+    import build
+    import gguf_reference as gr
+
+    sdist = build.fetch(*gr.LLAMA_CPP_PYTHON)
+    dest = build.cache_dir() / f"bindings-{sdist.name.removesuffix('.tar.gz')}"
+    prefix = f"{sdist.name.removesuffix('.tar.gz')}/llama_cpp/"
+    if not (dest / ".complete").exists():
+        with tarfile.open(sdist) as tar:
+            members = [m for m in tar.getmembers() if m.name.startswith(prefix)]
+            tar.extractall(dest, members=members, filter="data")
+        (dest / ".complete").touch()
+    return dest / sdist.name.removesuffix(".tar.gz")
+
+
+def load_bindings(src: Path, lib: Path):
+    """llama_cpp.llama_cpp (ctypes) bound to DIR/libllama.so, without the package's
+    __init__ (which imports the high-level API and its dependencies)."""
+    import os
+
+    os.environ["LLAMA_CPP_LIB_PATH"] = str(lib)
+    pkg = types.ModuleType("llama_cpp")
+    pkg.__path__ = [str(src / "llama_cpp")]
+    sys.modules["llama_cpp"] = pkg
+    return importlib.import_module("llama_cpp.llama_cpp")
+
+
+def top(logprobs: np.ndarray, also: int | None = None) -> dict[str, float]:
+    idx = np.argpartition(-logprobs, 5)[:5]
+    idx = idx[np.argsort(-logprobs[idx], kind="stable")]
+    out = {str(int(t)): float(logprobs[t]) for t in idx}
+    if also is not None:
+        out[str(also)] = float(logprobs[also])
+    return out
+
+
+def log_softmax(logits: np.ndarray) -> np.ndarray:
+    x = logits.astype(np.float64)
+    m = x.max(axis=-1, keepdims=True)
+    return x - (m + np.log(np.exp(x - m).sum(axis=-1, keepdims=True)))
+
+
+class LlamaRunner:
+    """One llama.cpp model and context; `logits(tokens, start)` decodes tokens at
+    positions start.. of sequence 0 and returns their logits [n, vocab]."""
+
+    def __init__(self, L, gguf: str, n_ctx: int, n_batch: int, n_ubatch: int, n_gpu_layers: int):
+        self.L = L
+        L.llama_backend_init()
+        mp = L.llama_model_default_params()
+        mp.n_gpu_layers = n_gpu_layers
+        self.model = L.llama_model_load_from_file(gguf.encode(), mp)
+        if not self.model:
+            raise RuntimeError(f"llama.cpp could not load {gguf}")
+        cp = L.llama_context_default_params()
+        cp.n_ctx, cp.n_batch, cp.n_ubatch = n_ctx, n_batch, n_ubatch
+        self.ctx = L.llama_init_from_model(self.model, cp)
+        if not self.ctx:
+            raise RuntimeError(f"llama.cpp could not make a context for {gguf}")
+        self.vocab = L.llama_vocab_n_tokens(L.llama_model_get_vocab(self.model))
+        self.n_batch = n_batch
+
+    def clear(self):
+        self.L.llama_memory_clear(self.L.llama_get_memory(self.ctx), True)
+
+    def logits(self, tokens: list[int], start: int) -> np.ndarray:
+        L, n = self.L, len(tokens)
+        if n > self.n_batch:
+            raise ValueError(f"{n} tokens in one batch, n_batch is {self.n_batch}")
+        batch = L.llama_batch_init(n, 0, 1)
+        try:
+            for i, t in enumerate(tokens):
+                batch.token[i] = t
+                batch.pos[i] = start + i
+                batch.n_seq_id[i] = 1
+                batch.seq_id[i][0] = 0
+                batch.logits[i] = 1
+            batch.n_tokens = n
+            rc = L.llama_decode(self.ctx, batch)
+            if rc != 0:
+                raise RuntimeError(f"llama_decode returned {rc}")
+            ptr = L.llama_get_logits(self.ctx)
+            return np.ctypeslib.as_array(ctypes.cast(ptr, ctypes.POINTER(ctypes.c_float)),
+                                         shape=(n, self.vocab)).copy()
+        finally:
+            L.llama_batch_free(batch)
+
+    def close(self):
+        self.L.llama_free(self.ctx)
+        self.L.llama_model_free(self.model)
+
+
+def run(runner: LlamaRunner, prompts: list[list[int]], max_tokens: int) -> list[dict]:
+    outputs = []
+    for ids in prompts:
+        runner.clear()
+        lp = log_softmax(runner.logits(ids, 0))
+        prompt_lps = [None] + [top(lp[i - 1], ids[i]) for i in range(1, len(ids))]
+        tokens, logprobs, step = [], [], lp[-1]
+        for k in range(max_tokens):
+            t = int(step.argmax())
+            tokens.append(t)
+            logprobs.append(top(step, t))
+            step = log_softmax(runner.logits([t], len(ids) + k))[0]
+        outputs.append({"prompt_len": len(ids), "tokens": tokens, "logprobs": logprobs,
+                        "prompt_logprobs": prompt_lps})
+    return outputs
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--gguf", required=True)
+    p.add_argument("--lib", required=True, help="the folder holding libllama.so")
+    p.add_argument("--out", required=True)
+    p.add_argument("--bindings", default=None)
+    p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--n-gpu-layers", type=int, default=999)
+    p.add_argument("--n-ubatch", type=int, default=512)
+    args = p.parse_args()
+    import faulthandler
+
+    faulthandler.enable()  # a crash inside libllama still names the call it happened in
+    from glm5_generate import prompts
+
+    L = load_bindings(bindings_dir(args.bindings), Path(args.lib))
+    longest = max(map(len, prompts(1000)))
+    runner = LlamaRunner(L, args.gguf, n_ctx=longest + args.max_tokens + 64,
+                         n_batch=max(2048, longest), n_ubatch=args.n_ubatch,
+                         n_gpu_layers=args.n_gpu_layers)
+    try:
+        outputs = run(runner, prompts(runner.vocab), args.max_tokens)
+    finally:
+        runner.close()
+    with open(args.out, "w") as f:
+        json.dump({"args": vars(args), "engine": "llama.cpp", "outputs": outputs}, f)
+    print(json.dumps({"out": args.out, "vocab": runner.vocab}))
+
+
+if __name__ == "__main__":
+    main()
