@@ -5,10 +5,8 @@
 
 For every (tokens T, heads H, KV dtype) it times one call (GPU time, from
 CUDA-graph replays; also eager, with Python launch overhead) of the backend's
-attention step on global top-k slots with both of its kernels: "gather"
-(`triton_sparse_mla.sparse_mla_attention`, the default) and "decode"
-(`sparse_mla_decode_fwd`: the Triton MLA decode kernel with the slots as a
-page-size-1 block table), and, for bf16 KV on SM90/SM100, FlashMLA's
+attention step on global top-k slots (`triton_sparse_mla.sparse_mla_attention`, the
+"gather" kernel) and, for bf16 KV on SM90/SM100, FlashMLA's
 `flash_mla_sparse_fwd` on the same inputs (heads padded to 64/128 as
 FLASHMLA_SPARSE does). `--sweep` also times alternative launch parameters of the
 gather kernel and reports each candidate and the best per shape (to tune
@@ -43,10 +41,6 @@ import torch
 from triton.testing import do_bench
 
 from vllm.platforms import current_platform
-from vllm.v1.attention.backends.mla.triton_mla_sparse import (
-    num_kv_splits_for,
-    sparse_mla_decode_fwd,
-)
 from vllm.v1.attention.ops import triton_sparse_mla
 
 from cuda_graph_timing import graph_us  # this folder
@@ -242,9 +236,6 @@ def bench_case(num_tokens, num_heads, kv, topk, pool, l2_bytes, sms, flashmla, s
     scale = 1.0 / math.sqrt(256)
     k_scale = torch.ones(1, device=dev)
 
-    def decode(s):
-        return lambda: sparse_mla_decode_fwd(q, cache, s, valid, KV_LORA, scale, k_scale, sms)
-
     def gather(s, cfg=None):
         return lambda: ops.sparse_mla_attention(q, cache, s, valid, KV_LORA, scale, k_scale,
                                                 sms, config=cfg)
@@ -264,7 +255,6 @@ def bench_case(num_tokens, num_heads, kv, topk, pool, l2_bytes, sms, flashmla, s
     t_gather = graph_us([gather(s) for s in sets])
     gluon = warp_specialized or rows_in_m
     t_triton = graph_us([gather(s, triton_cfg) for s in sets]) if gluon else None
-    t_decode = graph_us([decode(s) for s in sets])
     it = {"i": 0}
 
     def eager():
@@ -281,8 +271,6 @@ def bench_case(num_tokens, num_heads, kv, topk, pool, l2_bytes, sms, flashmla, s
         "gather_compiled": compiled.get(key),  # the Triton tile's binary
         "gather_us": t_gather, "gather_eager_us": t_eager, "triton_tile_us": t_triton,
         "gather_TBps": bytes_read / (t_gather * 1e-6) / 1e12,
-        "decode_num_kv_splits": num_kv_splits_for(num_tokens, num_heads, topk, sms),
-        "decode_us": t_decode, "decode_TBps": bytes_read / (t_decode * 1e-6) / 1e12,
         "bytes": bytes_read, "index_sets": len(sets),
     }
     if sweep:
@@ -314,7 +302,7 @@ def bench_case(num_tokens, num_heads, kv, topk, pool, l2_bytes, sms, flashmla, s
 
         t_fm = graph_us([theirs(s) for s in sets])
         row.update(flashmla_us=t_fm, flashmla_TBps=bytes_read / (t_fm * 1e-6) / 1e12,
-                   gather_vs_flashmla=t_gather / t_fm, decode_vs_flashmla=t_decode / t_fm)
+                   gather_vs_flashmla=t_gather / t_fm)
     return row
 
 
@@ -378,9 +366,9 @@ def main():
     print("gather kernel: ws = warp-specialized Gluon tile, rows = 8/16-head fp8 Gluon tile "
           "(triton_us: the Triton tile at the same shape), tri = Triton tile")
     print("|    T |   H | kv   | kernel | gather_us | TB/s | % copy bw | eager_us | triton_us "
-          "| decode_us | flashmla_us | gather/flashmla | fp8/16-bit |"
+          "| flashmla_us | gather/flashmla | fp8/16-bit |"
           + (" sweep best |" if args.sweep else ""))
-    print("|---:|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
+    print("|---:|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"
           + ("---:|" if args.sweep else ""))
     for r in rows:
         fm = (f"{r['flashmla_us']:11.1f} | {r['gather_vs_flashmla']:15.2f}"
@@ -392,7 +380,7 @@ def main():
         print(f"| {r['tokens']:4d} | {r['heads']:3d} | {r['kv']:4} | {kernel:6} "
               f"| {r['gather_us']:9.1f} "
               f"| {r['gather_TBps']:4.2f} | {100 * r['gather_fraction_of_copy_bw']:8.1f}% "
-              f"| {r['gather_eager_us']:8.1f} | {tri} | {r['decode_us']:9.1f} | {fm} | {f8} |{sw}")
+              f"| {r['gather_eager_us']:8.1f} | {tri} | {fm} | {f8} |{sw}")
     print("compiled Triton gather tiles (table configs): regs/thread, spills, shared bytes, "
           "TTGIR async copies / local stores / wgmma / copy groups in flight at the loop's wait")
     for r in rows:

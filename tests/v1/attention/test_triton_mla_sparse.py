@@ -17,11 +17,8 @@ import torch
 from vllm.v1.attention.backends.mla import triton_mla_sparse as tms
 from vllm.v1.attention.ops import triton_sparse_mla as tsm
 from vllm.v1.attention.backends.mla.triton_mla_sparse import (
-    KERNELS,
     TritonMLASparseImpl,
     TritonMLASparseMetadata,
-    num_kv_splits_for,
-    sparse_mla_decode_fwd,
 )
 
 KV_LORA, ROPE = 512, 64
@@ -107,10 +104,9 @@ def make_case(
     )
 
 
-def run_backend(case, num_heads, kv_scale=1.0, num_sms=132, kernel="gather"):
+def run_backend(case, num_heads, kv_scale=1.0, num_sms=132):
     """The impl's forward_mqa, fed as MLAAttention feeds it."""
     impl = TritonMLASparseImpl.__new__(TritonMLASparseImpl)
-    impl._kernel = kernel
     impl.kv_lora_rank = KV_LORA
     impl.scale = 1.0 / math.sqrt(192 + ROPE)
     impl.topk_indices_buffer = case.indices
@@ -138,8 +134,8 @@ def run_backend(case, num_heads, kv_scale=1.0, num_sms=132, kernel="gather"):
     return o, impl.scale
 
 
-def check(case, num_heads, tol, kv_scale=1.0, num_sms=132, kernel="gather"):
-    o, scale = run_backend(case, num_heads, kv_scale=kv_scale, num_sms=num_sms, kernel=kernel)
+def check(case, num_heads, tol, kv_scale=1.0, num_sms=132):
+    o, scale = run_backend(case, num_heads, kv_scale=kv_scale, num_sms=num_sms)
     ref = reference_sparse_mla(
         case.q, case.cache, case.block_table, case.req_id, case.indices, scale, kv_scale
     )
@@ -159,25 +155,23 @@ BF16_GPU_ONLY = pytest.param(torch.bfloat16, 2e-2, marks=pytest.mark.gpu, id="bf
 @pytest.mark.parametrize(
     "dtype,tol", [BF16_GPU_ONLY, pytest.param(torch.float16, 4e-3, id="fp16")]
 )
-@pytest.mark.parametrize("kernel", KERNELS)
-def test_sparse_mla_small(dtype, tol, kernel):
+def test_sparse_mla_small(dtype, tol):
     # Two requests (a 3-token prefill chunk and a decode), -1 suffixes,
     # a duplicated slot per row, and one row left without any valid slot.
     case = make_case(
         [3, 1], [40, 70], 16, 128, 16, dtype, dtype, seed=0, empty_rows=[1]
     )
-    o = check(case, 16, tol, kernel=kernel)
+    o = check(case, 16, tol)
     assert (o[1] == 0).all()
 
 
 @pytest.mark.parametrize(
     "dtype,tol", [BF16_GPU_ONLY, pytest.param(torch.float16, 1e-2, id="fp16")]
 )
-@pytest.mark.parametrize("kernel", KERNELS)
-def test_sparse_mla_fp8_cache(dtype, tol, kernel):
+def test_sparse_mla_fp8_cache(dtype, tol):
     # fp8 cache with a per-tensor scale; the reference dequantizes the same bytes.
     case = make_case([2], [50], 16, 128, 16, dtype, FP8, seed=1)
-    check(case, 16, tol, kv_scale=0.75, kernel=kernel)
+    check(case, 16, tol, kv_scale=0.75)
 
 
 @pytest.mark.parametrize("v_splits,v_reload,k_dequant",
@@ -232,7 +226,6 @@ def test_impl_construction(monkeypatch):
 
     monkeypatch.setattr(type(current_platform), "num_compute_units",
                         classmethod(lambda cls, device_id=0: 132), raising=False)
-    tms.sparse_mla_kernel.cache_clear()
     shared = torch.full((8, 128), -1, dtype=torch.int32)
     own = torch.full((8, 128), -1, dtype=torch.int32)
     impl = TritonMLASparseImpl(**mla_impl_args(topk_indices_buffer=shared,
@@ -241,7 +234,7 @@ def test_impl_construction(monkeypatch):
     assert impl.is_sparse and not impl.supports_quant_query_input
     assert (impl.kv_lora_rank, impl.qk_nope_head_dim, impl.v_head_dim) == (KV_LORA, 192, 256)
     assert impl.dcp_world_size == 1 and not impl.need_to_return_lse_for_decode
-    assert impl._num_sms == 132 and impl._kernel == tms.sparse_mla_kernel()
+    assert impl._num_sms == 132
     skip_layer = TritonMLASparseImpl(**mla_impl_args(topk_indices_buffer=shared))
     assert skip_layer.topk_indices_buffer is shared
     with pytest.raises(ValueError, match="top-k buffer"):
@@ -251,15 +244,6 @@ def test_impl_construction(monkeypatch):
                                             topk_indices_buffer=shared))
     with pytest.raises(NotImplementedError):
         TritonMLASparseImpl(**mla_impl_args(sliding_window=128, topk_indices_buffer=shared))
-
-
-def test_sparse_mla_chunked_workspace(monkeypatch):
-    # A workspace bound below one token's need forces one kernel launch per token.
-    case = make_case([3], [30], 16, 128, 16, torch.float16, torch.float16, seed=2)
-    whole, _ = run_backend(case, 16, kernel="decode")
-    monkeypatch.setattr(tms, "_MAX_WORKSPACE_BYTES", 1)
-    chunked, _ = run_backend(case, 16, kernel="decode")
-    torch.testing.assert_close(chunked, whole, rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("num_heads", [5, 20, 40])
@@ -454,40 +438,13 @@ def test_gather_batch_invariant(monkeypatch):
                 assert len(entries) == 1, (cap, heads, kv_fp8, entries)
 
 
-def test_kernel_choice(monkeypatch):
-    tms.sparse_mla_kernel.cache_clear()
-    monkeypatch.setenv("VLLM_TRITON_MLA_SPARSE_KERNEL", "nope")
-    with pytest.raises(ValueError, match="VLLM_TRITON_MLA_SPARSE_KERNEL='nope'"):
-        tms.sparse_mla_kernel()
-    monkeypatch.setenv("VLLM_TRITON_MLA_SPARSE_KERNEL", "decode")
-    tms.sparse_mla_kernel.cache_clear()
-    assert tms.sparse_mla_kernel() == "decode"
-    monkeypatch.delenv("VLLM_TRITON_MLA_SPARSE_KERNEL")
-    tms.sparse_mla_kernel.cache_clear()
-    assert tms.sparse_mla_kernel() == "gather"
-
-
-def test_num_kv_splits():
-    # Depends only on shapes; fills ~2 waves at small batch; 1 split once the
-    # tokens alone fill the GPU; never fewer than 64 slots per split.
-    assert num_kv_splits_for(1, 8, 2048, 132) == 32
-    assert num_kv_splits_for(1, 128, 2048, 132) == 32
-    assert num_kv_splits_for(8, 64, 2048, 132) == 16
-    assert num_kv_splits_for(132, 8, 2048, 132) == 1
-    assert num_kv_splits_for(4096, 64, 2048, 132) == 1
-    assert num_kv_splits_for(1, 8, 128, 132) == 2
-    for t in (1, 3, 8, 64, 256):
-        s = num_kv_splits_for(t, 16, 2048, 132)
-        assert s & (s - 1) == 0 and 2048 // s >= 64
-
-
-def test_sparse_mla_decode_fwd_empty_batch():
+def test_empty_batch():
     q = torch.empty(0, 16, HEAD, dtype=torch.bfloat16, device=DEVICE)
     cache = torch.zeros(2, 16, HEAD, dtype=torch.bfloat16, device=DEVICE)
     slots = torch.empty(0, 128, dtype=torch.int32, device=DEVICE)
     valid = torch.empty(0, dtype=torch.int32, device=DEVICE)
     one = torch.ones(1, device=DEVICE)
-    o = sparse_mla_decode_fwd(q, cache, slots, valid, KV_LORA, 0.1, one, 132)
+    o = tsm.sparse_mla_attention(q, cache, slots, valid, KV_LORA, 0.1, one, 132)
     assert o.shape == (0, 16, KV_LORA)
 
 
@@ -498,8 +455,7 @@ def test_sparse_mla_decode_fwd_empty_batch():
 @pytest.mark.parametrize("num_heads", [8, 16, 32, 64, 128])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("kv", ["model", "fp8"])
-@pytest.mark.parametrize("kernel", KERNELS)
-def test_glm5_shapes(num_heads, dtype, kv, kernel):
+def test_glm5_shapes(num_heads, dtype, kv):
     # GLM-5: topk 2048, block 64; one long-context decode (64K), a short request
     # whose context is below topk, and a 4-token speculative/prefill chunk.
     kv_dtype = FP8 if kv == "fp8" else dtype
@@ -507,7 +463,7 @@ def test_glm5_shapes(num_heads, dtype, kv, kernel):
         [1, 1, 4], [65536, 1500, 9000], num_heads, 2048, 64, dtype, kv_dtype, seed=3
     )
     tol = 3e-2 if kv == "fp8" or dtype == torch.bfloat16 else 5e-3
-    check(case, num_heads, tol, kv_scale=0.5 if kv == "fp8" else 1.0, kernel=kernel)
+    check(case, num_heads, tol, kv_scale=0.5 if kv == "fp8" else 1.0)
 
 
 @pytest.mark.gpu
@@ -530,8 +486,7 @@ def test_glm5_shapes_small_shared_memory(monkeypatch, num_heads, kv):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("num_heads", [16, 64])  # 64: Hopper's warp-specialized tile
-@pytest.mark.parametrize("kernel", KERNELS)
-def test_memory_safety_edges(kernel, num_heads):
+def test_memory_safety_edges(num_heads):
     # Slots in the very last cache block, all -1 rows, topk larger than context.
     bs, topk = 64, 2048
     case = make_case([2, 1], [100, 64], num_heads, topk, bs, torch.bfloat16, torch.bfloat16,
@@ -541,32 +496,31 @@ def test_memory_safety_edges(kernel, num_heads):
     case.indices[2] = -1
     case.indices[2, :64] = torch.arange(64, dtype=torch.int32)  # all of it
     case.indices[1] = -1  # a row without any valid entry
-    o = check(case, num_heads, 2e-2, kernel=kernel)
+    o = check(case, num_heads, 2e-2)
     assert (o[1] == 0).all()
     # A cache that ends exactly at the last block: an out-of-bounds read would
     # fault or bring NaN from a poisoned neighbour, which is placed right after.
     big = torch.full((nb + 1, bs, HEAD), float("nan"), dtype=torch.bfloat16, device="cuda")
     big[:nb] = case.cache
     case.cache = big[:nb]
-    check(case, num_heads, 2e-2, kernel=kernel)
+    check(case, num_heads, 2e-2)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("num_heads", [16, 64])
-@pytest.mark.parametrize("kernel", KERNELS)
-def test_cuda_graph_capture_and_replay(kernel, num_heads):
+def test_cuda_graph_capture_and_replay(num_heads):
     # UNIFORM_BATCH capture: the same launch replayed on new data gives eager results.
     case = make_case([1] * 4, [3000, 500, 70, 2048], num_heads, 2048, 64,
                      torch.bfloat16, torch.bfloat16, seed=5)
-    eager, _ = run_backend(case, num_heads, kernel=kernel)
+    eager, _ = run_backend(case, num_heads)
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
-        run_backend(case, num_heads, kernel=kernel)  # warm up (Triton compilation) off-graph
+        run_backend(case, num_heads)  # warm up (Triton compilation) off-graph
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        graphed, _ = run_backend(case, num_heads, kernel=kernel)
+        graphed, _ = run_backend(case, num_heads)
     graph.replay()
     torch.testing.assert_close(graphed, eager, rtol=0, atol=0)
     # New queries, cache and indices in the same buffers.
@@ -576,14 +530,13 @@ def test_cuda_graph_capture_and_replay(kernel, num_heads):
     case.cache.copy_(fresh.cache)
     case.indices.copy_(fresh.indices)
     graph.replay()
-    expect, _ = run_backend(case, num_heads, kernel=kernel)
+    expect, _ = run_backend(case, num_heads)
     torch.testing.assert_close(graphed, expect, rtol=0, atol=0)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("num_heads", [16, 64, 128])
-@pytest.mark.parametrize("kernel", KERNELS)
-def test_matches_flashmla_sparse(num_heads, kernel):
+def test_matches_flashmla_sparse(num_heads):
     flashmla = pytest.importorskip("vllm.v1.attention.ops.flashmla")
     ok, reason = flashmla.is_flashmla_sparse_supported()
     if not ok:
@@ -594,7 +547,7 @@ def test_matches_flashmla_sparse(num_heads, kernel):
 
     case = make_case([1, 1, 8], [20000, 900, 5000], num_heads, 2048, 64,
                      torch.bfloat16, torch.bfloat16, seed=7)
-    ours, scale = run_backend(case, num_heads, kernel=kernel)
+    ours, scale = run_backend(case, num_heads)
     slots = triton_convert_req_index_to_global_index(
         case.req_id, case.block_table, case.indices, BLOCK_SIZE=64, NUM_TOPK_TOKENS=2048
     )
