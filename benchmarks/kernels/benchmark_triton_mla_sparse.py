@@ -82,8 +82,8 @@ def load_ops(path: str | None):
 def compile_key(cfg: dict, kv: str, q_dtype: str = "bf16") -> tuple:
     # the kernel, constexprs, launch options and dtypes that make a distinct binary
     return (cfg.get("WARP_SPECIALIZED", False), cfg["BLOCK_H"], cfg["BLOCK_N"],
-            cfg.get("V_SPLITS", 1), cfg.get("V_RELOAD", False), cfg.get("K_DEQUANT", False),
-            cfg["splits"] > 1, cfg["num_warps"], cfg["num_stages"], kv, q_dtype)
+            cfg.get("V_RELOAD", False), cfg["splits"] > 1, cfg["num_warps"], cfg["num_stages"],
+            kv, q_dtype)
 
 
 class CompiledStats:
@@ -139,23 +139,18 @@ class CompiledStats:
 # iterations of lead: 2 stages load the rows synchronously, 3 copy the next tile
 # after this one's dots (one buffer; on mma.sync tiles nothing else overlaps it),
 # 5 and 7 keep one and two tiles in flight during the dots. Variants: "" (16-bit
-# cache, or fp8 converted once with the scale on the scores), "reload"
-# (V_RELOAD), "dequant" (K_DEQUANT), "vsplit" (V_SPLITS=2, which reads its own
-# columns of the rows anyway).
+# cache, or fp8 converted once with the scale on the scores), "reload" (V_RELOAD).
 SWEEP_TILES = {
     ("bf16", 16): [(64, 4, 2, ""), (32, 4, 5, ""), (32, 8, 5, ""), (16, 4, 5, ""),
                    (16, 4, 7, ""), (32, 4, 7, "")],
     ("bf16", 32): [(64, 4, 2, ""), (32, 4, 5, ""), (32, 8, 5, ""), (16, 4, 5, ""),
                    (16, 4, 7, "")],
-    ("bf16", 64): [(64, 8, 3, ""), (32, 8, 5, ""), (16, 8, 5, ""), (16, 8, 7, ""),
-                   (16, 4, 5, "vsplit"), (16, 4, 7, "vsplit")],
+    ("bf16", 64): [(64, 8, 3, ""), (32, 8, 5, ""), (16, 8, 5, ""), (16, 8, 7, "")],
     ("fp8", 16): [(32, 4, 2, "reload"), (16, 4, 5, "reload"), (16, 4, 7, "reload"),
-                  (32, 4, 5, "reload"), (16, 8, 7, "reload"), (16, 4, 5, "dequant"),
-                  (16, 4, 7, "dequant"), (32, 4, 5, "dequant")],
+                  (32, 4, 5, "reload"), (16, 8, 7, "reload")],
     ("fp8", 32): [(32, 4, 2, "reload"), (16, 4, 5, "reload"), (16, 4, 7, "reload"),
                   (32, 4, 5, "reload")],
-    ("fp8", 64): [(64, 8, 3, ""), (32, 8, 5, ""), (16, 8, 7, ""), (32, 8, 5, "reload"),
-                  (16, 4, 5, "vsplit"), (16, 4, 7, "vsplit")],
+    ("fp8", 64): [(64, 8, 3, ""), (32, 8, 5, ""), (16, 8, 7, ""), (32, 8, 5, "reload")],
 }
 
 
@@ -173,10 +168,8 @@ def sweep_configs(base, kv="bf16"):
         for (block_n, nw, stages, variant), n_splits in itertools.product(
                 SWEEP_TILES[(family, block_h)], splits):
             yield dict(base, BLOCK_H=block_h, BLOCK_N=block_n, num_warps=nw,
-                       num_stages=stages, splits=n_splits,
-                       V_SPLITS=2 if variant == "vsplit" else 1,
-                       V_RELOAD=variant == "reload",
-                       K_DEQUANT=variant == "dequant", WARP_SPECIALIZED=False)
+                       num_stages=stages, splits=n_splits, V_RELOAD=variant == "reload",
+                       WARP_SPECIALIZED=False)
 
 
 def _compile_jobs(ops_file: str | None, jobs: list) -> int:

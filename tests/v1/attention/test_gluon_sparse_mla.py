@@ -151,7 +151,6 @@ def test_dispatch_needs_a_gpu_tensor_and_the_glm5_shapes():
     q, kv = q.cuda(), kv.cuda()
     assert tsm._warp_specialized_ops(cfg, q, kv, KV_LORA) is not None
     assert tsm._warp_specialized_ops(dict(cfg, WARP_SPECIALIZED=False), q, kv, KV_LORA) is None
-    assert tsm._warp_specialized_ops(dict(cfg, V_SPLITS=2), q, kv, KV_LORA) is None
     assert tsm._warp_specialized_ops(cfg, q, kv.to(torch.float8_e4m3fn), KV_LORA) is not None
     assert tsm._warp_specialized_ops(cfg, q, kv.to(torch.float8_e5m2), KV_LORA) is None
     assert tsm._warp_specialized_ops(cfg, q.half(), kv, KV_LORA) is None  # bf16 cache

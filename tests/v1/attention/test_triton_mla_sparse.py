@@ -174,15 +174,11 @@ def test_sparse_mla_fp8_cache(dtype, tol):
     check(case, 16, tol, kv_scale=0.75)
 
 
-@pytest.mark.parametrize("v_splits,v_reload,k_dequant",
-                         [(1, False, False), (1, True, False), (2, False, False),
-                          (1, False, True), (2, False, True)])
-def test_gather_kernel_fp8_cache_reads(v_splits, v_reload, k_dequant):
-    # The ways the gather kernel reads fp8 rows for the PV dot: the tile it
-    # converted for QK^T (scaled as a tile in fp32 with K_DEQUANT, else the scale
-    # goes on the scores and the output), a second copy of the rows (V_RELOAD),
-    # or each program's slice of the output columns (V_SPLITS), against float64
-    # on the dequantized cache.
+@pytest.mark.parametrize("v_reload", [False, True])
+def test_gather_kernel_fp8_cache_reads(v_reload):
+    # The two ways the gather kernel reads fp8 rows for the PV dot: the tile it
+    # converted for QK^T (the scale on the scores and the output) or a second copy
+    # of the rows (V_RELOAD), against float64 on the dequantized cache.
     case = make_case([2, 1], [50, 90], 16, 128, 16, torch.float16, FP8, seed=3)
     slots, counts = tsm_inputs(case)
     scale = 1.0 / math.sqrt(192 + ROPE)
@@ -191,8 +187,7 @@ def test_gather_kernel_fp8_cache_reads(v_splits, v_reload, k_dequant):
     for splits in (1, 2):
         cfg = dict(tsm.launch_config(3, 16, 128, KV_LORA, 132, kv_fp8=True,
                                      warp_specialized=False),
-                   splits=splits, BLOCK_N=16, V_SPLITS=v_splits, V_RELOAD=v_reload,
-                   K_DEQUANT=k_dequant)
+                   splits=splits, BLOCK_N=16, V_RELOAD=v_reload)
         o = tsm.sparse_mla_attention(case.q, case.cache, slots, counts, KV_LORA, scale,
                                      torch.full((1,), 0.75, device=DEVICE), 132, config=cfg)
         torch.testing.assert_close(o.double().cpu(), ref, rtol=1e-2, atol=1e-2)
@@ -248,10 +243,9 @@ def test_impl_construction(monkeypatch):
 
 @pytest.mark.parametrize("num_heads", [5, 20, 40])
 def test_gather_kernel_split_k_and_head_padding(num_heads):
-    # Heads that do not fill a head block (masked rows of the MMA), split-K
-    # with the log-sum-exp merge and output columns split over programs
-    # (V_SPLITS), forced through `config`, against float64; the splits include
-    # ones past a row's valid entries (empty splits).
+    # Heads that do not fill a head block (masked rows of the MMA) and split-K
+    # with the log-sum-exp merge, forced through `config`, against float64; the
+    # splits include ones past a row's valid entries (empty splits).
     case = make_case([2, 1], [90, 200], num_heads, 128, 16, torch.float16, torch.float16,
                      seed=8)
     o1 = check(case, num_heads, 4e-3)  # the launch table's choice
@@ -260,9 +254,9 @@ def test_gather_kernel_split_k_and_head_padding(num_heads):
     one = torch.ones(1, device=DEVICE)
     ref = reference_sparse_mla(case.q, case.cache, case.block_table, case.req_id,
                                case.indices, scale)
-    for splits, v_splits in ((1, 1), (4, 1), (1, 2), (4, 4)):
+    for splits in (1, 4):
         cfg = dict(tsm.launch_config(3, num_heads, 128, KV_LORA, 132),
-                   splits=splits, BLOCK_N=16, V_SPLITS=v_splits)
+                   splits=splits, BLOCK_N=16)
         o = tsm.sparse_mla_attention(case.q, case.cache, slots, counts, KV_LORA, scale,
                                      one, 132, config=cfg)
         torch.testing.assert_close(o.double().cpu(), ref, rtol=4e-3, atol=4e-3)

@@ -119,8 +119,7 @@ def compile_shared_bytes(arch: int, binaries: list[dict]) -> list[tuple[int, int
         sig.update({name: "i32" for name in ints})
         consts = {"BLOCK_H": b["BLOCK_H"], "BLOCK_N": b["BLOCK_N"], "D_V": KV_LORA,
                   "D_R": ROPE, "KV_FP8": b["kv"] == "fp8", "PARTIAL": partial,
-                  "V_SPLITS": b["V_SPLITS"], "V_RELOAD": b["V_RELOAD"],
-                  "K_DEQUANT": b.get("K_DEQUANT", False)}
+                  "V_RELOAD": b["V_RELOAD"]}
         # what the JIT sees at GLM-5 shapes: 16-byte aligned pointers and strides,
         # which lets it pipeline the row loads through shared memory (the most
         # shared memory a binary takes)
@@ -272,7 +271,7 @@ def test_sync_row_load_check_sees_fp8_reuse(run_without_gpu):
     # the check itself: an fp8 tile shared by both dots through a conversion
     # (V_RELOAD off) compiles to a synchronous load on an mma.sync tile
     binary = {"BLOCK_H": 16, "BLOCK_N": 16, "num_warps": 4, "num_stages": 3,
-              "V_SPLITS": 1, "kv": "fp8", "PARTIAL": False}
+              "kv": "fp8", "PARTIAL": False}
     reused, reloaded = run_compiles(run_without_gpu, 90, [dict(binary, V_RELOAD=False),
                                                           dict(binary, V_RELOAD=True)])
     assert reused[1] > 0 and reloaded[1] == 0

@@ -84,21 +84,16 @@ def _sparse_mla_kernel(
     D_R: tl.constexpr,
     KV_FP8: tl.constexpr,
     PARTIAL: tl.constexpr,
-    V_SPLITS: tl.constexpr,
     V_RELOAD: tl.constexpr,
-    K_DEQUANT: tl.constexpr,
 ):
     # heads fastest: the programs of one token run together and share its rows in L2
-    hb = tl.program_id(0) // V_SPLITS
-    vs = tl.program_id(0) % V_SPLITS  # which slice of the output columns
+    hb = tl.program_id(0)
     t = tl.program_id(1).to(tl.int64)
     s = tl.program_id(2)
 
     offs_h = hb * BLOCK_H + tl.arange(0, BLOCK_H)
     mask_h = offs_h < num_heads
     offs_v = tl.arange(0, D_V)
-    D_O: tl.constexpr = D_V // V_SPLITS
-    offs_o = vs * D_O + tl.arange(0, D_O)
     offs_r = tl.arange(0, D_R)
     q_row = Q + t * stride_qt + offs_h[:, None] * stride_qh
     q_nope = tl.load(q_row + offs_v[None, :], mask=mask_h[:, None], other=0.0)
@@ -108,16 +103,13 @@ def _sparse_mla_kernel(
     start = s * split_len
     end = tl.minimum(start + split_len, count)
     qk_scale = sm_scale * 1.4426950408889634  # log2(e): softmax in base 2
-    # an fp8 tile dequantized in fp32 (K_DEQUANT) carries the scale itself
-    SCALE_SCORES: tl.constexpr = KV_FP8 and not K_DEQUANT
     if KV_FP8:
         k_scale = tl.load(KScale)
-    if SCALE_SCORES:
         qk_scale = qk_scale * k_scale
 
     m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_H, D_O], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_H, D_V], dtype=tl.float32)
     for n0 in range(start, end, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         mask_n = offs_n < end
@@ -125,12 +117,7 @@ def _sparse_mla_kernel(
         kv_row = KV + slot[:, None] * stride_kv
         k_nope = tl.load(kv_row + offs_v[None, :], mask=mask_n[:, None], other=0.0)
         k_rope = tl.load(kv_row + D_V + offs_r[None, :], mask=mask_n[:, None], other=0.0)
-        if K_DEQUANT:
-            # once, in fp32, for both dots: like the reloaded V tile below, the
-            # conversion then stays ahead of the layout changes for the dots
-            k_nope = (k_nope.to(tl.float32) * k_scale).to(q_nope.dtype)
-            k_rope = (k_rope.to(tl.float32) * k_scale).to(q_nope.dtype)
-        elif KV_FP8:
+        if KV_FP8:
             k_nope = k_nope.to(q_nope.dtype)
             k_rope = k_rope.to(q_nope.dtype)
         qk = tl.dot(q_nope, tl.trans(k_nope))
@@ -140,36 +127,33 @@ def _sparse_mla_kernel(
         p = tl.exp2(qk - m_new[:, None])
         alpha = tl.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, 1)
-        if V_SPLITS == 1 and not V_RELOAD:
-            v = k_nope
-        else:
-            # this program's output columns of the rows just read, or (V_RELOAD)
-            # all of them again: a copy of its own for the PV dot (from L2; the
-            # cache modifier keeps it from merging with the first). With one
-            # consumer per copy, the software pipeliner stages an fp8 tile that
-            # both dots would otherwise take through a conversion, which it
-            # leaves as a synchronous load.
-            v = tl.load(kv_row + offs_o[None, :], mask=mask_n[:, None], other=0.0,
+        if V_RELOAD:
+            # the rows again, a copy of its own for the PV dot (from L2; the cache
+            # modifier keeps it from merging with the first): with one consumer per
+            # copy the software pipeliner stages an fp8 tile, which it leaves as a
+            # synchronous load when both dots take it through a conversion
+            v = tl.load(kv_row + offs_v[None, :], mask=mask_n[:, None], other=0.0,
                         cache_modifier=".cg")
             if KV_FP8:
                 # dequantized here, in fp32: a bare cast would be moved past the
                 # tile's layout change for the dot, which then gathers single
                 # bytes from shared memory
                 v = (v.to(tl.float32) * k_scale).to(q_nope.dtype)
+        else:
+            v = k_nope
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m_i = m_new
 
     l_safe = tl.where(l_i > 0.0, l_i, 1.0)
     out = acc / l_safe[:, None]
-    if SCALE_SCORES and V_SPLITS == 1 and not V_RELOAD:
+    if KV_FP8 and not V_RELOAD:
         out = out * k_scale  # V is the converted K tile, still unscaled
-    o_ptr = O + t * stride_ot + s * stride_os + offs_h[:, None] * stride_oh + offs_o[None, :]
+    o_ptr = O + t * stride_ot + s * stride_os + offs_h[:, None] * stride_oh + offs_v[None, :]
     tl.store(o_ptr, out.to(O.dtype.element_ty), mask=mask_h[:, None])
     if PARTIAL:
-        # base-2 log-sum-exp of the split (the same in every column slice); -inf
-        # for a split without valid slots
+        # base-2 log-sum-exp of the split; -inf for a split without valid slots
         lse = tl.where(l_i > 0.0, m_i + tl.log2(l_safe), float("-inf"))
-        tl.store(Lse + t * stride_lt + offs_h * stride_lh + s, lse, mask=mask_h & (vs == 0))
+        tl.store(Lse + t * stride_lt + offs_h * stride_lh + s, lse, mask=mask_h)
 
 
 @triton.jit
@@ -236,12 +220,8 @@ def launch_config(
 
     max_shared_mem: the device's opt-in shared memory per block (bytes); kv_fp8:
     the cache is fp8; capability: major * 10 + minor.
-    V_SPLITS > 1 (not chosen by the table yet; benchmarks and tests set it) splits
-    a head block's output columns over that many programs, each recomputing the
-    scores: a smaller accumulator for a second QK^T. V_RELOAD (fp8 caches) reads
-    the rows a second time for the PV dot instead of reusing the converted K tile;
-    K_DEQUANT (fp8 caches; not chosen by the table: 1.6x V_RELOAD's time in the
-    H200 sweep) dequantizes the K tile in fp32 once and uses it for both dots.
+    V_RELOAD (fp8 caches) reads the rows a second time for the PV dot instead of
+    reusing the converted K tile.
     WARP_SPECIALIZED (Hopper; 64-head tiles, and fewer heads where it is faster; fp8
     caches in e4m3) runs the tile as `gluon_sparse_mla`'s warp-specialized kernel
     instead of `_sparse_mla_kernel` (the Triton parameters above stay its fallback);
@@ -272,8 +252,8 @@ def launch_config(
                                  2 * num_sms, 128),
                      triton.next_power_of_2(triton.cdiv(topk, ROWS_IN_M_MAX_SLOTS)))
         return {"BLOCK_H": block_h, "BLOCK_N": 64, "num_warps": 4, "num_stages": 2,
-                "splits": splits, "V_SPLITS": 1, "V_RELOAD": False, "K_DEQUANT": False,
-                "WARP_SPECIALIZED": False, "ROWS_IN_M": True}
+                "splits": splits, "V_RELOAD": False, "WARP_SPECIALIZED": False,
+                "ROWS_IN_M": True}
     # H200, kernel-only: the warp-specialized 64-head tile, its heads past num_heads
     # masked, takes 0.65-0.88x the 32-head Triton tile's time with a 16-bit cache from
     # 8 tokens on (1.09x at one token; 8 and 16 heads: within 7%; with an fp8 cache it
@@ -331,8 +311,7 @@ def launch_config(
     splits = _num_splits(num_tokens, num_heads, block_h, topk, kv_lora_rank,
                          waves * num_sms, min_slots)
     return {"BLOCK_H": block_h, "BLOCK_N": block_n, "num_warps": num_warps,
-            "num_stages": num_stages, "splits": splits, "V_SPLITS": 1,
-            "V_RELOAD": v_reload, "K_DEQUANT": False,
+            "num_stages": num_stages, "splits": splits, "V_RELOAD": v_reload,
             "WARP_SPECIALIZED": warp_specialized, "ROWS_IN_M": False}
 
 
@@ -373,7 +352,7 @@ def _gluon_module(name: str):
 def _warp_specialized_ops(cfg: dict, q: torch.Tensor, kv: torch.Tensor, kv_lora_rank: int):
     """`gluon_sparse_mla` where the launch table chose its tile and it takes these
     tensors (a GPU, not the interpreter; a cache in q's dtype or fp8 e4m3), else None."""
-    if not (cfg.get("WARP_SPECIALIZED") and q.is_cuda and cfg.get("V_SPLITS", 1) == 1
+    if not (cfg.get("WARP_SPECIALIZED") and q.is_cuda
             and kv.dtype in (q.dtype, torch.float8_e4m3fn)):
         return None
     ops = _gluon_module("gluon_sparse_mla")
@@ -386,7 +365,7 @@ def _warp_specialized_ops(cfg: dict, q: torch.Tensor, kv: torch.Tensor, kv_lora_
 def _rows_in_m_ops(cfg: dict, q: torch.Tensor, kv: torch.Tensor, kv_lora_rank: int):
     """`gluon_sparse_mla_fp8` where the launch table chose its tile and it takes these
     tensors (a GPU, not the interpreter; an fp8 e4m3 cache), else None."""
-    if not (cfg.get("ROWS_IN_M") and q.is_cuda and cfg.get("V_SPLITS", 1) == 1):
+    if not (cfg.get("ROWS_IN_M") and q.is_cuda):
         return None
     ops = _gluon_module("gluon_sparse_mla_fp8")
     if ops is None or not ops.supports(kv_lora_rank, q.shape[-1] - kv_lora_rank, q.dtype,
@@ -485,18 +464,15 @@ def sparse_mla_attention(
         cfg = device_launch_config(q.device, num_tokens, num_heads, topk, kv_lora_rank,
                                    num_sms, kv_fp8, warp_specialized=False)
     splits = cfg["splits"]
-    v_splits = cfg.get("V_SPLITS", 1)
     split_len, out, lse, so, sl = split_k_outputs(o, topk, splits, cfg["BLOCK_N"])
-    assert kv_lora_rank % v_splits == 0
-    grid = (triton.cdiv(num_heads, cfg["BLOCK_H"]) * v_splits, num_tokens, splits)
+    grid = (triton.cdiv(num_heads, cfg["BLOCK_H"]), num_tokens, splits)
     _sparse_mla_kernel[grid](
         q, kv, slots, valid_counts, k_scale, out, lse, scale,
         q.stride(0), q.stride(1), kv.stride(0), slots.stride(0),
         *so, *sl,
         num_heads, split_len,
         BLOCK_H=cfg["BLOCK_H"], BLOCK_N=cfg["BLOCK_N"], D_V=kv_lora_rank, D_R=d_r,
-        KV_FP8=kv_fp8, PARTIAL=splits > 1, V_SPLITS=v_splits,
-        V_RELOAD=cfg.get("V_RELOAD", False), K_DEQUANT=kv_fp8 and cfg.get("K_DEQUANT", False),
+        KV_FP8=kv_fp8, PARTIAL=splits > 1, V_RELOAD=cfg.get("V_RELOAD", False),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     merge_split_k(out, lse, o)
