@@ -6,6 +6,7 @@ memory-safety cases and CUDA-graph capture; `test_matches_flashmla_sparse`
 compares with upstream's FlashMLA sparse kernel on the same inputs.
 """
 
+import functools
 import itertools
 import json
 import math
@@ -467,7 +468,13 @@ def test_glm5_shapes_small_shared_memory(monkeypatch, num_heads, kv):
     # The launch table of a 99 KiB GPU (SM 8.6/8.9/12.x), run on this one: the
     # same results with the halved key blocks.
     small = 99 * 1024
-    monkeypatch.setattr(tsm, "device_shared_mem", lambda index: small)
+    from vllm.platforms import current_platform
+
+    monkeypatch.setattr(type(current_platform), "get_max_shared_memory_per_block",
+                        classmethod(lambda cls, device_id=0: small))
+    # a cache of its own for this test (the module's keeps this GPU's value)
+    monkeypatch.setattr(tsm, "device_shared_mem",
+                        functools.cache(tsm.device_shared_mem.__wrapped__))
     wide = tsm.launch_config(1, num_heads, 2048, KV_LORA, 132)
     assert tsm.launch_config(1, num_heads, 2048, KV_LORA, 132, small)["BLOCK_N"] < (
         wide["BLOCK_N"])

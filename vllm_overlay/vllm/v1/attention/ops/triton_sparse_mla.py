@@ -27,6 +27,7 @@ import torch
 
 import vllm.envs as envs
 from vllm.logger import init_logger
+from vllm.platforms import current_platform
 from vllm.triton_utils import tl, triton
 
 logger = init_logger(__name__)
@@ -47,14 +48,13 @@ ROWS_IN_M_MAX_SLOTS = 2048
 @functools.cache
 def device_shared_mem(device_index: int) -> int:
     """Opt-in shared memory per block of a CUDA device (read once per device)."""
-    return torch.cuda.get_device_properties(device_index).shared_memory_per_block_optin
+    return current_platform.get_max_shared_memory_per_block(device_index)
 
 
 @functools.cache
 def device_capability(device_index: int) -> int:
     """Compute capability of a CUDA device as major * 10 + minor (e.g. 90, 120)."""
-    major, minor = torch.cuda.get_device_capability(device_index)
-    return major * 10 + minor
+    return current_platform.get_device_capability(device_index).to_int()
 
 
 @triton.jit
