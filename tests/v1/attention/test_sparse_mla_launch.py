@@ -1,5 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The sparse MLA launch policy chooses what it chose before its restructure.
+"""`sparse_mla_launch` chooses what the sparse MLA launch policy chose before its
+restructure into a typed launch record and a table.
 
 The reference below is the policy of `vllm/v1/attention/ops/triton_sparse_mla.py` at
 commit 33e67de (before the restructure): `launch_config` with its `_num_splits`, and
@@ -7,11 +8,15 @@ the dispatch's step from a Gluon tile to the table's Triton entry where that til
 not take the tensors (a CPU tensor under the Triton interpreter, a cache dtype it does
 not read). It is copied here unchanged but for its comments, the environment read
 (`batch_invariant`) and the Gluon tiles' `supports` written out for GLM-5's 512 + 64
-head. Over a grid of GPUs (capability, opt-in shared memory per block, SMs), heads,
-tokens, top-k, query and cache dtypes, GPU or interpreter and batch invariance, the
-launch the code makes must be the reference's effective launch: the same tile, heads
-a program, KV rows a loop iteration and splits, and for a Triton tile the same warps
-and stages (a Gluon tile has its own).
+head; commit deb1282 checked it against that code over this grid. Over a grid of GPUs
+(capability, opt-in shared memory per block, SMs), heads, tokens, top-k, query and
+cache dtypes, GPU or interpreter and batch invariance, the launch the code makes must
+be the reference's effective launch: the same tile, heads a program, KV rows a loop
+iteration and splits, and for a Triton tile the same warps and stages (a Gluon tile
+has its own, which the reference's dict did not carry). The grid's GPUs are real
+(capability, shared memory) pairs: a capability 9.x or 10.x with less than 227 KiB,
+which no GPU has, is now planned as a GPU of that shared memory whose dots take their
+operands through registers (the reference read an fp8 64-head tile's rows once there).
 """
 
 import itertools
@@ -144,21 +149,20 @@ DTYPES = [(torch.bfloat16, torch.bfloat16), (torch.float16, torch.float16),
 
 
 def current_launch(gpu, num_tokens, num_heads, topk, q_dtype, kv_dtype, on_gpu) -> dict:
-    """The launch the code makes (the environment gives batch invariance)."""
-    from types import SimpleNamespace
-
-    from vllm.v1.attention.ops import triton_sparse_mla as tsm
+    """The launch `sparse_mla_launch` makes (the environment gives batch invariance),
+    in `effective`'s terms."""
+    from vllm.v1.attention.ops import sparse_mla_launch as sml
 
     capability, shared_mem, num_sms = gpu
-    args = (num_tokens, num_heads, topk, KV_LORA, num_sms, shared_mem, kv_dtype in FP8,
-            capability)
-    cfg = tsm.launch_config(*args)
-    q = SimpleNamespace(is_cuda=on_gpu, dtype=q_dtype, shape=(num_tokens, num_heads,
-                                                              KV_LORA + ROPE))
-    kv = SimpleNamespace(dtype=kv_dtype)
-    if tsm._gluon_launch(cfg, q, kv, KV_LORA) is None:
-        cfg = tsm.launch_config(*args, warp_specialized=False)
-    return effective(cfg)
+    device = sml.SparseMLADevice(capability, shared_mem, num_sms, gluon=on_gpu)
+    launch = sml.sparse_mla_launch(device, num_tokens, num_heads, KV_LORA + ROPE, KV_LORA,
+                                   topk, q_dtype, kv_dtype)
+    got = {"tile": launch.tile.value, "block_h": launch.block_h, "block_n": launch.block_n,
+           "num_warps": launch.num_warps, "num_stages": launch.num_stages,
+           "splits": launch.splits}
+    if launch.tile in sml.GLUON_TILES:
+        del got["num_warps"], got["num_stages"]
+    return got
 
 
 @pytest.mark.parametrize("batch_invariant", [False, True])

@@ -5,7 +5,8 @@
 The tile `triton_sparse_mla` launches on SM90 for blocks of 64 heads of a 16-bit
 or fp8 e4m3 cache, and for fewer heads (masked) where it beats the smaller Triton
 tiles: 17-32 heads of a 16-bit cache from 8 tokens on, 33-63 of an fp8 one
-(`gluon_sparse_mla_fp8` takes up to 32; `launch_config(...)["WARP_SPECIALIZED"]`).
+(`gluon_sparse_mla_fp8` takes up to 32; `SparseMLATile.GLUON_WARP_SPECIALIZED` in
+`sparse_mla_launch`).
 It writes the same split-K partial outputs for the same merge. One program per
 (64-head block, token, split), three partitions over two shared-memory stages of 64
 gathered rows:
@@ -389,10 +390,12 @@ def _sparse_mla_ws_kernel(
 
 
 def supports(num_heads_per_tile: int, kv_lora_rank: int, rope_dim: int,
-             dtype: torch.dtype) -> bool:
-    """The shapes this tile takes (GLM-5 / DeepSeek-V3.2 MLA, 16-bit queries)."""
+             q_dtype: torch.dtype, kv_dtype: torch.dtype) -> bool:
+    """The shapes and dtypes this tile takes (GLM-5 / DeepSeek-V3.2 MLA, 16-bit queries,
+    a cache in the queries' dtype or fp8 e4m3)."""
     return (num_heads_per_tile == TILE_HEADS and kv_lora_rank == KV_LORA_RANK
-            and rope_dim == ROPE_DIM and dtype in (torch.bfloat16, torch.float16))
+            and rope_dim == ROPE_DIM and q_dtype in (torch.bfloat16, torch.float16)
+            and kv_dtype in (q_dtype, torch.float8_e4m3fn))
 
 
 def sparse_mla_attention_ws(

@@ -3,9 +3,9 @@
 """Sparse MLA attention over an fp8 cache for 8 or 16 heads a program, in Gluon.
 
 `triton_sparse_mla` launches this tile on Hopper for an fp8 e4m3 cache with up to
-32 local heads (`launch_config(...)["ROWS_IN_M"]`: GLM-5 at tensor parallel 2 and
-up, DeepSeek-V3.2 at 4 and up; 17-32 heads as two programs of 16). It writes the
-same split-K partial outputs for the same merge.
+32 local heads (`SparseMLATile.GLUON_FP8_ROWS` in `sparse_mla_launch`: GLM-5 at
+tensor parallel 2 and up, DeepSeek-V3.2 at 4 and up; 17-32 heads as two programs of
+16). It writes the same split-K partial outputs for the same merge.
 
 The 64-head tiles pad 8 heads to 64 and convert every fp8 row to 16 bits in shared
 memory. Here mma.sync dots take the fp8 rows from shared memory to registers, where
@@ -360,12 +360,13 @@ def _sparse_mla_fp8_kernel(
         gl.store(Lse + t * stride_lt + offs_h * stride_lh + s, lse, mask=offs_h < num_heads)
 
 
-def supports(kv_lora_rank: int, rope_dim: int, q_dtype: torch.dtype,
-             kv_dtype: torch.dtype) -> bool:
+def supports(num_heads_per_tile: int, kv_lora_rank: int, rope_dim: int,
+             q_dtype: torch.dtype, kv_dtype: torch.dtype) -> bool:
     """The shapes and dtypes this tile takes (GLM-5 / DeepSeek-V3.2 MLA, 16-bit queries,
     an fp8 e4m3 cache)."""
-    return (kv_lora_rank == KV_LORA_RANK and rope_dim == ROPE_DIM
-            and q_dtype in (torch.bfloat16, torch.float16) and kv_dtype == torch.float8_e4m3fn)
+    return (num_heads_per_tile in TILE_HEADS and kv_lora_rank == KV_LORA_RANK
+            and rope_dim == ROPE_DIM and q_dtype in (torch.bfloat16, torch.float16)
+            and kv_dtype == torch.float8_e4m3fn)
 
 
 def sparse_mla_attention_fp8(

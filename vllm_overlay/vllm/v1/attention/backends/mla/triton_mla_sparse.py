@@ -28,7 +28,6 @@ from vllm.model_executor.layers.attention.sparse_mla_attention import (
     SparseMLACommonImpl,
     SparseMLACommonMetadataBuilder,
 )
-from vllm.platforms import current_platform
 from vllm.platforms.interface import DeviceCapability
 from vllm.v1.attention.backend import (
     AttentionBackend,
@@ -258,7 +257,6 @@ class TritonMLASparseImpl(SparseMLACommonImpl[TritonMLASparseMetadata]):
             raise ValueError("TritonMLASparseImpl needs the indexer's top-k buffer")
         # Queries stay in the model dtype; an fp8 cache is dequantized on load.
         self.supports_quant_query_input = False
-        self._num_sms = current_platform.num_compute_units()
 
     def forward_mqa(
         self,
@@ -290,6 +288,5 @@ class TritonMLASparseImpl(SparseMLACommonImpl[TritonMLASparseMetadata]):
             self.kv_lora_rank,
             self.scale,
             layer._k_scale,
-            self._num_sms,
         )
         return o, None
