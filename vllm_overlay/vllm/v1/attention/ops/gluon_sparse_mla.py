@@ -24,10 +24,9 @@ gathered rows:
   columns [256 C, 256 C + 256) from both halves. Each releases the stage on its
   "empty" mbarrier once its PV dots are done.
 
-H200, 64 heads, top-k 2048: 3.1-3.6 TB/s at 256-4096 tokens, 1.6-1.8x faster than
-the Triton tile; with an fp8 cache, 0.52-0.89x the Triton fp8 tiles' time at 8-128
-heads (benchmarks/results/h200-sparse-mla-gather.json). Triton 3.6's own
-`warp_specialize` loop option does not partition this loop for sm_90, hence Gluon.
+Faster than the Triton tile with a 16-bit and an fp8 cache (docs/results.md). Triton
+3.6's own `warp_specialize` loop option does not partition this loop for sm_90, hence
+Gluon.
 """
 
 import torch
@@ -106,8 +105,8 @@ def _producer(Q, KV, Slots, t, hb, stride_qt, stride_qh, num_heads, stride_kv, s
 # f16 -> bf16 by moving the exponent field (bf16 bits of the value x 2^-112: every e4m3
 # value, subnormals included, is an f16 normal with its low 7 mantissa bits zero, and
 # stays a bf16 normal) and one bf16x2 multiply by 2^112. Triton's own cast converts
-# f16 -> bf16 one element at a time (`cvt.bf16.f16`); with it the tile took 1.36x the
-# time with bf16 queries as with fp16 ones (H200, 4096 tokens x 64 heads).
+# f16 -> bf16 one element at a time (`cvt.bf16.f16`), which made bf16 queries slower
+# than fp16 ones.
 _E4M3_TO_BF16 = gl.constexpr("""{
 .reg .b16 a<2>;
 .reg .b32 h<2>, m<2>, k, z;

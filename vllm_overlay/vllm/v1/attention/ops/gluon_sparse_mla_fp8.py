@@ -32,21 +32,19 @@ once per dot that reads it, whatever the number of heads:
   before the packed conversion (`_E4M3_ROW_PAIRS`);
 - the output goes through shared memory (the rows' buffers, free by then) back to
   [heads, latent columns] for 16-byte stores: from the accumulator's layout each
-  store would write 2 bytes a 32-byte sector (at 256 tokens and 16 heads, one wave
-  with every program's stores at its end: 109 us instead of 93, H200 kernel-only);
+  store would write 2 bytes a 32-byte sector;
 - three barriers a tile: the copies, the maxima, P;
 - shared layouts without bank conflicts for the dots' loads: the rows' 16-byte units
   XORed by row bits (the two dots read a 128-byte line as 4 rows x 32 bytes and as
   rows 0/2/4/6 x 32 bytes), the queries' 64-byte halves by head bit 0, P's 16-byte
-  halves by row bit 2 (with plain swizzles Nsight Compute counted 42% of the shared
-  wavefronts as conflicts);
+  halves by row bit 2 (plain swizzles left conflicts);
 - the dots are in fp16: e4m3 converts to fp16 with one instruction per two values
   (to bf16, four more per pair), and each head's query is scaled by a power of two
   that brings its largest magnitude to [2^13, 2^14), exact for a bf16 query down to
   2^-24 of that magnitude; the score scale takes the inverse.
 
-H200 numbers: benchmarks/results/h200-sparse-mla-gather.json. mma.sync and async
-copies exist from SM80 on; only Hopper's launch table selects it (measured there).
+Measured on Hopper (docs/results.md); mma.sync and async copies exist from SM80 on,
+but only Hopper's launch table selects it.
 """
 
 import torch

@@ -98,7 +98,7 @@ class SparseMLADevice:
         return self.shared_mem >= HOPPER_SHARED_MEM
 
 
-# What the Triton interpreter (CPU tensors) plans for: an H200 without the Gluon tiles.
+# What the Triton interpreter (CPU tensors) plans for: Hopper, 132 SMs, no Gluon tiles.
 INTERPRETER_DEVICE = SparseMLADevice(capability=90, shared_mem=HOPPER_SHARED_MEM,
                                      num_sms=132, gluon=False)
 
