@@ -15,7 +15,6 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from vllm.v1.attention.backends.mla import triton_mla_sparse as tms
 from vllm.v1.attention.ops import sparse_mla_launch as sml
 from vllm.v1.attention.ops import triton_sparse_mla as tsm
 from vllm.v1.attention.backends.mla.triton_mla_sparse import (
