@@ -5,14 +5,12 @@
 
 For every (tokens T, heads H, KV dtype) it times one call (GPU time, from
 CUDA-graph replays; also eager, with Python launch overhead) of the backend's
-attention step on global top-k slots with both of its kernels: "gather"
-(`triton_sparse_mla.sparse_mla_attention`, the default) and "decode"
-(`sparse_mla_decode_fwd`: the Triton MLA decode kernel with the slots as a
-page-size-1 block table), and, for bf16 KV on SM90/SM100, FlashMLA's
+attention step on global top-k slots (`triton_sparse_mla.sparse_mla_attention`, the
+"gather" kernel) and, for bf16 KV on SM90/SM100, FlashMLA's
 `flash_mla_sparse_fwd` on the same inputs (heads padded to 64/128 as
 FLASHMLA_SPARSE does). `--sweep` also times alternative launch parameters of the
 gather kernel and reports each candidate and the best per shape (to tune
-`launch_config`; the candidates are Triton tiles). Where the gather step runs one
+`sparse_mla_launch.TRITON_TILES`; the candidates are Triton tiles). Where the gather step runs one
 of Hopper's Gluon tiles (SM90: the warp-specialized tile at 64 and 128 heads, 32
 heads from 8 tokens and an fp8 e4m3 cache's 33-63; the rows-in-M fp8 tile of 8
 or 16 heads for an fp8 e4m3 cache's 1-32 heads, 17-32 as two programs), the row
@@ -32,6 +30,7 @@ calls do not find their rows in L2.
 
 import argparse
 import concurrent.futures
+import dataclasses
 import importlib.util
 import itertools
 import json
@@ -43,10 +42,7 @@ import torch
 from triton.testing import do_bench
 
 from vllm.platforms import current_platform
-from vllm.v1.attention.backends.mla.triton_mla_sparse import (
-    num_kv_splits_for,
-    sparse_mla_decode_fwd,
-)
+from vllm.v1.attention.ops import sparse_mla_launch as sml
 from vllm.v1.attention.ops import triton_sparse_mla
 
 from cuda_graph_timing import graph_us  # this folder
@@ -85,11 +81,24 @@ def load_ops(path: str | None):
     return module
 
 
-def compile_key(cfg: dict, kv: str, q_dtype: str = "bf16") -> tuple:
+def compile_key(launch: sml.SparseMLALaunch, kv: str, q_dtype: str = "bf16") -> tuple:
     # the kernel, constexprs, launch options and dtypes that make a distinct binary
-    return (cfg.get("WARP_SPECIALIZED", False), cfg["BLOCK_H"], cfg["BLOCK_N"],
-            cfg.get("V_SPLITS", 1), cfg.get("V_RELOAD", False), cfg.get("K_DEQUANT", False),
-            cfg["splits"] > 1, cfg["num_warps"], cfg["num_stages"], kv, q_dtype)
+    return (launch.tile, launch.block_h, launch.block_n, launch.splits > 1, launch.num_warps,
+            launch.num_stages, kv, q_dtype)
+
+
+def as_json(launch: sml.SparseMLALaunch) -> dict:
+    return {**dataclasses.asdict(launch), "tile": launch.tile.value}
+
+
+def table_launches(num_tokens: int, num_heads: int, topk: int, kv: str, q_dtype: str):
+    """The table's launch on this GPU, and its launch without the Gluon tiles (the
+    Triton tile that runs where those cannot)."""
+    device = sml.sparse_mla_device(torch.device("cuda"))
+    kv_dtype = torch.float8_e4m3fn if kv == "fp8" else Q_DTYPES[q_dtype]
+    return [sml.sparse_mla_launch(d, num_tokens, num_heads, HEAD, KV_LORA, topk,
+                                  Q_DTYPES[q_dtype], kv_dtype)
+            for d in (device, dataclasses.replace(device, gluon=False))]
 
 
 class CompiledStats:
@@ -145,44 +154,37 @@ class CompiledStats:
 # iterations of lead: 2 stages load the rows synchronously, 3 copy the next tile
 # after this one's dots (one buffer; on mma.sync tiles nothing else overlaps it),
 # 5 and 7 keep one and two tiles in flight during the dots. Variants: "" (16-bit
-# cache, or fp8 converted once with the scale on the scores), "reload"
-# (V_RELOAD), "dequant" (K_DEQUANT), "vsplit" (V_SPLITS=2, which reads its own
-# columns of the rows anyway).
+# cache, or fp8 converted once with the scale on the scores), "reload" (V_RELOAD).
 SWEEP_TILES = {
     ("bf16", 16): [(64, 4, 2, ""), (32, 4, 5, ""), (32, 8, 5, ""), (16, 4, 5, ""),
                    (16, 4, 7, ""), (32, 4, 7, "")],
     ("bf16", 32): [(64, 4, 2, ""), (32, 4, 5, ""), (32, 8, 5, ""), (16, 4, 5, ""),
                    (16, 4, 7, "")],
-    ("bf16", 64): [(64, 8, 3, ""), (32, 8, 5, ""), (16, 8, 5, ""), (16, 8, 7, ""),
-                   (16, 4, 5, "vsplit"), (16, 4, 7, "vsplit")],
+    ("bf16", 64): [(64, 8, 3, ""), (32, 8, 5, ""), (16, 8, 5, ""), (16, 8, 7, "")],
     ("fp8", 16): [(32, 4, 2, "reload"), (16, 4, 5, "reload"), (16, 4, 7, "reload"),
-                  (32, 4, 5, "reload"), (16, 8, 7, "reload"), (16, 4, 5, "dequant"),
-                  (16, 4, 7, "dequant"), (32, 4, 5, "dequant")],
+                  (32, 4, 5, "reload"), (16, 8, 7, "reload")],
     ("fp8", 32): [(32, 4, 2, "reload"), (16, 4, 5, "reload"), (16, 4, 7, "reload"),
                   (32, 4, 5, "reload")],
-    ("fp8", 64): [(64, 8, 3, ""), (32, 8, 5, ""), (16, 8, 7, ""), (32, 8, 5, "reload"),
-                  (16, 4, 5, "vsplit"), (16, 4, 7, "vsplit")],
+    ("fp8", 64): [(64, 8, 3, ""), (32, 8, 5, ""), (16, 8, 7, ""), (32, 8, 5, "reload")],
 }
 
 
-def sweep_configs(base, kv="bf16"):
-    """Alternatives to the table's configuration `base` (Hopper tiles: elsewhere a
+def sweep_configs(base: sml.SparseMLALaunch, kv="bf16"):
+    """Alternatives to the table's Triton launch `base` (Hopper tiles: elsewhere a
     candidate over the device's shared memory fails and is reported as such)."""
     # fewer splits too: at 64+ heads the fp32 partial rows (T x H x splits x 2 KiB,
     # written and read back) outweigh the KV rows themselves beyond ~8 splits
-    sp = base["splits"]
+    sp = base.splits
     splits = sorted({max(1, sp // 4), max(1, sp // 2), sp, 2 * sp} if sp > 1 else {1})
     # smaller head blocks trade re-reading rows (from L2) for fewer registers per program
-    block_hs = sorted({base["BLOCK_H"], max(16, base["BLOCK_H"] // 2)})
+    block_hs = sorted({base.block_h, max(16, base.block_h // 2)})
     family = "fp8" if kv == "fp8" else "bf16"
     for block_h in block_hs:
         for (block_n, nw, stages, variant), n_splits in itertools.product(
                 SWEEP_TILES[(family, block_h)], splits):
-            yield dict(base, BLOCK_H=block_h, BLOCK_N=block_n, num_warps=nw,
-                       num_stages=stages, splits=n_splits,
-                       V_SPLITS=2 if variant == "vsplit" else 1,
-                       V_RELOAD=variant == "reload",
-                       K_DEQUANT=variant == "dequant", WARP_SPECIALIZED=False)
+            tile = sml.SparseMLATile.TRITON_V_RELOAD if variant else sml.SparseMLATile.TRITON
+            yield dataclasses.replace(base, tile=tile, block_h=block_h, block_n=block_n,
+                                      num_warps=nw, num_stages=stages, splits=n_splits)
 
 
 def _compile_jobs(ops_file: str | None, jobs: list) -> int:
@@ -197,7 +199,7 @@ def _compile_jobs(ops_file: str | None, jobs: list) -> int:
         counts = torch.zeros(2, device="cuda", dtype=torch.int32)
         try:
             ops.sparse_mla_attention(q, cache, slots, counts, KV_LORA, 1.0,
-                                     torch.ones(1, device="cuda"), 132, config=cfg)
+                                     torch.ones(1, device="cuda"), launch=cfg)
             done += 1
         except Exception:  # noqa: BLE001, S110 (the timed run reports it)
             pass
@@ -205,18 +207,14 @@ def _compile_jobs(ops_file: str | None, jobs: list) -> int:
     return done
 
 
-def warm_compile_cache(cases, topk, sms, sweep, ops_file, workers: int,
+def warm_compile_cache(cases, topk, sweep, ops_file, workers: int,
                        q_dtype: str = "bf16") -> None:
     """Compile every binary the run will time in `workers` processes at once (Triton
     compiles one kernel at a time per process; the sweep needs dozens)."""
-    ops = load_ops(ops_file)
     jobs = {}
     for t, h, kv in cases:
-        cfg = ops.device_launch_config(torch.device("cuda"), t, h, topk, KV_LORA, sms,
-                                       kv == "fp8")
-        # a warp-specialized row also times the Triton tile it falls back to
-        triton_cfg = ops.device_launch_config(torch.device("cuda"), t, h, topk, KV_LORA, sms,
-                                              kv == "fp8", warp_specialized=False)
+        # a Gluon tile's row also times the Triton tile it falls back to
+        cfg, triton_cfg = table_launches(t, h, topk, kv, q_dtype)
         for c in [cfg, triton_cfg, *(sweep_configs(triton_cfg, kv) if sweep else [])]:
             jobs.setdefault(compile_key(c, kv, q_dtype), (c, kv, h, topk, q_dtype))
     jobs = list(jobs.values())
@@ -227,7 +225,7 @@ def warm_compile_cache(cases, topk, sms, sweep, ops_file, workers: int,
     print(f"compiled {done} of {len(jobs)} binaries in {workers} processes", flush=True)
 
 
-def bench_case(num_tokens, num_heads, kv, topk, pool, l2_bytes, sms, flashmla, sweep, ops,
+def bench_case(num_tokens, num_heads, kv, topk, pool, l2_bytes, flashmla, sweep, ops,
                compiled, q_dtype="bf16"):
     dev = "cuda"
     # a 16-bit cache has the queries' dtype, as in the engine
@@ -242,29 +240,18 @@ def bench_case(num_tokens, num_heads, kv, topk, pool, l2_bytes, sms, flashmla, s
     scale = 1.0 / math.sqrt(256)
     k_scale = torch.ones(1, device=dev)
 
-    def decode(s):
-        return lambda: sparse_mla_decode_fwd(q, cache, s, valid, KV_LORA, scale, k_scale, sms)
-
-    def gather(s, cfg=None):
+    def gather(s, launch=None):
         return lambda: ops.sparse_mla_attention(q, cache, s, valid, KV_LORA, scale, k_scale,
-                                                sms, config=cfg)
+                                                launch=launch)
 
-    cfg = ops.device_launch_config(torch.device(dev), num_tokens, num_heads, topk, KV_LORA,
-                                   sms, kv == "fp8")
-    # Hopper's Gluon tiles (warp-specialized; 8-head fp8), and the Triton tile (the
-    # table's entry where they cannot run) timed next to them
-    ws_ops = getattr(ops, "_warp_specialized_ops", lambda *a: None)
-    rows_ops = getattr(ops, "_rows_in_m_ops", lambda *a: None)
-    warp_specialized = ws_ops(cfg, q, cache.view(-1, HEAD), KV_LORA) is not None
-    rows_in_m = rows_ops(cfg, q, cache.view(-1, HEAD), KV_LORA) is not None
-    triton_cfg = ops.device_launch_config(torch.device(dev), num_tokens, num_heads, topk,
-                                          KV_LORA, sms, kv == "fp8", warp_specialized=False)
+    # Hopper's Gluon tiles (warp-specialized; 8/16-head fp8), and the Triton tile (the
+    # table's launch where they cannot run) timed next to them
+    cfg, triton_cfg = table_launches(num_tokens, num_heads, topk, kv, q_dtype)
     key = compile_key(triton_cfg, kv, q_dtype)
     compiled.record(key, gather(sets[0], triton_cfg))
     t_gather = graph_us([gather(s) for s in sets])
-    gluon = warp_specialized or rows_in_m
+    gluon = cfg.tile in sml.GLUON_TILES
     t_triton = graph_us([gather(s, triton_cfg) for s in sets]) if gluon else None
-    t_decode = graph_us([decode(s) for s in sets])
     it = {"i": 0}
 
     def eager():
@@ -275,14 +262,11 @@ def bench_case(num_tokens, num_heads, kv, topk, pool, l2_bytes, sms, flashmla, s
     row = {
         "tokens": num_tokens, "heads": num_heads, "kv": "fp8" if kv == "fp8" else q_dtype,
         "q": q_dtype, "topk": topk,
-        "gather_config": cfg,
-        "gather_kernel": ("warp_specialized" if warp_specialized
-                          else "rows_in_m" if rows_in_m else "triton"),
+        "gather_config": as_json(cfg),
+        "gather_kernel": cfg.tile.value,
         "gather_compiled": compiled.get(key),  # the Triton tile's binary
         "gather_us": t_gather, "gather_eager_us": t_eager, "triton_tile_us": t_triton,
         "gather_TBps": bytes_read / (t_gather * 1e-6) / 1e12,
-        "decode_num_kv_splits": num_kv_splits_for(num_tokens, num_heads, topk, sms),
-        "decode_us": t_decode, "decode_TBps": bytes_read / (t_decode * 1e-6) / 1e12,
         "bytes": bytes_read, "index_sets": len(sets),
     }
     if sweep:
@@ -294,12 +278,13 @@ def bench_case(num_tokens, num_heads, kv, topk, pool, l2_bytes, sms, flashmla, s
                 compiled.record(alt_key, gather(sets[0], alt))
                 t = graph_us([gather(s, alt) for s in sets[:8]])
             except Exception as e:  # e.g. out of shared memory for a combination
-                tried.append({"config": alt, "error": f"{type(e).__name__}: {e}"[:200]})
+                tried.append({"config": as_json(alt),
+                              "error": f"{type(e).__name__}: {e}"[:200]})
                 continue
-            tried.append({"config": alt, "us": t, **compiled.get(alt_key)})
+            tried.append({"config": as_json(alt), "us": t, **compiled.get(alt_key)})
             if t < best[0]:
                 best = (t, alt)
-        row.update(sweep_best_us=best[0], sweep_best_config=best[1], sweep=tried)
+        row.update(sweep_best_us=best[0], sweep_best_config=as_json(best[1]), sweep=tried)
     if flashmla is not None and kv == "bf16" and q_dtype == "bf16":
         padded = 64 if num_heads <= 64 else 128
         if current_platform.is_device_capability_family(100):
@@ -314,7 +299,7 @@ def bench_case(num_tokens, num_heads, kv, topk, pool, l2_bytes, sms, flashmla, s
 
         t_fm = graph_us([theirs(s) for s in sets])
         row.update(flashmla_us=t_fm, flashmla_TBps=bytes_read / (t_fm * 1e-6) / 1e12,
-                   gather_vs_flashmla=t_gather / t_fm, decode_vs_flashmla=t_decode / t_fm)
+                   gather_vs_flashmla=t_gather / t_fm)
     return row
 
 
@@ -351,7 +336,7 @@ def main():
     if args.compile_workers:
         cases = [(t, h, kv) for kv in args.kv for h in args.heads for t in args.tokens]
         try:
-            warm_compile_cache(cases, args.topk, sms, args.sweep, args.ops_file,
+            warm_compile_cache(cases, args.topk, args.sweep, args.ops_file,
                                args.compile_workers, args.q_dtype)
         except Exception as e:  # noqa: BLE001 (only slower: each run then compiles)
             print(f"compile warm-up failed ({type(e).__name__}: {e}); compiling as the "
@@ -361,7 +346,7 @@ def main():
     for kv in args.kv:
         for h in args.heads:
             for t in args.tokens:
-                rows.append(bench_case(t, h, kv, args.topk, args.pool, l2, sms, flashmla,
+                rows.append(bench_case(t, h, kv, args.topk, args.pool, l2, flashmla,
                                        args.sweep, ops, compiled, args.q_dtype))
                 torch.cuda.empty_cache()
     wide = {(r["tokens"], r["heads"]): r for r in rows if r["kv"] != "fp8"}  # 16-bit caches
@@ -378,21 +363,22 @@ def main():
     print("gather kernel: ws = warp-specialized Gluon tile, rows = 8/16-head fp8 Gluon tile "
           "(triton_us: the Triton tile at the same shape), tri = Triton tile")
     print("|    T |   H | kv   | kernel | gather_us | TB/s | % copy bw | eager_us | triton_us "
-          "| decode_us | flashmla_us | gather/flashmla | fp8/16-bit |"
+          "| flashmla_us | gather/flashmla | fp8/16-bit |"
           + (" sweep best |" if args.sweep else ""))
-    print("|---:|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
+    print("|---:|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"
           + ("---:|" if args.sweep else ""))
     for r in rows:
         fm = (f"{r['flashmla_us']:11.1f} | {r['gather_vs_flashmla']:15.2f}"
               if "flashmla_us" in r else f"{'-':>11} | {'-':>15}")
         f8 = f"{r['fp8_time_vs_16bit']:8.2f}" if "fp8_time_vs_16bit" in r else f"{'-':>8}"
         sw = f" {r['sweep_best_us']:9.1f} |" if "sweep_best_us" in r else ""
-        kernel = {"warp_specialized": "ws", "rows_in_m": "rows"}.get(r["gather_kernel"], "tri")
+        kernel = {"gluon_warp_specialized": "ws", "gluon_fp8_rows": "rows"}.get(
+            r["gather_kernel"], "tri")
         tri = f"{r['triton_tile_us']:9.1f}" if kernel != "tri" else f"{'-':>9}"
         print(f"| {r['tokens']:4d} | {r['heads']:3d} | {r['kv']:4} | {kernel:6} "
               f"| {r['gather_us']:9.1f} "
               f"| {r['gather_TBps']:4.2f} | {100 * r['gather_fraction_of_copy_bw']:8.1f}% "
-              f"| {r['gather_eager_us']:8.1f} | {tri} | {r['decode_us']:9.1f} | {fm} | {f8} |{sw}")
+              f"| {r['gather_eager_us']:8.1f} | {tri} | {fm} | {f8} |{sw}")
     print("compiled Triton gather tiles (table configs): regs/thread, spills, shared bytes, "
           "TTGIR async copies / local stores / wgmma / copy groups in flight at the loop's wait")
     for r in rows:

@@ -23,8 +23,7 @@ cache = (torch.randn(pool // 64, 64, 576, device=dev) * 0.5).to(kv_dtype)
 q = torch.randn(T, H, 576, device=dev, dtype=torch.bfloat16)
 slots = torch.randint(0, pool, (T, topk), device=dev, dtype=torch.int32)
 valid = torch.full((T,), topk, dtype=torch.int32, device=dev)
-sms = torch.cuda.get_device_properties(0).multi_processor_count
 o = tsm.sparse_mla_attention(q, cache, slots, valid, 512, 1 / math.sqrt(256),
-                             torch.ones(1, device=dev), sms)
+                             torch.ones(1, device=dev))
 torch.cuda.synchronize()
 print("ok", tuple(o.shape))

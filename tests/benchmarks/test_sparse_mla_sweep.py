@@ -1,11 +1,10 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The kernel benchmark's launch sweep: around the table's Triton tile (its entry
-without the warp-specialized Hopper kernel), it tries half
-head blocks, fewer and more splits, deeper software pipelines, output columns over
-two programs for 64-head tiles and, for an fp8 cache, reading the rows once (with
-the scale on the scores or on the tile) or twice; every candidate runs and matches
-the table's configuration on the same inputs."""
+"""The kernel benchmark's launch sweep: around the table's Triton tile (its launch
+without Hopper's Gluon tiles), it tries half head blocks, fewer and more splits,
+deeper software pipelines and, for an fp8 cache at 64 heads, reading the rows once
+or twice; every candidate runs and matches the table's launch on the same inputs."""
 
+import dataclasses
 import importlib.util
 import math
 import sys
@@ -14,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from vllm.v1.attention.ops import sparse_mla_launch as sml
 from vllm.v1.attention.ops import triton_sparse_mla as tsm
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -24,28 +24,35 @@ spec = importlib.util.spec_from_file_location(
 bench = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(bench)
 
+RELOAD = sml.SparseMLATile.TRITON_V_RELOAD
+# the Triton tiles of an H200 (Hopper without the Gluon tiles)
+HOPPER = sml.SparseMLADevice(90, sml.HOPPER_SHARED_MEM, 132, gluon=False)
+
+
+def launch(tokens, heads, topk=2048, kv_dtype=torch.bfloat16, q_dtype=torch.bfloat16):
+    return sml.sparse_mla_launch(HOPPER, tokens, heads, 576, 512, topk, q_dtype, kv_dtype)
+
 
 def test_sweep_candidates():
-    base = tsm.launch_config(4096, 64, 2048, 512, 132)
+    base = launch(4096, 64)
     configs = list(bench.sweep_configs(base))
-    assert {(c["BLOCK_H"], c["V_SPLITS"]) for c in configs} == {(64, 1), (64, 2), (32, 1)}
-    assert {c["num_warps"] for c in configs if c["V_SPLITS"] == 2} == {4}
-    assert {c["V_RELOAD"] for c in configs} == {False}
-    assert all(c["splits"] == 1 for c in configs)  # 4096 tokens fill the GPU
-    assert {c["num_warps"] for c in configs if c["BLOCK_H"] == 64 and c["V_SPLITS"] == 1} == {8}
+    assert {c.block_h for c in configs} == {64, 32}
+    assert all(c.tile is sml.SparseMLATile.TRITON for c in configs)
+    assert all(c.splits == 1 for c in configs)  # 4096 tokens fill the GPU
+    assert {c.num_warps for c in configs if c.block_h == 64} == {8}
     # no copy ahead (2), after the dots (3), one or two tiles in flight (5, 7)
-    assert {c["num_stages"] for c in configs} == {2, 3, 5, 7}
-    assert {c["num_stages"] for c in configs if c["BLOCK_H"] == 64} == {3, 5, 7}
-    small = list(bench.sweep_configs(tsm.launch_config(1, 8, 2048, 512, 132)))
-    assert {c["BLOCK_H"] for c in small} == {16}
-    # (the sweep's base is the Triton tile's entry: Hopper's fp8 tiles are warp-specialized)
-    fp8 = list(bench.sweep_configs(tsm.launch_config(4096, 8, 2048, 512, 132, kv_fp8=True,
-                                                     warp_specialized=False), "fp8"))
-    assert {(c["V_RELOAD"], c["K_DEQUANT"]) for c in fp8} == {(True, False), (False, True)}
+    assert {c.num_stages for c in configs} == {2, 3, 5, 7}
+    assert {c.num_stages for c in configs if c.block_h == 64} == {3, 5, 7}
+    small = list(bench.sweep_configs(launch(1, 8)))
+    assert {c.block_h for c in small} == {16}
+    fp8 = list(bench.sweep_configs(launch(4096, 8, kv_dtype=torch.float8_e4m3fn), "fp8"))
+    assert {c.tile for c in fp8} == {RELOAD}
+    fp8_64 = list(bench.sweep_configs(launch(4096, 64, kv_dtype=torch.float8_e4m3fn), "fp8"))
+    assert {c.tile for c in fp8_64} == {sml.SparseMLATile.TRITON, RELOAD}
     # around the table's split count: a quarter, half, the same, double
-    few = tsm.launch_config(8, 64, 2048, 512, 132)
-    assert few["splits"] == 16
-    assert {c["splits"] for c in bench.sweep_configs(few)} == {4, 8, 16, 32}
+    few = launch(8, 64)
+    assert few.splits == 16
+    assert {c.splits for c in bench.sweep_configs(few)} == {4, 8, 16, 32}
 
 
 @pytest.mark.parametrize("kv,H", [("16-bit", 64), ("fp8", 64), ("fp8", 8)])
@@ -66,21 +73,21 @@ def test_sweep_candidates_compute_the_same(kv, H):
     slots = torch.stack([torch.randperm(512, generator=g)[:K] for _ in range(T)]).int().to(dev)
     counts = torch.full((T,), K, dtype=torch.int32, device=dev)
     one = torch.ones(1, device=dev)
-    args = (q, cache, slots, counts, 512, 1 / math.sqrt(256), one, 132)
-    base = tsm.launch_config(T, H, K, 512, 132, kv_fp8=kv == "fp8", warp_specialized=False)
-    ref = tsm.sparse_mla_attention(*args, config=base).float()
+    args = (q, cache, slots, counts, 512, 1 / math.sqrt(256), one)
+    base = launch(T, H, K, cache.dtype, dtype)
+    ref = tsm.sparse_mla_attention(*args, launch=base).float()
     seen = set()
     for c in bench.sweep_configs(base, kv):
-        key = (c["BLOCK_H"], c["V_SPLITS"], c["V_RELOAD"], c["K_DEQUANT"], c["splits"])
+        key = (c.block_h, c.tile is RELOAD, c.splits)
         if key in seen and not on_gpu:  # tiling only, on the interpreter
             continue
         seen.add(key)
-        out = tsm.sparse_mla_attention(*args, config=c if on_gpu else dict(c, BLOCK_N=16))
-        out = out.float()
+        out = tsm.sparse_mla_attention(
+            *args, launch=c if on_gpu else dataclasses.replace(c, block_n=16)).float()
         torch.testing.assert_close(out, ref, rtol=tol, atol=tol, msg=str(c))
     if H == 64:
-        assert (32, 1, kv == "fp8", False, base["splits"]) in seen
-        assert (64, 2, False, False, base["splits"]) in seen
-    else:  # 16-head fp8 tiles: the rows read twice, or dequantized once
-        assert (16, 1, True, False, base["splits"]) in seen
-        assert (16, 1, False, True, base["splits"]) in seen
+        assert (32, kv == "fp8", base.splits) in seen
+        assert (64, False, base.splits) in seen
+        assert (64, True, base.splits) in seen or kv != "fp8"
+    else:  # 16-head fp8 tiles: the rows read twice
+        assert (16, True, base.splits) in seen

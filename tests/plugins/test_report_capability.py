@@ -1,7 +1,10 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The "as on SM120" test hook: with VLLM_TEST_REPORT_CAPABILITY=12.0 vLLM's CUDA
-platform reports 12.0 and the selection made from it is SM120's (CPU, no driver)."""
+"""The "as on SM120" test hook: with VLLM_TEST_REPORT_CAPABILITY=12.0 and
+VLLM_TEST_REPORT_SHARED_MEM=101376 vLLM's CUDA platform reports SM120's capability and
+shared memory, and what vLLM and the overlay's kernels decide from them is SM120's
+(CPU, no driver)."""
 
+import functools
 import sys
 from pathlib import Path
 
@@ -19,21 +22,29 @@ def cuda_platform(monkeypatch):
     platform = cuda.NonNvmlCudaPlatform()
     monkeypatch.setattr("vllm.platforms._current_platform", platform)
     cls = type(platform)
-    monkeypatch.setattr(cls, "get_device_capability", cls.get_device_capability)
-    monkeypatch.setattr(cls, "_reported_capability", None, raising=False)
+    for name in ("get_device_capability", "get_max_shared_memory_per_block"):
+        monkeypatch.setattr(cls, name, getattr(cls, name))
     return platform
 
 
 def test_reports_the_capability(cuda_platform, monkeypatch):
     import vllm_report_capability as hook
 
-    from vllm.v1.attention.ops import triton_sparse_mla as tsm
+    from vllm.v1.attention.ops import sparse_mla_launch as sml
 
-    monkeypatch.setattr(tsm, "device_capability", tsm.device_capability)
+    # (imported here after an engine's platform resolved to CUDA: the same object)
+    monkeypatch.setattr(sml, "current_platform", cuda_platform)
+    monkeypatch.setattr(type(cuda_platform), "num_compute_units",
+                        classmethod(lambda cls, device_id=0: 132))  # no GPU here
+    monkeypatch.setattr(type(cuda_platform), "get_max_shared_memory_per_block",
+                        classmethod(lambda cls, device_id=0: 101376))
+    monkeypatch.delenv(hook.SHARED_MEM_ENV, raising=False)
     monkeypatch.setenv(hook.ENV, "12.0")
     hook.register()
     assert cuda_platform.get_device_capability().to_int() == 120
-    assert tsm.device_capability(0) == 120  # the sparse MLA launch table's view
+    # the sparse MLA launch table's view (a cache of its own for this test)
+    monkeypatch.setattr(sml, "cuda_device", functools.cache(sml.cuda_device.__wrapped__))
+    assert sml.cuda_device(0).capability == 120
     assert cuda_platform.has_device_capability(100)
     assert not cuda_platform.is_device_capability(90)
     # the GGUF dtype rule and the indexer choice read it: since vLLM 0.26 the
@@ -52,37 +63,56 @@ def test_reports_the_capability(cuda_platform, monkeypatch):
     monkeypatch.setenv(hook.ENV, "8.9")
     hook.register()
     assert cuda_platform.get_device_capability().to_int() == 89
-    assert tsm.device_capability(0) == 89
+    sml.cuda_device.cache_clear()
+    assert sml.cuda_device(0).capability == 89
     assert il.indexer_logits_backend() == "triton"
     il.indexer_logits_backend.cache_clear()
 
 
-def test_without_the_variable_nothing_changes(cuda_platform, monkeypatch):
+def test_without_the_variables_nothing_changes(cuda_platform, monkeypatch):
     import vllm_report_capability as hook
 
     monkeypatch.delenv(hook.ENV, raising=False)
-    before = type(cuda_platform).get_device_capability
+    monkeypatch.delenv(hook.SHARED_MEM_ENV, raising=False)
+    cls = type(cuda_platform)
+    before = (cls.get_device_capability, cls.get_max_shared_memory_per_block)
     hook.register()
-    assert type(cuda_platform).get_device_capability == before
+    assert (cls.get_device_capability, cls.get_max_shared_memory_per_block) == before
 
 
-def test_reports_shared_memory(monkeypatch):
+def test_reports_shared_memory(cuda_platform, monkeypatch):
     import vllm_report_capability as hook
 
-    from vllm.v1.attention.ops import triton_indexer_logits as il
-    from vllm.v1.attention.ops import triton_sparse_mla as tsm
+    import torch
 
-    monkeypatch.setattr(tsm, "device_shared_mem", tsm.device_shared_mem)
+    from vllm.platforms.interface import DeviceCapability
+    from vllm.v1.attention.ops import sparse_mla_launch as sml
+    from vllm.v1.attention.ops import triton_indexer_logits as il
+
+    for module in (il, sml):
+        monkeypatch.setattr(module, "current_platform", cuda_platform)
+    cls = type(cuda_platform)
+    monkeypatch.setattr(cls, "num_compute_units", classmethod(lambda c, device_id=0: 132))
+    monkeypatch.setattr(cls, "get_device_capability",
+                        classmethod(lambda c, device_id=0: DeviceCapability(9, 0)))
     monkeypatch.delenv(hook.ENV, raising=False)
     monkeypatch.setenv(hook.SHARED_MEM_ENV, "101376")
     hook.register()
-    assert tsm.device_shared_mem(0) == 101376
+    assert cuda_platform.get_max_shared_memory_per_block(0) == 101376
     # the persistent top-k kernel needs 128 KiB: not on a 99 KiB GPU
     monkeypatch.setattr("torch.cuda.current_device", lambda: 0)  # no GPU here
     assert not il.use_persistent_topk(2048)
+
     # sparse_mla_attention's launch table reads it: the 99 KiB tiles
-    assert tsm.launch_config(1, 64, 2048, 512, 132, tsm.device_shared_mem(0))["BLOCK_N"] == 16
+    def block_n():
+        # (a cache of its own for each reading)
+        monkeypatch.setattr(sml, "cuda_device", functools.cache(sml.cuda_device.__wrapped__))
+        device = sml.sparse_mla_device(torch.device("cuda", 0))
+        return sml.sparse_mla_launch(device, 1, 64, 576, 512, 2048, torch.bfloat16,
+                                     torch.bfloat16).block_n
+
+    assert block_n() == 16
     monkeypatch.setenv(hook.SHARED_MEM_ENV, str(227 * 1024))
     hook.register()
     assert il.use_persistent_topk(2048)
-    assert tsm.launch_config(1, 64, 2048, 512, 132, tsm.device_shared_mem(0))["BLOCK_N"] == 64
+    assert block_n() == 64

@@ -383,7 +383,6 @@ def test_glm5_on_sm8x_without_flags(cuda_platform_config, monkeypatch, capabilit
     at start, and the decode top-k kernel that fits the GPU's shared memory."""
     from vllm.model_executor.layers import sparse_attn_indexer as sai
     from vllm.v1.attention.ops import triton_indexer_logits as il
-    from vllm.v1.attention.ops import triton_sparse_mla as tsm
 
     as_on_gpu_host(monkeypatch)
     monkeypatch.setattr(cuda_platform_config, "model_config", glm5_model_config())
@@ -417,7 +416,8 @@ def test_glm5_on_sm8x_without_flags(cuda_platform_config, monkeypatch, capabilit
         il.indexer_logits_backend.cache_clear()
     # decode top-k: persistent_topk where its 128 KiB plan fits (SM80's 163 KiB),
     # top_k_per_row_decode on SM86's 99 KiB; cooperative_topk needs SM90 (upstream)
-    monkeypatch.setattr(tsm, "device_shared_mem", lambda device_index: shared_mem)
+    monkeypatch.setattr(cuda.CudaPlatform, "get_max_shared_memory_per_block",
+                        classmethod(lambda cls, device_id=0: shared_mem))
     monkeypatch.setattr("torch.cuda.current_device", lambda: 0)
     assert il.use_persistent_topk(2048) == (capability == (8, 0))
     assert not platform.has_device_capability(90)

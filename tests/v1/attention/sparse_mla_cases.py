@@ -5,12 +5,14 @@ kernel tests
 running a test file as a script)."""
 
 import collections
+import dataclasses
 import os
 import re
 import subprocess
 
 import torch
 
+from vllm.v1.attention.ops import sparse_mla_launch as sml
 from vllm.v1.attention.ops import triton_sparse_mla as tsm
 
 KV_LORA, ROPE = 512, 64
@@ -139,11 +141,11 @@ def check_against_float64_and_the_triton_tile(q, cache, slots, counts, scale, k_
     tile the launch table gives without the Gluon tiles (at least 1e-2) from float64 on
     a few tokens, zeros for a token without valid slots, and close to that tile."""
     num_tokens, num_heads, _ = q.shape
-    kv_fp8 = cache.dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
-    triton_cfg = tsm.device_launch_config(q.device, num_tokens, num_heads, slots.shape[1],
-                                          KV_LORA, 132, kv_fp8, warp_specialized=False)
+    device = dataclasses.replace(sml.sparse_mla_device(q.device), gluon=False)
+    triton_launch = sml.sparse_mla_launch(device, num_tokens, num_heads, HEAD, KV_LORA,
+                                          slots.shape[1], q.dtype, cache.dtype)
     triton_tile = tsm.sparse_mla_attention(q, cache, slots, counts, KV_LORA, scale, k_scale,
-                                           132, config=triton_cfg).double()
+                                           launch=triton_launch).double()
     tokens = sorted(set(range(min(num_tokens, 4))) | {num_tokens // 2, num_tokens - 1})
     ref = reference(q, cache, slots, counts, scale, tokens, k_scale=float(k_scale))
     for t in tokens:

@@ -10,6 +10,7 @@ through `triton_sparse_mla.sparse_mla_attention`, against float64 and the Triton
 tile, at split-K and edge shapes, and under CUDA-graph capture.
 """
 
+import dataclasses
 import json
 import math
 import re
@@ -29,6 +30,7 @@ from sparse_mla_cases import (
     sparse_case,
 )
 
+from vllm.v1.attention.ops import sparse_mla_launch as sml
 from vllm.v1.attention.ops import triton_sparse_mla as tsm
 
 HOPPER_GPU = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
@@ -79,7 +81,7 @@ def compile_for_sm90(partial: bool, kv_fp8: bool = False) -> dict:
 @pytest.mark.parametrize("partial", [False, True])
 def test_compiles_for_sm90_as_producer_and_two_consumers(run_without_gpu, partial, kv_fp8):
     got = run_without_gpu(__file__, int(partial), int(kv_fp8), timeout=900)
-    assert got["shared"] <= tsm.HOPPER_SHARED_MEM
+    assert got["shared"] <= sml.HOPPER_SHARED_MEM
     # the consumers' and the producer's register budgets (the fp8 producer converts
     # rows); the query copies arrive on their barrier, and the 16-bit producer's row
     # copies on the stages'; no barrier over the whole CTA (named barriers of 128
@@ -98,64 +100,69 @@ def test_compiles_for_sm90_as_producer_and_two_consumers(run_without_gpu, partia
     assert got["scalar_bf16_cvts"] == 0
 
 
-def test_launch_table_takes_hopper_warp_specialized_tiles():
-    def cfg(heads, kv_fp8=False, smem=tsm.HOPPER_SHARED_MEM, cap=90, tokens=8, **kw):
-        return tsm.launch_config(tokens, heads, 2048, KV_LORA, 132, smem, kv_fp8, cap, **kw)
+WS = sml.SparseMLATile.GLUON_WARP_SPECIALIZED
+FP8 = torch.float8_e4m3fn
 
+
+def launch(heads, kv_dtype=torch.bfloat16, smem=sml.HOPPER_SHARED_MEM, cap=90, tokens=8,
+           gluon=True, q_dtype=torch.bfloat16):
+    device = sml.SparseMLADevice(cap, smem, 132, gluon)
+    return sml.sparse_mla_launch(device, tokens, heads, HEAD, KV_LORA, 2048, q_dtype, kv_dtype)
+
+
+def test_launch_table_takes_hopper_warp_specialized_tiles():
     def ws(*args, **kwargs):
-        return cfg(*args, **kwargs)["WARP_SPECIALIZED"]
+        return launch(*args, **kwargs).tile is WS
 
     assert ws(64) and ws(128) and ws(40) and ws(64, tokens=4096)
-    assert ws(64, kv_fp8=True) and ws(128, kv_fp8=True, tokens=300)
+    assert ws(64, FP8) and ws(128, FP8, tokens=300)
     # fewer heads (masked in the 64-head tile): 17-32 of a 16-bit cache from 8 tokens
     # on, 33-63 of an fp8 one at any count
     assert ws(32) and ws(20, tokens=4096) and not ws(32, tokens=4) and not ws(32, tokens=1)
     assert not ws(16) and not ws(8) and not ws(16, tokens=4096)
     for tokens in (1, 8, 4096):
         for heads in (33, 40, 63):
-            c = cfg(heads, kv_fp8=True, tokens=tokens)
-            assert c["WARP_SPECIALIZED"] and (c["BLOCK_H"], c["V_RELOAD"]) == (64, False)
+            c = launch(heads, FP8, tokens=tokens)
+            assert c.tile is WS and c.block_h == 64
         for heads in (8, 16, 32):
             # (up to 32 heads: the fp8 rows tile, test_gluon_sparse_mla_fp8)
-            c = cfg(heads, kv_fp8=True, tokens=tokens)
-            assert c["ROWS_IN_M"] and not c["WARP_SPECIALIZED"]
-            # without it, the Triton tile's own entry (what runs where it cannot)
-            t = cfg(heads, kv_fp8=True, tokens=tokens, warp_specialized=False)
-            assert not t["WARP_SPECIALIZED"] and t["BLOCK_H"] == (16 if heads <= 16 else 32)
-            assert t["V_RELOAD"]
-        assert not ws(heads, kv_fp8=True, cap=120, smem=99 * 1024)
-    assert cfg(32, warp_specialized=False)["BLOCK_H"] == 16  # two programs at 8 tokens
-    assert not ws(64, warp_specialized=False) and not ws(64, kv_fp8=True, warp_specialized=False)
+            assert launch(heads, FP8, tokens=tokens).tile is sml.SparseMLATile.GLUON_FP8_ROWS
+            # without the Gluon tiles, the Triton tile (what runs where they cannot)
+            t = launch(heads, FP8, tokens=tokens, gluon=False)
+            assert t.tile is sml.SparseMLATile.TRITON_V_RELOAD
+            assert t.block_h == (16 if heads <= 16 else 32)
+        assert not ws(heads, FP8, cap=120, smem=99 * 1024)
+    assert launch(32, gluon=False).block_h == 16  # two programs at 8 tokens
+    assert not ws(64, gluon=False) and not ws(64, FP8, gluon=False)
     assert not ws(64, cap=100) and not ws(64, cap=120, smem=99 * 1024)
     assert not ws(64, cap=89, smem=99 * 1024) and not ws(64, cap=80, smem=163 * 1024)
     assert not ws(64, smem=99 * 1024)  # an SM90 part without 227 KiB
     # split-K: at least two 64-row tiles per split from two tokens on (one token
     # takes 32 splits of one tile), where the Triton tile takes 32 at 4 tokens
-    assert cfg(64, tokens=1)["splits"] == 32 and cfg(64, tokens=4)["splits"] == 16
-    assert cfg(64, tokens=4, kv_fp8=True)["splits"] == 16
-    assert cfg(64, tokens=4, cap=100)["splits"] == 32
-    assert cfg(64, tokens=16)["splits"] == 8 and cfg(64, tokens=64)["splits"] == 2
+    assert launch(64, tokens=1).splits == 32 and launch(64, tokens=4).splits == 16
+    assert launch(64, FP8, tokens=4).splits == 16
+    assert launch(64, tokens=4, cap=100).splits == 32
+    assert launch(64, tokens=16).splits == 8 and launch(64, tokens=64).splits == 2
     # fewer heads: one program per (token, split) as at 64 heads
-    assert cfg(40, kv_fp8=True, tokens=1)["splits"] == 32
-    assert cfg(40, kv_fp8=True, tokens=8)["splits"] == cfg(32)["splits"] == 16
+    assert launch(40, FP8, tokens=1).splits == 32
+    assert launch(40, FP8, tokens=8).splits == launch(32).splits == 16
 
 
-def test_dispatch_needs_a_gpu_tensor_and_the_glm5_shapes():
-    cfg = tsm.launch_config(8, 64, 2048, KV_LORA, 132)
-    q = torch.empty(8, 64, HEAD, dtype=torch.bfloat16)
-    kv = torch.empty(64, HEAD, dtype=torch.bfloat16)
-    # the Triton interpreter (CPU tensors) runs the Triton tile
-    assert tsm._warp_specialized_ops(cfg, q, kv, KV_LORA) is None
-    if not torch.cuda.is_available():
-        return
-    q, kv = q.cuda(), kv.cuda()
-    assert tsm._warp_specialized_ops(cfg, q, kv, KV_LORA) is not None
-    assert tsm._warp_specialized_ops(dict(cfg, WARP_SPECIALIZED=False), q, kv, KV_LORA) is None
-    assert tsm._warp_specialized_ops(dict(cfg, V_SPLITS=2), q, kv, KV_LORA) is None
-    assert tsm._warp_specialized_ops(cfg, q, kv.to(torch.float8_e4m3fn), KV_LORA) is not None
-    assert tsm._warp_specialized_ops(cfg, q, kv.to(torch.float8_e5m2), KV_LORA) is None
-    assert tsm._warp_specialized_ops(cfg, q.half(), kv, KV_LORA) is None  # bf16 cache
-    assert tsm._warp_specialized_ops(cfg, q[..., :-32], kv[:, :-32], KV_LORA) is None
+def test_launch_needs_the_glm5_shapes_and_dtypes():
+    # where the tile does not take the tensors, the table's Triton tile for them
+    triton = launch(64, gluon=False)
+    assert launch(64, FP8).tile is WS and launch(64, q_dtype=torch.float16,
+                                                 kv_dtype=torch.float16).tile is WS
+    assert launch(64, torch.float8_e5m2) == launch(64, torch.float8_e5m2, gluon=False)
+    assert launch(64, q_dtype=torch.float16) == triton  # a bf16 cache
+    device = sml.SparseMLADevice(90, sml.HOPPER_SHARED_MEM, 132)
+    for head_dim, kv_lora_rank in ((544, 480), (576 + 64, 512)):
+        got = sml.sparse_mla_launch(device, 8, 64, head_dim, kv_lora_rank, 2048,
+                                    torch.bfloat16, torch.bfloat16)
+        assert got.tile is sml.SparseMLATile.TRITON, (head_dim, kv_lora_rank)
+    # the Triton interpreter's device (CPU tensors) runs no Gluon tile
+    assert sml.sparse_mla_device(torch.device("cpu")) == sml.INTERPRETER_DEVICE
+    assert not sml.INTERPRETER_DEVICE.gluon
 
 
 @pytest.mark.skipif(torch.cuda.is_available() and not HOPPER_GPU, reason="SM90 or CPU")
@@ -166,13 +173,13 @@ def test_falls_back_to_the_triton_tiles_own_entry(monkeypatch):
     # tile's, as in `test_launch_table_takes_hopper_warp_specialized_tiles`); against
     # float64.
     calls = []
-    table = tsm.device_launch_config
+    table = tsm.sparse_mla_launch
 
     def recorded(*args, **kwargs):
         calls.append(table(*args, **kwargs))
         return calls[-1]
 
-    monkeypatch.setattr(tsm, "device_launch_config", recorded)
+    monkeypatch.setattr(tsm, "sparse_mla_launch", recorded)
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     g = torch.Generator().manual_seed(5)
     q = (torch.randn(2, 40, HEAD, generator=g) * 0.5).half().to(dev)
@@ -181,10 +188,11 @@ def test_falls_back_to_the_triton_tiles_own_entry(monkeypatch):
     slots = torch.stack([torch.randperm(64, generator=g)[:32] for _ in range(2)]).int().to(dev)
     counts = torch.tensor([32, 20], dtype=torch.int32, device=dev)
     scale, k_scale = 1 / math.sqrt(192 + ROPE), torch.full((1,), 0.5, device=dev)
-    out = tsm.sparse_mla_attention(q, cache, slots, counts, KV_LORA, scale, k_scale, 132)
-    assert [c["WARP_SPECIALIZED"] for c in calls] == [True, False]
-    assert calls[1] == tsm.launch_config(2, 40, 32, KV_LORA, 132, kv_fp8=True,
-                                         warp_specialized=False)
+    out = tsm.sparse_mla_attention(q, cache, slots, counts, KV_LORA, scale, k_scale)
+    hopper = sml.SparseMLADevice(90, sml.HOPPER_SHARED_MEM, 132, gluon=False)
+    assert calls == [sml.sparse_mla_launch(hopper, 2, 40, HEAD, KV_LORA, 32, q.dtype,
+                                           cache.dtype)]
+    assert calls[0].tile is sml.SparseMLATile.TRITON and calls[0].block_h == 64
     ref = reference(q, cache, slots, counts, scale, range(2), k_scale=0.5)
     for t in range(2):
         torch.testing.assert_close(out[t].double(), ref[t], rtol=1e-2, atol=1e-2)
@@ -208,14 +216,14 @@ def launches(monkeypatch):
 def test_matches_float64_and_the_triton_tile(launches, num_tokens, num_heads, dtype):
     q, cache, slots, counts = sparse_case(num_tokens, num_heads, dtype,
                                           seed=num_tokens * 1000 + num_heads)
-    scale, one, sms = 1 / math.sqrt(192 + ROPE), torch.ones(1, device="cuda"), 132
-    cfg = tsm.device_launch_config(q.device, num_tokens, num_heads, 2048, KV_LORA, sms,
-                                   False)
-    assert cfg["WARP_SPECIALIZED"]
-    outs = [tsm.sparse_mla_attention(q, cache, slots, counts, KV_LORA, scale, one, sms,
-                                     config=c).double()
-            for c in (cfg, dict(cfg, splits=1))]
-    assert launches == [cfg["splits"], 1]
+    scale, one = 1 / math.sqrt(192 + ROPE), torch.ones(1, device="cuda")
+    chosen = sml.sparse_mla_launch(sml.sparse_mla_device(q.device), num_tokens, num_heads,
+                                   HEAD, KV_LORA, 2048, dtype, cache.dtype)
+    assert chosen.tile is WS
+    outs = [tsm.sparse_mla_attention(q, cache, slots, counts, KV_LORA, scale, one,
+                                     launch=c).double()
+            for c in (chosen, dataclasses.replace(chosen, splits=1))]
+    assert launches == [chosen.splits, 1]
     # against the Triton tile the table gives where the warp-specialized one cannot run
     check_against_float64_and_the_triton_tile(q, cache, slots, counts, scale, one, outs)
     assert len(launches) == 2
@@ -231,14 +239,15 @@ def test_fp8_cache_matches_float64_and_the_triton_tile(launches, num_tokens, num
     # an fp8 e4m3 cache with a per-tensor scale: the producer converts the rows
     q, cache, slots, counts = sparse_case(num_tokens, num_heads, dtype, seed=num_tokens + 7,
                                           kv_dtype=torch.float8_e4m3fn)
-    scale, sms = 1 / math.sqrt(192 + ROPE), 132
+    scale = 1 / math.sqrt(192 + ROPE)
     k_scale = torch.full((1,), 0.5, device="cuda")
-    cfg = tsm.device_launch_config(q.device, num_tokens, num_heads, 2048, KV_LORA, sms, True)
-    assert cfg["WARP_SPECIALIZED"]
-    outs = [tsm.sparse_mla_attention(q, cache, slots, counts, KV_LORA, scale, k_scale, sms,
-                                     config=c).double()
-            for c in (cfg, dict(cfg, splits=1))]
-    assert launches == [cfg["splits"], 1]
+    chosen = sml.sparse_mla_launch(sml.sparse_mla_device(q.device), num_tokens, num_heads,
+                                   HEAD, KV_LORA, 2048, dtype, cache.dtype)
+    assert chosen.tile is WS
+    outs = [tsm.sparse_mla_attention(q, cache, slots, counts, KV_LORA, scale, k_scale,
+                                     launch=c).double()
+            for c in (chosen, dataclasses.replace(chosen, splits=1))]
+    assert launches == [chosen.splits, 1]
     check_against_float64_and_the_triton_tile(q, cache, slots, counts, scale, k_scale, outs)
 
 
@@ -281,7 +290,7 @@ def test_reads_no_row_past_a_tokens_count(launches):
         used[slots[t, :int(counts[t])].long()] = True
     cache.view(-1, HEAD)[~used] = float("nan")
     scale, one = 1 / math.sqrt(192 + ROPE), torch.ones(1, device="cuda")
-    out = tsm.sparse_mla_attention(q, cache, slots, counts, KV_LORA, scale, one, 132)
+    out = tsm.sparse_mla_attention(q, cache, slots, counts, KV_LORA, scale, one)
     assert launches
     assert torch.isfinite(out).all()
     ref = reference(q, cache, slots, counts, scale, range(num_tokens))
@@ -297,7 +306,7 @@ def test_cuda_graph_capture_and_replay(launches, num_tokens):
     scale, one = 1 / math.sqrt(192 + ROPE), torch.ones(1, device="cuda")
 
     def run():
-        return tsm.sparse_mla_attention(q, cache, slots, counts, KV_LORA, scale, one, 132)
+        return tsm.sparse_mla_attention(q, cache, slots, counts, KV_LORA, scale, one)
 
     eager = run()
     stream = torch.cuda.Stream()

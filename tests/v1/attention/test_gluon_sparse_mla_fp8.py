@@ -9,6 +9,7 @@ with split-K, fewer heads than the tile, queries beyond fp16's range, a top-k lo
 than one split, a fallback for an e5m2 cache, and under CUDA-graph capture.
 """
 
+import dataclasses
 import json
 import math
 import re
@@ -29,57 +30,76 @@ from sparse_mla_cases import (
     sparse_case,
 )
 
+from vllm.v1.attention.ops import sparse_mla_launch as sml
 from vllm.v1.attention.ops import triton_sparse_mla as tsm
 
 HOPPER_GPU = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
 
 
-def cfg(tokens, heads, kv_fp8=True, cap=90, smem=tsm.HOPPER_SHARED_MEM, topk=2048, **kw):
-    return tsm.launch_config(tokens, heads, topk, KV_LORA, 132, smem, kv_fp8, cap, **kw)
+ROWS = sml.SparseMLATile.GLUON_FP8_ROWS
+FP8 = torch.float8_e4m3fn
+
+
+def launch(tokens, heads, kv_dtype=FP8, cap=90, smem=sml.HOPPER_SHARED_MEM, topk=2048,
+           gluon=True):
+    device = sml.SparseMLADevice(cap, smem, 132, gluon)
+    return sml.sparse_mla_launch(device, tokens, heads, HEAD, KV_LORA, topk, torch.bfloat16,
+                                 kv_dtype)
 
 
 def test_launch_table_takes_it_for_few_heads_of_an_fp8_cache():
     # 1-32 heads at every token count
     for heads in (1, 5, 8, 12, 16, 17, 32):
-        assert all(cfg(t, heads)["ROWS_IN_M"] for t in (1, 2, 8, 16, 31, 64, 255, 4096))
-    c = cfg(4096, 8)
-    assert (c["BLOCK_H"], c["BLOCK_N"], c["num_warps"]) == (8, 64, 4)
-    assert not c["WARP_SPECIALIZED"] and not c["V_RELOAD"]
+        assert all(launch(t, heads).tile is ROWS for t in (1, 2, 8, 16, 31, 64, 255, 4096))
+    c = launch(4096, 8)
+    assert (c.block_h, c.block_n, c.num_warps) == (8, 64, 4)
     # 9-16 heads in one program (the rows read once for all of them), 17-32 in two
-    assert [cfg(4096, h)["BLOCK_H"] for h in (1, 8, 9, 12, 16, 17, 32)] == [
+    assert [launch(4096, h).block_h for h in (1, 8, 9, 12, 16, 17, 32)] == [
         8, 8, 16, 16, 16, 16, 16]
-    # not for more heads, a 16-bit cache, another GPU, or without the Gluon tiles
-    assert not cfg(4096, 33)["ROWS_IN_M"] and not cfg(4096, 64)["ROWS_IN_M"]
-    assert not cfg(4096, 8, kv_fp8=False)["ROWS_IN_M"]
-    for cap, smem in ((100, tsm.HOPPER_SHARED_MEM), (120, 99 * 1024), (89, 99 * 1024),
+    # not for more heads, a 16-bit cache, an e5m2 one, another GPU, or without the
+    # Gluon tiles
+    assert launch(4096, 33).tile is not ROWS and launch(4096, 64).tile is not ROWS
+    assert launch(4096, 8, torch.bfloat16).tile is not ROWS
+    assert launch(4096, 8, torch.float8_e5m2) == launch(4096, 8, torch.float8_e5m2,
+                                                        gluon=False)
+    for cap, smem in ((100, sml.HOPPER_SHARED_MEM), (120, 99 * 1024), (89, 99 * 1024),
                       (80, 163 * 1024), (90, 99 * 1024)):
-        assert not cfg(4096, 8, cap=cap, smem=smem)["ROWS_IN_M"]
-    t = cfg(4096, 8, warp_specialized=False)
-    assert not t["ROWS_IN_M"] and not t["WARP_SPECIALIZED"] and t["BLOCK_H"] == 16
+        assert launch(4096, 8, cap=cap, smem=smem).tile is not ROWS
+    t = launch(4096, 8, gluon=False)
+    assert t.tile is sml.SparseMLATile.TRITON_V_RELOAD and t.block_h == 16
+    # GLM-5's head (512 + 64) and 16-bit queries of either kind only
+    device = sml.SparseMLADevice(90, sml.HOPPER_SHARED_MEM, 132)
+    for head_dim, kv_lora_rank, q_dtype, rows in ((HEAD, KV_LORA, torch.float16, True),
+                                                  (HEAD - 32, KV_LORA - 32, torch.bfloat16,
+                                                   False)):
+        got = sml.sparse_mla_launch(device, 4096, 8, head_dim, kv_lora_rank, 2048, q_dtype,
+                                    FP8)
+        assert (got.tile is ROWS) is rows
     # split-K to one wave of two programs an SM, at least two 64-row tiles a split
     tokens = (1, 2, 8, 16, 32, 64, 128, 256, 4096)
     for heads in (8, 16):
-        assert [cfg(t, heads)["splits"] for t in tokens] == [16, 16, 16, 16, 8, 4, 2, 1, 1]
-    assert [cfg(t, 32)["splits"] for t in tokens] == [16, 16, 16, 8, 4, 2, 1, 1, 1]
+        assert [launch(t, heads).splits for t in tokens] == [16, 16, 16, 16, 8, 4, 2, 1, 1]
+    assert [launch(t, 32).splits for t in tokens] == [16, 16, 16, 8, 4, 2, 1, 1, 1]
     # a split holds at most the tile's slot buffer: a longer top-k takes more splits
+    from vllm.v1.attention.ops import gluon_sparse_mla_fp8 as g
+
     for topk in (2049, 4096, 5000):
-        c = cfg(4096, 8, topk=topk)
-        split_len = tsm.split_k_outputs(torch.empty(1, 1, KV_LORA), topk, c["splits"], 64)[0]
-        assert c["splits"] >= 2 and split_len <= tsm.ROWS_IN_M_MAX_SLOTS
+        c = launch(4096, 8, topk=topk)
+        split_len = tsm.split_k_outputs(torch.empty(1, 1, KV_LORA), topk, c.splits, 64)[0]
+        assert c.splits >= 2 and split_len <= g.MAX_SLOTS
 
 
 def test_batch_invariant_mode_takes_it_at_every_token_count(monkeypatch):
     monkeypatch.setenv("VLLM_BATCH_INVARIANT", "1")
     for heads in (8, 16, 32):
-        entries = {json.dumps(cfg(t, heads), sort_keys=True) for t in (1, 2, 31, 64, 4096)}
-        assert len(entries) == 1
-        assert json.loads(entries.pop())["ROWS_IN_M"]
+        launches = {launch(t, heads) for t in (1, 2, 31, 64, 4096)}
+        assert len(launches) == 1
+        assert launches.pop().tile is ROWS
 
 
 def test_a_split_longer_than_its_slot_buffer_is_refused():
     from vllm.v1.attention.ops import gluon_sparse_mla_fp8 as g
 
-    assert g.MAX_SLOTS == tsm.ROWS_IN_M_MAX_SLOTS
     q = torch.empty(1, 8, HEAD, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="4096 slots per split, more than its 2048"):
         g.sparse_mla_attention_fp8(q, torch.empty(8, HEAD), torch.empty(1, 4096), None, None,
@@ -103,22 +123,6 @@ def test_launch_constants_are_plain_values(monkeypatch, block_h):
                                    block_h=block_h)))
     assert grid == (math.ceil(12 / block_h), 3, 2) and kwargs["BLOCK_H"] == block_h
     assert json.loads(json.dumps(kwargs)) == kwargs
-
-
-def test_dispatch_needs_a_gpu_and_an_e4m3_cache():
-    c = cfg(4096, 8)
-    q = torch.empty(8, 8, HEAD, dtype=torch.bfloat16)
-    kv = torch.empty(64, HEAD, dtype=torch.float8_e4m3fn)
-    assert tsm._rows_in_m_ops(c, q, kv, KV_LORA) is None  # the interpreter's CPU tensors
-    if not torch.cuda.is_available():
-        return
-    q, kv = q.cuda(), kv.cuda()
-    assert tsm._rows_in_m_ops(c, q, kv, KV_LORA) is not None
-    assert tsm._rows_in_m_ops(c, q.half(), kv, KV_LORA) is not None
-    assert tsm._rows_in_m_ops(dict(c, ROWS_IN_M=False), q, kv, KV_LORA) is None
-    assert tsm._rows_in_m_ops(c, q, kv.to(torch.float8_e5m2), KV_LORA) is None
-    assert tsm._rows_in_m_ops(c, q, q.view(-1, HEAD), KV_LORA) is None  # a bf16 cache
-    assert tsm._rows_in_m_ops(c, q[..., :-32], kv[:, :-32], KV_LORA) is None
 
 
 def compile_tile(arch: int, partial: bool, block_h: int) -> dict:
@@ -145,7 +149,7 @@ def compile_tile(arch: int, partial: bool, block_h: int) -> dict:
 def test_compiles_without_padded_dots(run_without_gpu, arch, partial, block_h):
     got = run_without_gpu(__file__, arch, int(partial), block_h, timeout=900)
     # within the 99 KiB of SM 8.6/8.9/12.x as well as Hopper's 227 (two programs an SM)
-    assert got["shared"] <= 99 * 1024 and 2 * got["shared"] <= tsm.HOPPER_SHARED_MEM
+    assert got["shared"] <= 99 * 1024 and 2 * got["shared"] <= sml.HOPPER_SHARED_MEM
     assert got["spill_bytes"] == 0
     # a warp's dots for each 8 heads: 36 score dots (576 / 16) over its 16 rows, 32 PV
     # dots over its 128 output columns (8 blocks of 16) and the tile's 64 rows (4 x 16);
@@ -189,12 +193,13 @@ def test_matches_float64_and_the_triton_tile(launches, num_tokens, num_heads, dt
     q, cache, slots, counts = fp8_case(num_tokens, num_heads, dtype,
                                        seed=num_tokens * 100 + num_heads)
     scale, k_scale = 1 / math.sqrt(192 + ROPE), torch.full((1,), 0.5, device="cuda")
-    c = tsm.device_launch_config(q.device, num_tokens, num_heads, 2048, KV_LORA, 132, True)
-    assert c["ROWS_IN_M"]
-    outs = [tsm.sparse_mla_attention(q, cache, slots, counts, KV_LORA, scale, k_scale, 132,
-                                     config=dict(c, splits=s)).double()
-            for s in sorted({c["splits"], 1, 4})]
-    assert launches == sorted({c["splits"], 1, 4})
+    c = sml.sparse_mla_launch(sml.sparse_mla_device(q.device), num_tokens, num_heads, HEAD,
+                              KV_LORA, 2048, dtype, cache.dtype)
+    assert c.tile is ROWS
+    outs = [tsm.sparse_mla_attention(q, cache, slots, counts, KV_LORA, scale, k_scale,
+                                     launch=dataclasses.replace(c, splits=s)).double()
+            for s in sorted({c.splits, 1, 4})]
+    assert launches == sorted({c.splits, 1, 4})
     check_against_float64_and_the_triton_tile(q, cache, slots, counts, scale, k_scale, outs)
 
 
@@ -208,8 +213,7 @@ def test_queries_beyond_fp16_keep_their_precision(launches, num_tokens, num_head
                                        q_scale=3e4)
     q[:, 3] = 0
     scale, k_scale = 1 / (3e4 * math.sqrt(192 + ROPE)), torch.full((1,), 0.5, device="cuda")
-    out = tsm.sparse_mla_attention(q, cache, slots, counts, KV_LORA, scale, k_scale,
-                                   132).double()
+    out = tsm.sparse_mla_attention(q, cache, slots, counts, KV_LORA, scale, k_scale).double()
     assert launches == [4]
     check_against_float64_and_the_triton_tile(q, cache, slots, counts, scale, k_scale, [out])
 
@@ -219,8 +223,7 @@ def test_queries_beyond_fp16_keep_their_precision(launches, num_tokens, num_head
 def test_a_longer_top_k_takes_more_splits(launches):
     q, cache, slots, counts = fp8_case(40, 8, torch.bfloat16, seed=11, topk=4096)
     scale, k_scale = 1 / math.sqrt(192 + ROPE), torch.full((1,), 0.5, device="cuda")
-    out = tsm.sparse_mla_attention(q, cache, slots, counts, KV_LORA, scale, k_scale,
-                                   132).double()
+    out = tsm.sparse_mla_attention(q, cache, slots, counts, KV_LORA, scale, k_scale).double()
     assert len(launches) == 1 and launches[0] >= 2
     check_against_float64_and_the_triton_tile(q, cache, slots, counts, scale, k_scale, [out])
 
@@ -231,9 +234,9 @@ def test_an_e5m2_cache_falls_back_to_the_triton_tile(launches):
     q, cache, slots, counts = fp8_case(32, 8, torch.bfloat16, seed=5)
     cache = cache.float().to(torch.float8_e5m2)
     scale, k_scale = 1 / math.sqrt(192 + ROPE), torch.full((1,), 0.5, device="cuda")
-    assert tsm.device_launch_config(q.device, 32, 8, 2048, KV_LORA, 132, True)["ROWS_IN_M"]
-    out = tsm.sparse_mla_attention(q, cache, slots, counts, KV_LORA, scale, k_scale,
-                                   132).double()
+    device = sml.sparse_mla_device(q.device)
+    assert sml.sparse_mla_launch(device, 32, 8, HEAD, KV_LORA, 2048, q.dtype, FP8).tile is ROWS
+    out = tsm.sparse_mla_attention(q, cache, slots, counts, KV_LORA, scale, k_scale).double()
     assert launches == []
     ref = reference(q, cache, slots, counts, scale, range(4), k_scale=0.5)
     for t in range(4):
@@ -247,7 +250,7 @@ def test_replays_under_cuda_graph_capture(launches):
     scale, k_scale = 1 / math.sqrt(192 + ROPE), torch.full((1,), 0.5, device="cuda")
 
     def run():
-        return tsm.sparse_mla_attention(q, cache, slots, counts, KV_LORA, scale, k_scale, 132)
+        return tsm.sparse_mla_attention(q, cache, slots, counts, KV_LORA, scale, k_scale)
 
     eager = run().clone()
     stream = torch.cuda.Stream()

@@ -41,24 +41,26 @@ FP8_FROM = 89
 
 
 def table_binaries(arch: int) -> list[dict]:
-    from vllm.v1.attention.ops import triton_sparse_mla as tsm
+    import torch
+
+    from vllm.v1.attention.ops import sparse_mla_launch as sml
 
     found = {}
     for kv in ("bf16", "fp8") if arch >= FP8_FROM else ("bf16",):
-        # the Triton tiles the table gives with and without Hopper's warp-specialized
-        # kernel (which takes some of them; its fallback is the entry without)
-        for heads, tokens, ws in itertools.product((8, 16, 32, 64, 128), (1, 4096),
-                                                   (True, False)):
-            cfg = tsm.launch_config(tokens, heads, TOPK, KV_LORA, SMS, SHARED_MEM[arch],
-                                    kv == "fp8", arch, ws)
-            if cfg["ROWS_IN_M"]:
-                # Gluon's 8-head fp8 tile, no Triton binary (compiled in
-                # test_gluon_sparse_mla_fp8.py); its fallback is the entry without ws
-                continue
-            key = dict(cfg, kv=kv, PARTIAL=cfg["splits"] > 1)
-            key.pop("splits")
-            key.pop("WARP_SPECIALIZED")  # the same Triton binary either way
-            key.pop("ROWS_IN_M")
+        kv_dtype = torch.float8_e4m3fn if kv == "fp8" else torch.bfloat16
+        # the Triton tiles the table gives with and without Hopper's Gluon tiles (which
+        # take some shapes; where they cannot run, the launch without them)
+        for heads, tokens, gluon in itertools.product((8, 16, 32, 64, 128), (1, 4096),
+                                                      (True, False)):
+            device = sml.SparseMLADevice(arch, SHARED_MEM[arch], SMS, gluon)
+            launch = sml.sparse_mla_launch(device, tokens, heads, KV_LORA + ROPE, KV_LORA,
+                                           TOPK, torch.bfloat16, kv_dtype)
+            if launch.tile in sml.GLUON_TILES:
+                continue  # compiled in test_gluon_sparse_mla.py and test_gluon_sparse_mla_fp8.py
+            key = {"BLOCK_H": launch.block_h, "BLOCK_N": launch.block_n,
+                   "num_warps": launch.num_warps, "num_stages": launch.num_stages,
+                   "V_RELOAD": launch.tile is sml.SparseMLATile.TRITON_V_RELOAD,
+                   "kv": kv, "PARTIAL": launch.splits > 1}
             found[json.dumps(key, sort_keys=True)] = key
     return list(found.values())
 
@@ -119,8 +121,7 @@ def compile_shared_bytes(arch: int, binaries: list[dict]) -> list[tuple[int, int
         sig.update({name: "i32" for name in ints})
         consts = {"BLOCK_H": b["BLOCK_H"], "BLOCK_N": b["BLOCK_N"], "D_V": KV_LORA,
                   "D_R": ROPE, "KV_FP8": b["kv"] == "fp8", "PARTIAL": partial,
-                  "V_SPLITS": b["V_SPLITS"], "V_RELOAD": b["V_RELOAD"],
-                  "K_DEQUANT": b.get("K_DEQUANT", False)}
+                  "V_RELOAD": b["V_RELOAD"]}
         # what the JIT sees at GLM-5 shapes: 16-byte aligned pointers and strides,
         # which lets it pipeline the row loads through shared memory (the most
         # shared memory a binary takes)
@@ -272,36 +273,39 @@ def test_sync_row_load_check_sees_fp8_reuse(run_without_gpu):
     # the check itself: an fp8 tile shared by both dots through a conversion
     # (V_RELOAD off) compiles to a synchronous load on an mma.sync tile
     binary = {"BLOCK_H": 16, "BLOCK_N": 16, "num_warps": 4, "num_stages": 3,
-              "V_SPLITS": 1, "kv": "fp8", "PARTIAL": False}
+              "kv": "fp8", "PARTIAL": False}
     reused, reloaded = run_compiles(run_without_gpu, 90, [dict(binary, V_RELOAD=False),
                                                           dict(binary, V_RELOAD=True)])
     assert reused[1] > 0 and reloaded[1] == 0
 
 
 def test_key_blocks_by_shared_memory():
-    from vllm.v1.attention.ops import triton_sparse_mla as tsm
+    import torch
+
+    from vllm.v1.attention.ops import sparse_mla_launch as sml
+
+    def launch(arch, tokens, heads, num_sms=SMS, gluon=True):
+        device = sml.SparseMLADevice(arch, SHARED_MEM[arch], num_sms, gluon)
+        return sml.sparse_mla_launch(device, tokens, heads, KV_LORA + ROPE, KV_LORA, TOPK,
+                                     torch.bfloat16, torch.bfloat16)
 
     # (tokens that fill the GPU: with fewer, Hopper and SM100 run 32 heads as two
     # 16-head programs)
     for heads in (32, 64, 128):
-        hopper = tsm.launch_config(4096, heads, TOPK, KV_LORA, SMS, SHARED_MEM[90], False, 90,
-                                   warp_specialized=False)
-        sm100 = tsm.launch_config(4096, heads, TOPK, KV_LORA, SMS, SHARED_MEM[100], False, 100)
-        sm120 = tsm.launch_config(4096, heads, TOPK, KV_LORA, SMS, SHARED_MEM[120], False, 120)
-        assert (hopper["BLOCK_N"], sm100["BLOCK_N"]) == (64, 32)
-        assert sm120["BLOCK_N"] == (16 if heads > 32 else 32)
-        assert hopper["BLOCK_H"] == sm100["BLOCK_H"] == sm120["BLOCK_H"]
+        hopper = launch(90, 4096, heads, gluon=False)
+        sm100, sm120 = launch(100, 4096, heads), launch(120, 4096, heads)
+        assert (hopper.block_n, sm100.block_n) == (64, 32)
+        assert sm120.block_n == (16 if heads > 32 else 32)
+        assert hopper.block_h == sm100.block_h == sm120.block_h
     # SM80's 163 KiB: 32-row key blocks from 32 heads on (two stages; three do not
     # fit next to a 64-head query tile); SM86's 99 KiB: 16 rows from 64 heads on
     for heads in (32, 64, 128):
-        sm80 = tsm.launch_config(4096, heads, TOPK, KV_LORA, 108, SHARED_MEM[80], False, 80)
-        sm86 = tsm.launch_config(4096, heads, TOPK, KV_LORA, 84, SHARED_MEM[86], False, 86)
-        assert (sm80["BLOCK_N"], sm80["num_stages"]) == (32, 2)
-        assert (sm86["BLOCK_N"], sm86["num_stages"]) == (16 if heads > 32 else 32, 2)
-        assert not sm80["WARP_SPECIALIZED"] and not sm86["WARP_SPECIALIZED"]
+        sm80, sm86 = launch(80, 4096, heads, 108), launch(86, 4096, heads, 84)
+        assert (sm80.block_n, sm80.num_stages) == (32, 2)
+        assert (sm86.block_n, sm86.num_stages) == (16 if heads > 32 else 32, 2)
+        assert sm80.tile is sm86.tile is sml.SparseMLATile.TRITON
     # 16-head tiles are the same everywhere
-    assert len({json.dumps(tsm.launch_config(1, 16, TOPK, KV_LORA, SMS, SHARED_MEM[a], False, a))
-                for a in SHARED_MEM}) == 1
+    assert len({launch(a, 1, 16) for a in SHARED_MEM}) == 1
 
 
 @pytest.fixture(scope="module")

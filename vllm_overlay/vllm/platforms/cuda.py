@@ -686,6 +686,13 @@ class CudaPlatformBase(Platform):
     def num_compute_units(cls, device_id: int = 0) -> int:
         return torch.cuda.get_device_properties(device_id).multi_processor_count
 
+    # overlay: the opt-in shared memory per block, which sizes the tiles of
+    # TRITON_MLA_SPARSE and picks the sparse indexer's decode top-k kernel
+    @classmethod
+    @cache
+    def get_max_shared_memory_per_block(cls, device_id: int = 0) -> int:
+        return torch.cuda.get_device_properties(device_id).shared_memory_per_block_optin
+
     @classmethod
     def use_custom_op_collectives(cls) -> bool:
         return True

@@ -5,7 +5,8 @@
 The tile `triton_sparse_mla` launches on SM90 for blocks of 64 heads of a 16-bit
 or fp8 e4m3 cache, and for fewer heads (masked) where it beats the smaller Triton
 tiles: 17-32 heads of a 16-bit cache from 8 tokens on, 33-63 of an fp8 one
-(`gluon_sparse_mla_fp8` takes up to 32; `launch_config(...)["WARP_SPECIALIZED"]`).
+(`gluon_sparse_mla_fp8` takes up to 32; `SparseMLATile.GLUON_WARP_SPECIALIZED` in
+`sparse_mla_launch`).
 It writes the same split-K partial outputs for the same merge. One program per
 (64-head block, token, split), three partitions over two shared-memory stages of 64
 gathered rows:
@@ -23,10 +24,9 @@ gathered rows:
   columns [256 C, 256 C + 256) from both halves. Each releases the stage on its
   "empty" mbarrier once its PV dots are done.
 
-H200, 64 heads, top-k 2048: 3.1-3.6 TB/s at 256-4096 tokens, 1.6-1.8x faster than
-the Triton tile; with an fp8 cache, 0.52-0.89x the Triton fp8 tiles' time at 8-128
-heads (benchmarks/results/h200-sparse-mla-gather.json). Triton 3.6's own
-`warp_specialize` loop option does not partition this loop for sm_90, hence Gluon.
+Faster than the Triton tile with a 16-bit and an fp8 cache (docs/results.md). Triton
+3.6's own `warp_specialize` loop option does not partition this loop for sm_90, hence
+Gluon.
 """
 
 import torch
@@ -105,8 +105,8 @@ def _producer(Q, KV, Slots, t, hb, stride_qt, stride_qh, num_heads, stride_kv, s
 # f16 -> bf16 by moving the exponent field (bf16 bits of the value x 2^-112: every e4m3
 # value, subnormals included, is an f16 normal with its low 7 mantissa bits zero, and
 # stays a bf16 normal) and one bf16x2 multiply by 2^112. Triton's own cast converts
-# f16 -> bf16 one element at a time (`cvt.bf16.f16`); with it the tile took 1.36x the
-# time with bf16 queries as with fp16 ones (H200, 4096 tokens x 64 heads).
+# f16 -> bf16 one element at a time (`cvt.bf16.f16`), which made bf16 queries slower
+# than fp16 ones.
 _E4M3_TO_BF16 = gl.constexpr("""{
 .reg .b16 a<2>;
 .reg .b32 h<2>, m<2>, k, z;
@@ -389,10 +389,12 @@ def _sparse_mla_ws_kernel(
 
 
 def supports(num_heads_per_tile: int, kv_lora_rank: int, rope_dim: int,
-             dtype: torch.dtype) -> bool:
-    """The shapes this tile takes (GLM-5 / DeepSeek-V3.2 MLA, 16-bit queries)."""
+             q_dtype: torch.dtype, kv_dtype: torch.dtype) -> bool:
+    """The shapes and dtypes this tile takes (GLM-5 / DeepSeek-V3.2 MLA, 16-bit queries,
+    a cache in the queries' dtype or fp8 e4m3)."""
     return (num_heads_per_tile == TILE_HEADS and kv_lora_rank == KV_LORA_RANK
-            and rope_dim == ROPE_DIM and dtype in (torch.bfloat16, torch.float16))
+            and rope_dim == ROPE_DIM and q_dtype in (torch.bfloat16, torch.float16)
+            and kv_dtype in (q_dtype, torch.float8_e4m3fn))
 
 
 def sparse_mla_attention_ws(

@@ -3,9 +3,9 @@
 """Sparse MLA attention over an fp8 cache for 8 or 16 heads a program, in Gluon.
 
 `triton_sparse_mla` launches this tile on Hopper for an fp8 e4m3 cache with up to
-32 local heads (`launch_config(...)["ROWS_IN_M"]`: GLM-5 at tensor parallel 2 and
-up, DeepSeek-V3.2 at 4 and up; 17-32 heads as two programs of 16). It writes the
-same split-K partial outputs for the same merge.
+32 local heads (`SparseMLATile.GLUON_FP8_ROWS` in `sparse_mla_launch`: GLM-5 at
+tensor parallel 2 and up, DeepSeek-V3.2 at 4 and up; 17-32 heads as two programs of
+16). It writes the same split-K partial outputs for the same merge.
 
 The 64-head tiles pad 8 heads to 64 and convert every fp8 row to 16 bits in shared
 memory. Here mma.sync dots take the fp8 rows from shared memory to registers, where
@@ -32,21 +32,19 @@ once per dot that reads it, whatever the number of heads:
   before the packed conversion (`_E4M3_ROW_PAIRS`);
 - the output goes through shared memory (the rows' buffers, free by then) back to
   [heads, latent columns] for 16-byte stores: from the accumulator's layout each
-  store would write 2 bytes a 32-byte sector (at 256 tokens and 16 heads, one wave
-  with every program's stores at its end: 109 us instead of 93, H200 kernel-only);
+  store would write 2 bytes a 32-byte sector;
 - three barriers a tile: the copies, the maxima, P;
 - shared layouts without bank conflicts for the dots' loads: the rows' 16-byte units
   XORed by row bits (the two dots read a 128-byte line as 4 rows x 32 bytes and as
   rows 0/2/4/6 x 32 bytes), the queries' 64-byte halves by head bit 0, P's 16-byte
-  halves by row bit 2 (with plain swizzles Nsight Compute counted 42% of the shared
-  wavefronts as conflicts);
+  halves by row bit 2 (plain swizzles left conflicts);
 - the dots are in fp16: e4m3 converts to fp16 with one instruction per two values
   (to bf16, four more per pair), and each head's query is scaled by a power of two
   that brings its largest magnitude to [2^13, 2^14), exact for a bf16 query down to
   2^-24 of that magnitude; the score scale takes the inverse.
 
-H200 numbers: benchmarks/results/h200-sparse-mla-gather.json. mma.sync and async
-copies exist from SM80 on; only Hopper's launch table selects it (measured there).
+Measured on Hopper (docs/results.md); mma.sync and async copies exist from SM80 on,
+but only Hopper's launch table selects it.
 """
 
 import torch
@@ -360,12 +358,13 @@ def _sparse_mla_fp8_kernel(
         gl.store(Lse + t * stride_lt + offs_h * stride_lh + s, lse, mask=offs_h < num_heads)
 
 
-def supports(kv_lora_rank: int, rope_dim: int, q_dtype: torch.dtype,
-             kv_dtype: torch.dtype) -> bool:
+def supports(num_heads_per_tile: int, kv_lora_rank: int, rope_dim: int,
+             q_dtype: torch.dtype, kv_dtype: torch.dtype) -> bool:
     """The shapes and dtypes this tile takes (GLM-5 / DeepSeek-V3.2 MLA, 16-bit queries,
     an fp8 e4m3 cache)."""
-    return (kv_lora_rank == KV_LORA_RANK and rope_dim == ROPE_DIM
-            and q_dtype in (torch.bfloat16, torch.float16) and kv_dtype == torch.float8_e4m3fn)
+    return (num_heads_per_tile in TILE_HEADS and kv_lora_rank == KV_LORA_RANK
+            and rope_dim == ROPE_DIM and q_dtype in (torch.bfloat16, torch.float16)
+            and kv_dtype == torch.float8_e4m3fn)
 
 
 def sparse_mla_attention_fp8(

@@ -46,7 +46,6 @@ import torch
 from vllm.logger import init_logger
 from vllm.platforms import current_platform
 from vllm.triton_utils import tl, triton
-from vllm.v1.attention.ops import triton_sparse_mla
 
 logger = init_logger(__name__)
 
@@ -120,10 +119,10 @@ def check_triton_indexer_supported() -> None:
 
 
 def use_persistent_topk(topk_tokens: int) -> bool:
-    # Called per layer and step: the device property is read once per device.
+    # Called per layer and step: the platform reads the device property once.
     if topk_tokens not in (512, 1024, 2048):
         return False
-    optin = triton_sparse_mla.device_shared_mem(torch.cuda.current_device())
+    optin = current_platform.get_max_shared_memory_per_block(torch.cuda.current_device())
     return optin >= PERSISTENT_TOPK_MIN_SMEM
 
 

@@ -11,18 +11,9 @@ prefills all fit within the top-k, prefills) through `forward_mqa`; short
 prefills may take the shared dense-MHA path of `SparseMLACommonImpl`. In
 `forward_mqa` every token attends to the indexer's top-k request-local
 positions, converted to global KV-cache slots (the indexer pads each row with
--1 after its valid entries). Two kernels implement this, chosen by
-VLLM_TRITON_MLA_SPARSE_KERNEL:
-
-- "gather" (default, `ops/triton_sparse_mla.py`): gathers each selected row once
-  for a block of heads, split-K over the top-k at small batch;
-- "decode": the Triton MLA decode kernel (`decode_attention_fwd`) with the slots
-  as the token's private block table with a page size of 1 (the first
-  implementation, kept as a fallback).
+-1 after its valid entries), by `ops/triton_sparse_mla.sparse_mla_attention`.
 """
 
-import functools
-import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar
 
@@ -37,10 +28,7 @@ from vllm.model_executor.layers.attention.sparse_mla_attention import (
     SparseMLACommonImpl,
     SparseMLACommonMetadataBuilder,
 )
-from vllm.platforms import current_platform
 from vllm.platforms.interface import DeviceCapability
-from vllm.triton_utils import triton
-from vllm.utils.math_utils import cdiv
 from vllm.v1.attention.backend import (
     AttentionBackend,
     AttentionCGSupport,
@@ -52,7 +40,6 @@ from vllm.v1.attention.backend import (
 from vllm.v1.attention.backends.mla.sparse_utils import (
     triton_convert_req_index_to_global_index,
 )
-from vllm.v1.attention.ops.triton_decode_attention import decode_attention_fwd
 from vllm.v1.attention.ops.triton_sparse_mla import sparse_mla_attention
 from vllm.v1.kv_cache_interface import AttentionSpec
 
@@ -61,13 +48,6 @@ if TYPE_CHECKING:
 
 logger = init_logger(__name__)
 
-# Heads handled by one program of the grouped Triton MLA decode kernel.
-_KERNEL_BLOCK_H = 16
-# Fewest top-k slots one KV split should cover (two 32-slot kernel iterations).
-_MIN_SLOTS_PER_SPLIT = 64
-# Upper bound of the fp32 split-KV workspace of one kernel launch; larger
-# batches are processed in token chunks.
-_MAX_WORKSPACE_BYTES = 256 * 1024 * 1024
 # triton_convert_req_index_to_global_index works on 128-wide column tiles.
 _TOPK_ALIGNMENT = 128
 
@@ -119,7 +99,7 @@ class TritonMLASparseBackend(AttentionBackend):
 
     @classmethod
     def supports_batch_invariance(cls) -> bool:
-        # Under VLLM_BATCH_INVARIANT both kernels run one KV split per token,
+        # Under VLLM_BATCH_INVARIANT the kernels run one KV split per token,
         # their tiles depend only on the head count, and the metadata builder
         # keeps every request on them (no dense-MHA prefill), so a token's
         # result does not depend on what it is batched with.
@@ -223,107 +203,6 @@ class TritonMLASparseMetadataBuilder(
         self._init_reorder_batch_threshold(threshold, supports_spec_as_decode=True)
 
 
-def num_kv_splits_for(
-    num_tokens: int, num_heads: int, topk: int, num_sms: int
-) -> int:
-    """KV splits per token: enough programs for about two waves at small batch.
-
-    Depends only on shapes, never on data, so it is stable under CUDA graphs.
-    """
-    if envs.VLLM_BATCH_INVARIANT:
-        return 1
-    programs = num_tokens * cdiv(num_heads, _KERNEL_BLOCK_H)
-    if programs >= num_sms:
-        return 1
-    wanted = triton.next_power_of_2(cdiv(2 * num_sms, programs))
-    return max(1, min(wanted, topk // _MIN_SLOTS_PER_SPLIT))
-
-
-def sparse_mla_decode_fwd(
-    q: torch.Tensor,
-    kv_cache: torch.Tensor,
-    slots: torch.Tensor,
-    valid_counts: torch.Tensor,
-    kv_lora_rank: int,
-    scale: float,
-    k_scale: torch.Tensor,
-    num_sms: int,
-) -> torch.Tensor:
-    """Sparse MLA over global KV slots.
-
-    q: [T, H, kv_lora_rank + rope] (fp16/bf16); kv_cache: [NB, BS, 576] (fp16/bf16,
-    or fp8 dequantized with the per-tensor `k_scale`); slots: int32 [T, K] global
-    slots, valid entries first, -1 after; valid_counts: int32 [T].
-    Returns o: [T, H, kv_lora_rank]; a row without valid slots gives zeros.
-    """
-    num_tokens, num_heads, _ = q.shape
-    topk = slots.shape[1]
-    o = torch.empty(
-        num_tokens, num_heads, kv_lora_rank, dtype=q.dtype, device=q.device
-    )
-    if num_tokens == 0:
-        return o
-    # The kernel reads entries [0, valid) of a row. Rows without any valid entry
-    # (CUDA-graph padding) read slot 0 instead of turning 0/0 into NaN and are
-    # zeroed below; a negative slot can then never be dereferenced.
-    has_valid = valid_counts > 0
-    seq_lens = valid_counts.clamp(min=1)
-    slots = slots.clamp(min=0)
-
-    # [NB * BS, 1, 1, 576]: every slot its own page of one latent "KV head"
-    # (the decode kernel steps pages by the stride of dim -4).
-    kv = kv_cache.view(-1, 1, 1, kv_cache.shape[-1])
-    kv_c = kv[..., :kv_lora_rank]
-    num_kv_splits = num_kv_splits_for(num_tokens, num_heads, topk, num_sms)
-    per_token = num_heads * num_kv_splits * (kv_lora_rank + 1) * 4
-    chunk = max(1, _MAX_WORKSPACE_BYTES // per_token)
-    lse = torch.empty(
-        min(chunk, num_tokens), num_heads, dtype=torch.float32, device=q.device
-    )
-    attn_logits = torch.empty(
-        min(chunk, num_tokens),
-        num_heads,
-        num_kv_splits,
-        kv_lora_rank + 1,
-        dtype=torch.float32,
-        device=q.device,
-    )
-    for start in range(0, num_tokens, chunk):
-        end = min(start + chunk, num_tokens)
-        n = end - start
-        decode_attention_fwd(
-            q[start:end],
-            kv,
-            kv_c,
-            o[start:end],
-            lse[:n],
-            slots[start:end],
-            seq_lens[start:end],
-            attn_logits[:n],
-            num_kv_splits,
-            scale,
-            page_size=1,
-            k_scale=k_scale,
-            v_scale=k_scale,
-            is_mla=True,
-        )
-    return o.masked_fill_(~has_valid[:, None, None], 0)
-
-
-KERNELS = ("gather", "decode")
-
-
-@functools.cache
-def sparse_mla_kernel() -> str:
-    """The kernel TRITON_MLA_SPARSE runs: VLLM_TRITON_MLA_SPARSE_KERNEL."""
-    kernel = os.environ.get("VLLM_TRITON_MLA_SPARSE_KERNEL", "gather").lower()
-    if kernel not in KERNELS:
-        raise ValueError(
-            f"VLLM_TRITON_MLA_SPARSE_KERNEL={kernel!r}: expected one of {KERNELS}"
-        )
-    return kernel
-
-
 class TritonMLASparseImpl(SparseMLACommonImpl[TritonMLASparseMetadata]):
     def __init__(
         self,
@@ -378,8 +257,6 @@ class TritonMLASparseImpl(SparseMLACommonImpl[TritonMLASparseMetadata]):
             raise ValueError("TritonMLASparseImpl needs the indexer's top-k buffer")
         # Queries stay in the model dtype; an fp8 cache is dequantized on load.
         self.supports_quant_query_input = False
-        self._num_sms = current_platform.num_compute_units()
-        self._kernel = sparse_mla_kernel()
 
     def forward_mqa(
         self,
@@ -403,8 +280,7 @@ class TritonMLASparseImpl(SparseMLACommonImpl[TritonMLASparseMetadata]):
             NUM_TOPK_TOKENS=topk_indices.shape[1],
             return_valid_counts=True,
         )
-        fwd = sparse_mla_attention if self._kernel == "gather" else sparse_mla_decode_fwd
-        o = fwd(
+        o = sparse_mla_attention(
             q,
             kv_c_and_k_pe_cache,
             slots,
@@ -412,6 +288,5 @@ class TritonMLASparseImpl(SparseMLACommonImpl[TritonMLASparseMetadata]):
             self.kv_lora_rank,
             self.scale,
             layer._k_scale,
-            self._num_sms,
         )
         return o, None
