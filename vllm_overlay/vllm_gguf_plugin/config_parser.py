@@ -9,11 +9,11 @@ from vllm.transformers_utils.config import (  # overlay: as HFConfigParser finis
     _maybe_remap_hf_config_attrs,
 )
 from vllm.transformers_utils.config_parser_base import ConfigParserBase
-from vllm.transformers_utils.glm_dsa_gguf import (  # overlay: GLM-5 GGUF alone
+
+from .gguf_model import (  # overlay: GLM-5 GGUF alone
     config_from_gguf as glm_dsa_config_from_gguf,
 )
-from vllm.transformers_utils.glm_dsa_gguf import is_glm_dsa_gguf  # overlay
-
+from .gguf_model import is_glm_dsa_gguf  # overlay
 from .gguf_utils import (
     check_gguf_file,
     is_gguf,

@@ -15,14 +15,14 @@ from vllm.model_executor.model_loader import (
     register_model_loader,
 )
 from vllm.transformers_utils.config import get_config_parser, register_config_parser
-from vllm.transformers_utils.glm_dsa_gguf import (  # overlay: GLM-5 GGUF alone
+
+from .config_parser import GGUFConfigParser
+from .gguf_model import (  # overlay: GLM-5 GGUF alone
     first_file,
     generation_config_from_gguf,
     is_glm_dsa_gguf,
     resolve_gguf_dir,
 )
-
-from .config_parser import GGUFConfigParser
 from .gguf_utils import check_gguf_file, is_gguf, is_remote_gguf, split_remote_gguf
 from .gguf_utils import is_local_gguf_quant  # overlay: glm-dsa config source
 from .loader import GGUFModelLoader

@@ -22,7 +22,7 @@ import pytest
 
 import gguf_reference as gr
 from test_gguf_engine_args import model_config
-from vllm.transformers_utils import glm_dsa_gguf as gg
+from vllm_gguf_plugin import gguf_model as gg
 
 # what vLLM reads of a generation config: eos_token_id for the stop tokens
 # (SamplingParams.update_from_generation_config), these for the default sampling

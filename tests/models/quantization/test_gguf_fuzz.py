@@ -43,10 +43,11 @@ def small_gguf(glm5_gguf, tmp_path_factory):
 
 
 def load(path: Path) -> dict[str, torch.Tensor]:
-    from vllm.transformers_utils import glm_dsa_gguf as gg
+    from vllm_gguf_plugin import gguf_model as gg
+    from vllm_gguf_plugin.gguf_model.config import _cached_architecture
     from vllm_gguf_plugin.weights_adapter.glm_dsa import GlmDsaGGUF
 
-    gg._cached_architecture.cache_clear()
+    _cached_architecture.cache_clear()
     gg.is_glm_dsa_gguf(path)
     config = gg.config_from_gguf(path)
     gg.tokenizer_from_gguf(path)
@@ -79,7 +80,7 @@ def run_bounded(fn, *args):
 
 
 def test_hostile_variants(small_gguf, tmp_path):
-    from vllm.transformers_utils.glm_dsa_gguf import GGUFError
+    from vllm_gguf_plugin.gguf_model import GGUFError
 
     original = load(small_gguf)
     variant = tmp_path / "variant.gguf"
@@ -110,7 +111,7 @@ def test_hostile_variants(small_gguf, tmp_path):
 def test_broken_split_sets(small_gguf, tmp_path):
     """Split sets of the same file: whole ones load the original's weights from any
     part's name, broken ones fail with a GGUFError naming a file of the set."""
-    from vllm.transformers_utils.glm_dsa_gguf import GGUFError
+    from vllm_gguf_plugin.gguf_model import GGUFError
 
     original = load(small_gguf)
     bad, loaded = [], []
@@ -145,7 +146,7 @@ def test_reader_reads_what_gguf_py_reads(small_gguf, glm5_ggufs, kind):
     import gguf
     import numpy as np
 
-    from vllm.transformers_utils.gguf_checked import GGUFFile
+    from vllm_gguf_plugin.gguf_model import GGUFFile
 
     path = small_gguf if kind == "small" else glm5_ggufs[kind]
     ours, ref = GGUFFile(path), gguf.GGUFReader(path)

@@ -20,7 +20,7 @@ import torch
 from safetensors.torch import load_file
 
 import gguf_reference as gr  # tests/models/quantization
-from vllm.transformers_utils import glm_dsa_gguf as gg
+from vllm_gguf_plugin import gguf_model as gg
 from vllm_gguf_plugin.weights_adapter.glm_dsa import GlmDsaGGUF
 
 TYPES = ("bf16", "f16", "q8_0", "Q4_K_M")

@@ -9,11 +9,6 @@ from typing import TypeAlias, TypeVar
 from transformers import AutoTokenizer, PythonBackend, TokenizersBackend
 
 from vllm.transformers_utils.config import get_sentence_transformer_tokenizer_config
-from vllm.transformers_utils.glm_dsa_gguf import (  # overlay: GLM-5 GGUF tokenizer
-    first_file,
-    is_glm_dsa_gguf,
-    tokenizer_from_gguf as glm_dsa_tokenizer_from_gguf,
-)
 
 from .protocol import TokenizerLike
 
@@ -214,8 +209,14 @@ class CachedHfTokenizer(TokenizerLike):
         # overlay: a glm-dsa GGUF named as the tokenizer (the model alone) carries
         # its tokenizer in tokenizer.ggml.* metadata, which transformers cannot read
         # (a split set's in its first part, whichever part is named)
+        from vllm_gguf_plugin.gguf_model import (
+            first_file,
+            is_glm_dsa_gguf,
+            tokenizer_from_gguf,
+        )
+
         if is_glm_dsa_gguf(first_file(path_or_repo_id)):
-            tokenizer = glm_dsa_tokenizer_from_gguf(path_or_repo_id, **kwargs)
+            tokenizer = tokenizer_from_gguf(path_or_repo_id, **kwargs)
             return get_cached_tokenizer(tokenizer)
         try:
             tokenizer = AutoTokenizer.from_pretrained(

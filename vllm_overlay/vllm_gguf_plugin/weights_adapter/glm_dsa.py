@@ -52,14 +52,9 @@ import numpy as np
 import regex as re
 import torch
 from vllm.logger import init_logger
-from vllm.transformers_utils.glm_dsa_gguf import (
-    GGUFError,
-    field,
-    indexer_schedule,
-    open_reader,
-    split_files,
-)
 
+from ..gguf_model import GGUFError, field, open_gguf, split_files
+from ..gguf_model.config import indexer_schedule
 from ..quantization.utils import DEQUANT_TYPES
 from ..spec_decode import patch_mtp_sharing
 from .base import BaseGGUFWeightsAdapter, GGUFLoadSpec
@@ -282,7 +277,7 @@ class GlmDsaGGUF:
         self.file_of = {}
         first = None
         for f in files:
-            reader = open_reader(f)
+            reader = open_gguf(f)
             if reader.byte_order != "I":
                 raise GGUFError(f"{f}: big-endian GGUF files are not supported")
             if field(reader, "split.no", 0, required=False) == 0:
