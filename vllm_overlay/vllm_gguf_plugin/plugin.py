@@ -18,9 +18,11 @@ from vllm.transformers_utils.config import get_config_parser, register_config_pa
 
 from .config_parser import GGUFConfigParser
 from .gguf_model import (  # overlay: GLM-5 GGUF alone
+    TOKENIZER_MODE,
     first_file,
     generation_config_from_gguf,
     is_glm_dsa_gguf,
+    register_tokenizer_mode,
     resolve_gguf_dir,
 )
 from .gguf_utils import check_gguf_file, is_gguf, is_remote_gguf, split_remote_gguf
@@ -135,6 +137,9 @@ def _patch_engine_args() -> None:
             if glm_dsa is not None:  # overlay: the model stays its folder (or repo)
                 self.hf_config_path = glm_dsa
                 self.tokenizer = self.tokenizer or glm_dsa
+                # its tokenizer through vLLM's tokenizer registry (HF's cannot read it)
+                if self.tokenizer_mode in ("auto", "hf"):
+                    self.tokenizer_mode = TOKENIZER_MODE
                 if not is_remote_gguf(gguf_model):
                     self.model = str(Path(glm_dsa).parent)
         return original_create_model_config(self, *args, **kwargs)
@@ -238,4 +243,5 @@ def register() -> None:
     _patch_speculator_probe()
     _patch_offline_model_path()  # overlay: repo_id:quant_type offline
     _patch_generation_config()  # overlay: a glm-dsa GGUF's generation config
+    register_tokenizer_mode()  # overlay: a glm-dsa GGUF's tokenizer
     _patch_diffusers_loader()

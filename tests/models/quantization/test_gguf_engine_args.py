@@ -91,9 +91,10 @@ def check_from_the_gguf_alone(config, hf_reference, first):
     ref_config, ref_tokenizer = hf_reference
     assert config.quantization == "gguf"
     assert config.hf_config_path == str(first) and config.tokenizer == str(first)
+    assert config.tokenizer_mode == "glm_dsa_gguf"
     for f in CONFIG_FIELDS:
         assert getattr(config.hf_config, f, None) == getattr(ref_config, f, None), f
-    tokenizer = get_tokenizer(config.tokenizer)
+    tokenizer = get_tokenizer(config.tokenizer, tokenizer_mode=config.tokenizer_mode)
     for text in TEXTS:
         assert tokenizer.encode(text) == ref_tokenizer.encode(text), text
 

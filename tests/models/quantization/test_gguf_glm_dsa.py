@@ -146,7 +146,7 @@ def test_tokenizer_from_gguf_encodes_like_hf(glm5_gguf, glm5_ggufs):
     _, model, _ = glm5_gguf
     ref = AutoTokenizer.from_pretrained(model)
     tok = gg.tokenizer_from_gguf(glm5_ggufs["bf16"])
-    via_vllm = get_tokenizer(str(glm5_ggufs["bf16"]))
+    via_vllm = get_tokenizer(str(glm5_ggufs["bf16"]), tokenizer_mode=gg.TOKENIZER_MODE)
     for text in TEXTS:
         ids = ref.encode(text)
         assert tok.encode(text) == ids, text

@@ -14,17 +14,19 @@ from .config import config_from_gguf, is_glm_dsa_gguf
 from .files import first_file, resolve_gguf_dir, split_files
 from .generation_config import generation_config_from_gguf
 from .reader import GGUFError, GGUFFile, field, open_gguf
-from .tokenizer import tokenizer_from_gguf
+from .tokenizer import TOKENIZER_MODE, register_tokenizer_mode, tokenizer_from_gguf
 
 __all__ = [
     "GGUFError",
     "GGUFFile",
+    "TOKENIZER_MODE",
     "config_from_gguf",
     "field",
     "first_file",
     "generation_config_from_gguf",
     "is_glm_dsa_gguf",
     "open_gguf",
+    "register_tokenizer_mode",
     "resolve_gguf_dir",
     "split_files",
     "tokenizer_from_gguf",

@@ -1,13 +1,24 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""GLM-5's tokenizer from a llama.cpp `glm-dsa` GGUF's `tokenizer.ggml.*` metadata,
-which transformers cannot build a tokenizer from."""
+"""GLM-5's tokenizer from a llama.cpp `glm-dsa` GGUF's `tokenizer.ggml.*` metadata.
+
+transformers cannot build a tokenizer from a `glm-dsa` GGUF. The plugin registers
+tokenizer mode `glm_dsa_gguf` with vLLM's tokenizer (and renderer) registry and
+selects it for a glm-dsa GGUF named as the tokenizer (plugin.py's engine-args
+hook); vLLM then loads the tokenizer through `GlmDsaGGUFTokenizer`.
+"""
 
 import os
+from pathlib import Path
+
+from vllm.tokenizers.hf import HfTokenizer, get_cached_tokenizer
+from vllm.tokenizers.protocol import TokenizerLike
 
 from .config import GGUF_ARCH, MAX_CONTEXT, token_id, vocabulary
 from .files import first_file
 from .reader import GGUFError, field, open_gguf
+
+TOKENIZER_MODE = "glm_dsa_gguf"
 
 # llama.cpp's pre-tokenizer regex for `tokenizer.ggml.pre` "glm4"/"glm5"
 # (LLAMA_VOCAB_PRE_TYPE_CHATGLM4 in src/llama-vocab.cpp), which is the split
@@ -104,3 +115,30 @@ def tokenizer_from_gguf(path: str | os.PathLike, **kwargs):
             init[key] = kwargs[key]
     return PreTrainedTokenizerFast(**init)
 
+
+class GlmDsaGGUFTokenizer(TokenizerLike):
+    """Tokenizer mode `glm_dsa_gguf`: the tokenizer of a glm-dsa GGUF (any part of
+    a split set), cached as vLLM caches HF tokenizers."""
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        path_or_repo_id: str | Path,
+        *args,
+        trust_remote_code: bool = False,
+        revision: str | None = None,
+        download_dir: str | None = None,
+        **kwargs,
+    ) -> HfTokenizer:
+        return get_cached_tokenizer(tokenizer_from_gguf(path_or_repo_id, **kwargs))
+
+
+def register_tokenizer_mode() -> None:
+    """Tokenizer mode `glm_dsa_gguf`, rendered as vLLM renders HF tokenizers."""
+    from vllm.renderers.registry import RENDERER_REGISTRY
+    from vllm.tokenizers.registry import TokenizerRegistry
+
+    if TOKENIZER_MODE not in TokenizerRegistry.tokenizers:
+        TokenizerRegistry.register(TOKENIZER_MODE, __name__, GlmDsaGGUFTokenizer.__name__)
+    if TOKENIZER_MODE not in RENDERER_REGISTRY.renderers:
+        RENDERER_REGISTRY.register(TOKENIZER_MODE, "vllm.renderers.hf", "HfRenderer")
