@@ -16,7 +16,6 @@ from vllm.model_executor.model_loader import (
 )
 from vllm.transformers_utils.config import get_config_parser, register_config_parser
 
-from .config_parser import GGUFConfigParser
 from .gguf_model import (  # overlay: GLM-5 GGUF alone
     TOKENIZER_MODE,
     first_file,
@@ -25,6 +24,7 @@ from .gguf_model import (  # overlay: GLM-5 GGUF alone
     register_tokenizer_mode,
     resolve_gguf_dir,
 )
+from .gguf_model.config_parser import GlmDsaGGUFConfigParser  # overlay: GLM-5 GGUF
 from .gguf_utils import check_gguf_file, is_gguf, is_remote_gguf, split_remote_gguf
 from .gguf_utils import is_local_gguf_quant  # overlay: glm-dsa config source
 from .loader import GGUFModelLoader
@@ -237,8 +237,9 @@ def register() -> None:
         parser = get_config_parser("gguf")
     except ValueError:
         parser = None
-    if not isinstance(parser, GGUFConfigParser):
-        register_config_parser("gguf")(GGUFConfigParser)
+    # overlay: config format gguf with glm-dsa GGUFs as their own config source
+    if not isinstance(parser, GlmDsaGGUFConfigParser):
+        register_config_parser("gguf")(GlmDsaGGUFConfigParser)
     _patch_engine_args()
     _patch_speculator_probe()
     _patch_offline_model_path()  # overlay: repo_id:quant_type offline
