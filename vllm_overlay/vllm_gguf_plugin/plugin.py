@@ -19,7 +19,6 @@ from vllm.transformers_utils.config import get_config_parser, register_config_pa
 from .gguf_model import (  # overlay: GLM-5 GGUF alone
     TOKENIZER_MODE,
     first_file,
-    generation_config_from_gguf,
     is_glm_dsa_gguf,
     register_tokenizer_mode,
     resolve_gguf_dir,
@@ -166,34 +165,6 @@ def _patch_speculator_probe() -> None:
     config_module._gguf_speculator_probe_patched = True
 
 
-# overlay: for a glm-dsa GGUF (its config source, hf_config_path), the generation
-# config comes from its metadata: transformers finds no generation_config.json in
-# a file, and vLLM would take eos_token_id from the model config (the file's eos
-# alone). ModelConfig.try_get_generation_config calls this for vLLM's stop tokens
-# (SamplingParams.update_from_generation_config) and default sampling parameters
-# (get_diff_sampling_param); a --generation-config folder is passed instead of the
-# file and read as before.
-def _patch_generation_config() -> None:
-    if getattr(config_module, "_gguf_generation_config_patched", False):
-        return
-
-    import vllm.config.model as model_config_module
-
-    original_try_get_generation_config = config_module.try_get_generation_config
-
-    @wraps(original_try_get_generation_config)
-    def try_get_generation_config(model, *args, **kwargs):
-        if isinstance(model, (str, Path)) and str(model).endswith(".gguf") and (
-            is_glm_dsa_gguf(first_file(model))
-        ):
-            return generation_config_from_gguf(model)
-        return original_try_get_generation_config(model, *args, **kwargs)
-
-    config_module.try_get_generation_config = try_get_generation_config
-    model_config_module.try_get_generation_config = try_get_generation_config
-    config_module._gguf_generation_config_patched = True
-
-
 # overlay: offline (HF_HUB_OFFLINE), EngineArgs replaces a model id by its cached
 # snapshot folder; a repo_id:quant_type reference becomes <snapshot>:quant_type,
 # which the loader reads as a local_dir:quant_type reference (not an invalid repo id)
@@ -243,6 +214,5 @@ def register() -> None:
     _patch_engine_args()
     _patch_speculator_probe()
     _patch_offline_model_path()  # overlay: repo_id:quant_type offline
-    _patch_generation_config()  # overlay: a glm-dsa GGUF's generation config
     register_tokenizer_mode()  # overlay: a glm-dsa GGUF's tokenizer
     _patch_diffusers_loader()
