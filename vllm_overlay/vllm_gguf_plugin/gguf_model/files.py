@@ -1,10 +1,12 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""The files of a GGUF model: split sets, the directory of one model.
+"""The files of a GGUF model: split sets, the directory of one model, a quant's
+files among a repo's or a folder's.
 
 llama.cpp's `gguf-split` writes a model as `<name>-NNNNN-of-MMMMM.gguf`, the
 metadata in the first part (`split.no`/`split.count` in every part,
-`split.tensors.count` in the first).
+`split.tensors.count` in the first). A projector (`mmproj*.gguf`) next to a
+model is not one of its files.
 """
 
 import os
@@ -14,7 +16,13 @@ import regex as re
 
 from .reader import GGUFError, field, open_gguf
 
-_SPLIT_RE = re.compile(r"^(?P<prefix>.*)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf$")  # gguf-split
+SPLIT_RE = re.compile(r"-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf$")  # gguf-split
+
+
+def is_model_file(name: str) -> bool:
+    """Whether file `name` (a path or a file name) can be (part of) a GGUF model."""
+    base = name.rsplit("/", 1)[-1]
+    return base.endswith(".gguf") and not base.startswith("mmproj")
 
 
 def resolve_gguf_dir(model: str) -> str:
@@ -23,10 +31,10 @@ def resolve_gguf_dir(model: str) -> str:
     p = Path(model)
     if not p.is_dir() or (p / "config.json").exists():
         return model
-    ggufs = sorted(f for f in p.glob("*.gguf") if not f.name.startswith("mmproj"))
+    ggufs = sorted(f for f in p.glob("*.gguf") if is_model_file(f.name))
     if not ggufs:
         return model
-    firsts = [f for f in ggufs if (m := _SPLIT_RE.match(f.name)) is None or int(m["no"]) == 1]
+    firsts = [f for f in ggufs if (m := SPLIT_RE.search(f.name)) is None or int(m["no"]) == 1]
     if len(firsts) != 1:
         raise GGUFError(
             f"{p}: holds {len(firsts)} GGUF models "
@@ -37,14 +45,15 @@ def resolve_gguf_dir(model: str) -> str:
 
 def _part_paths(path: Path) -> list[Path]:
     """The file names of the model `path` belongs to, by its name alone."""
-    m = _SPLIT_RE.match(path.name)
+    m = SPLIT_RE.search(path.name)
     if m is None:
         return [path]
     count = int(m["count"])
     if not 1 <= int(m["no"]) <= count:
         raise GGUFError(f"{path}: the file name says part {int(m['no'])} of {count}, "
                         "which no split set has")
-    return [path.with_name(f"{m['prefix']}-{i:05d}-of-{count:05d}.gguf")
+    prefix = path.name[:m.start()]
+    return [path.with_name(f"{prefix}-{i:05d}-of-{count:05d}.gguf")
             for i in range(1, count + 1)]
 
 
@@ -53,11 +62,11 @@ def split_files(path: str | os.PathLike) -> list[Path]:
 
     A single file is returned alone. For a split set (`-NNNNN-of-MMMMM.gguf`,
     any part may be given) every part must exist and carry matching
-    `split.no`/`split.count` metadata, and the parts together must hold the
-    `split.tensors.count` tensors the first part announces.
+    `split.no`/`split.count` metadata, the parts must hold different tensors, and
+    together the `split.tensors.count` tensors the first part announces.
     """
     path = Path(path)
-    if _SPLIT_RE.match(path.name) is None:
+    if SPLIT_RE.search(path.name) is None:
         return [path]
     parts = _part_paths(path)
     count = len(parts)
@@ -99,3 +108,38 @@ def first_file(path: str | os.PathLike) -> Path:
     (`split_files`), so config and tokenizer open this part only."""
     return _part_paths(Path(path))[0]
 
+
+def quant_files(names: list[str], quant_type: str, where: str) -> list[str]:
+    """The files (relative paths, first part first) of the one GGUF model among
+    `names` whose file name ends in `quant_type` (before `.gguf` or the split
+    suffix), split parts in any folder (unsloth puts large quants in a folder per
+    quant), all parts or none; two models for one name (GLM-5-Q4_K_M and
+    GLM-5-UD-Q4_K_M for Q4_K_M) are an error instead of a guess."""
+    models: dict[tuple[str, str], list[str]] = {}
+    for name in names:
+        if not is_model_file(name):
+            continue
+        base = name.rsplit("/", 1)[-1]
+        m = SPLIT_RE.search(base)
+        stem = base[: m.start()] if m else base[: -len(".gguf")]
+        before = stem[: len(stem) - len(quant_type)]
+        if not stem.lower().endswith(quant_type.lower()) or before[-1:] not in ("", "-", "."):
+            continue
+        key = (name[: len(name) - len(base)], stem + ("-of-" + m["count"] if m else ""))
+        models.setdefault(key, []).append(name)
+    if not models:
+        raise ValueError(f"No GGUF file of quant type {quant_type!r} in {where}")
+    if len(models) > 1:
+        found = ", ".join(sorted(f"{d}{k.split('-of-')[0]} ({len(v)} files)"
+                                 for (d, k), v in models.items()))
+        raise ValueError(f"{where} holds {len(models)} GGUF models for quant type "
+                         f"{quant_type!r}: {found}; name one by its full quant type")
+    files = sorted(next(iter(models.values())))
+    if m := SPLIT_RE.search(files[0]):
+        count = int(m["count"])
+        numbers = sorted(int(SPLIT_RE.search(f)["no"]) for f in files)
+        if numbers != list(range(1, count + 1)):
+            missing = sorted(set(range(1, count + 1)) - set(numbers))
+            raise ValueError(f"{where}: the {quant_type} GGUF split set lacks parts "
+                             f"{', '.join(map(str, missing))} of {count}")
+    return files
