@@ -23,11 +23,11 @@ llama.cpp's loader does (`ggml/src/gguf.cpp`):
 
 `GGUFFile(path)` does that and then serves the metadata and the tensors the way
 gguf-py's reader does (`fields[key].contents()`, `tensors[i].data` as views of the
-file), from that one bounded pass; `check_gguf(path)` only checks.
-Both raise `GGUFError` naming the file, where in it, and what was found.
-`open_gguf` opens a file once while it is unchanged; `field` and `check_value` read
-metadata values checked for type and range. (gguf-py's reader takes about 15 s for
-a GLM-5 vocabulary's metadata on 2 cores, this under 1 s.)
+file), from that one bounded pass; it raises `GGUFError` naming the file, where in
+it, and what was found. `open_gguf` opens a file once while it is unchanged;
+`field` and `check_value` read metadata values checked for type and range.
+(gguf-py's reader takes about 15 s for a GLM-5 vocabulary's metadata on 2 cores,
+this under 1 s.)
 """
 
 import math
@@ -277,12 +277,6 @@ class GGUFFile:
                             f"than the padding of {alignment} (a tensor count or offset that "
                             f"does not match the data?)")
 
-
-
-def check_gguf(path: str | os.PathLike) -> None:
-    """Raise GGUFError unless the file at `path` is a whole, consistent GGUF file
-    (see the module docstring). Only the header and the tensor table are read."""
-    GGUFFile(path)
 
 
 def open_gguf(path: str | os.PathLike) -> GGUFFile:
