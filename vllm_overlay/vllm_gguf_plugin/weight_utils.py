@@ -4,13 +4,13 @@ import os  # overlay: glob and itertools no longer used (download_gguf)
 from collections.abc import Generator
 from pathlib import Path
 
-import gguf
-import numpy as np
+import numpy as np  # overlay: gguf-py's reader no longer used (open_gguf)
 import torch
 from huggingface_hub import snapshot_download
 from vllm.logger import init_logger
 
 from .gguf_model.files import quant_files  # overlay: exact quant names (download_gguf)
+from .gguf_model.reader import open_gguf  # overlay: every GGUF through the checked reader
 
 logger = init_logger(__name__)
 
@@ -61,7 +61,7 @@ def resolve_local_gguf(local_dir: str, quant_type: str) -> str:
 def get_gguf_extra_tensor_names(
     gguf_file: str | Path, gguf_to_hf_name_map: dict[str, str]
 ) -> list[str]:
-    reader = gguf.GGUFReader(gguf_file)
+    reader = open_gguf(gguf_file)  # overlay: the checked reader
     expected_gguf_keys = set(gguf_to_hf_name_map.keys())
     exact_gguf_keys = {tensor.name for tensor in reader.tensors}
     extra_keys = expected_gguf_keys - exact_gguf_keys
@@ -71,7 +71,7 @@ def get_gguf_extra_tensor_names(
 def get_gguf_weight_type_map(
     gguf_file: str | Path, gguf_to_hf_name_map: dict[str, str]
 ) -> dict[str, str]:
-    reader = gguf.GGUFReader(gguf_file)
+    reader = open_gguf(gguf_file)  # overlay: the checked reader
     return {
         gguf_to_hf_name_map[tensor.name]: tensor.tensor_type.name
         for tensor in reader.tensors
@@ -98,7 +98,7 @@ def gguf_quant_weights_iterator_multi(
     _QUANT_TYPES = ("F32", "BF16", "F16")
 
     for gguf_file in gguf_files:
-        reader = gguf.GGUFReader(gguf_file)
+        reader = open_gguf(gguf_file)  # overlay: the checked reader
         for tensor in reader.tensors:
             if gguf_to_hf_name_map is not None:
                 if tensor.name not in gguf_to_hf_name_map:
@@ -129,7 +129,7 @@ def get_gguf_unquantized_params(gguf_files: list[str]) -> list[str]:
         {
             tensor.name
             for gguf_file in gguf_files
-            for tensor in gguf.GGUFReader(gguf_file).tensors
+            for tensor in open_gguf(gguf_file).tensors  # overlay: the checked reader
             if tensor.tensor_type.name in _QUANT_TYPES
         }
     )

@@ -22,10 +22,11 @@ llama.cpp's loader does (`ggml/src/gguf.cpp`):
   the last tensor like the others).
 
 `GGUFFile(path)` does that and then serves the metadata and the tensors the way
-gguf-py's reader does (`fields[key].contents()`, `tensors[i].data` as views of the
-file), from that one bounded pass; it raises `GGUFError` naming the file, where in
-it, and what was found. `open_gguf` opens a file once while it is unchanged;
-`field` and `check_value` read metadata values checked for type and range.
+gguf-py's reader does (`fields[key].contents()`, `get_field(key)`, `tensors[i].data`
+as views of the file), from that one bounded pass; it raises `GGUFError` naming the
+file, where in it, and what was found. `open_gguf` is how the plugin opens every
+GGUF, whatever its architecture (once while the file is unchanged); `field` and
+`check_value` read metadata values checked for type and range.
 (gguf-py's reader takes about 15 s for a GLM-5 vocabulary's metadata on 2 cores,
 this under 1 s.)
 """
@@ -166,9 +167,10 @@ _ELEMENT_TYPES = {"F16": np.float16, "F32": np.float32, "F64": np.float64, "I8":
 
 
 class GGUFFile:
-    """A GGUF file checked as the module docstring says, then readable the way our
-    code reads gguf-py's GGUFReader (`fields`, `tensors`, `byte_order`, `data`)
-    without trusting anything it states: the header is parsed once, bounded."""
+    """A GGUF file checked as the module docstring says, then readable the way the
+    plugin reads gguf-py's GGUFReader (`fields`, `get_field`, `tensors`,
+    `byte_order`, `data`) without trusting anything it states: the header is
+    parsed once, bounded."""
 
     byte_order = "I"  # little-endian; big-endian files are refused
 
@@ -276,6 +278,9 @@ class GGUFFile:
             raise GGUFError(f"{path}: {size - end} bytes after the last tensor's data, more "
                             f"than the padding of {alignment} (a tensor count or offset that "
                             f"does not match the data?)")
+
+    def get_field(self, key: str) -> Field | None:
+        return self.fields.get(key)
 
 
 
