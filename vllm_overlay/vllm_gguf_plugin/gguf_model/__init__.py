@@ -2,12 +2,16 @@
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """A GGUF model from its files: what the plugin reads from them before the weights.
 
-- `reader`: the checked reader, and typed metadata values;
-- `files`: split sets, the directory of one model, a quant's files by name;
+- `reader`: the checked reader of every GGUF the plugin opens, whatever its
+  architecture, and typed metadata values;
+- `files`: the split-set name rule, split sets, the directory of one model, a
+  quant's files by name;
 - `config`, `tokenizer`, `generation_config`: llama.cpp's `glm-dsa` (GLM-5) files
-  as their own config, tokenizer and generation config source.
+  as their own config, tokenizer and generation config source;
+- `config_parser`: config format `gguf` with those files as config source.
 
-The glm-dsa weights adapter (`weights_adapter/glm_dsa.py`) maps the tensors.
+The weights adapters (`weights_adapter/glm_dsa.py`, `weights_adapter/checked.py`)
+map the tensors.
 """
 
 from .config import config_from_gguf, is_glm_dsa_gguf
