@@ -340,7 +340,7 @@ def worker(args) -> None:
     if args.profile:
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     from vllm import LLM
-    from vllm.transformers_utils.glm_dsa_gguf import config_from_gguf
+    from vllm_gguf_plugin.gguf_model import config_from_gguf
 
     throughput = _glm5_throughput()
     decode_step_s = throughput.decode_step_s

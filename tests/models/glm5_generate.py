@@ -140,7 +140,7 @@ def main():
         setattr(module, fn_name, counted_launch)
 
     if args.model.endswith(".gguf"):
-        from vllm.transformers_utils.glm_dsa_gguf import config_from_gguf
+        from vllm_gguf_plugin.gguf_model import config_from_gguf
 
         vocab = config_from_gguf(args.model).vocab_size
     else:

@@ -6,13 +6,18 @@ from functools import cache
 from os import PathLike
 from pathlib import Path
 
-import gguf
-import regex as re
+import regex as re  # overlay: gguf-py's reader no longer used (open_gguf)
 from gguf.constants import Keys, LlamaFileType, VisionProjectorType
 from gguf.quants import GGMLQuantizationType
 from transformers import Gemma3Config, PretrainedConfig, SiglipVisionConfig
 from vllm.logger import init_logger
 from vllm.transformers_utils.repo_utils import list_filtered_repo_files
+
+from .gguf_model.reader import (  # overlay: every GGUF through the checked reader
+    GGUFError,
+    check_value,
+    open_gguf,
+)
 
 logger = init_logger(__name__)
 
@@ -221,15 +226,18 @@ def extract_vision_config_from_gguf(mmproj_path: str) -> "SiglipVisionConfig | N
         Exception: Exceptions from GGUF reading (file not found, corrupted
             file, etc.) propagate directly from gguf.GGUFReader
     """
-    reader = gguf.GGUFReader(str(mmproj_path))
+    reader = open_gguf(mmproj_path)  # overlay: the checked reader
 
     # Detect projector type to apply model-specific parameters
     projector_type = None
     projector_type_field = reader.get_field(Keys.Clip.PROJECTOR_TYPE)
     if projector_type_field:
         try:
-            projector_type = bytes(projector_type_field.parts[-1]).decode("utf-8")
-        except (AttributeError, UnicodeDecodeError) as e:
+            # overlay: the value as the checked reader gives it
+            projector_type = check_value(
+                mmproj_path, Keys.Clip.PROJECTOR_TYPE, projector_type_field.contents(), str
+            )
+        except GGUFError as e:
             logger.warning("Failed to decode projector type from GGUF: %s", e)
 
     # Map GGUF field constants to SiglipVisionConfig parameters.
@@ -256,7 +264,10 @@ def extract_vision_config_from_gguf(mmproj_path: str) -> "SiglipVisionConfig | N
             )
             return None
         # Extract scalar value from GGUF field and convert to target type
-        config_params[param_name] = dtype(field.parts[-1])
+        # overlay: the value as the checked reader gives it, of that type
+        config_params[param_name] = dtype(
+            check_value(mmproj_path, gguf_key, field.contents(), dtype)
+        )
 
     # Apply model-specific parameters based on projector type
     if projector_type == VisionProjectorType.GEMMA3:
@@ -289,12 +300,13 @@ def extract_vocab_size_from_gguf(model_path: str | Path) -> int | None:
     if not check_gguf_file(model_path):
         return None
 
-    reader = gguf.GGUFReader(str(model_path))
+    reader = open_gguf(model_path)  # overlay: the checked reader
     field = reader.get_field(Keys.Tokenizer.LIST)
     if field is None:
         logger.warning("Missing tokenizer token list in GGUF file: %s", model_path)
         return None
-    return len(field.contents())
+    # overlay: a list of strings, or an error naming the file
+    return len(check_value(model_path, Keys.Tokenizer.LIST, field.contents(), [str]))
 
 
 def extract_lm_head_from_gguf(model_path: str | Path) -> bool:
@@ -302,7 +314,7 @@ def extract_lm_head_from_gguf(model_path: str | Path) -> bool:
     if not check_gguf_file(model_path):
         return None
 
-    reader = gguf.GGUFReader(str(model_path))
+    reader = open_gguf(model_path)  # overlay: the checked reader
     return any(tensor.name == "output.weight" for tensor in reader.tensors)
 
 

@@ -15,14 +15,15 @@ from vllm.model_executor.model_loader import (
     register_model_loader,
 )
 from vllm.transformers_utils.config import get_config_parser, register_config_parser
-from vllm.transformers_utils.glm_dsa_gguf import (  # overlay: GLM-5 GGUF alone
+
+from .gguf_model import (  # overlay: GLM-5 GGUF alone
+    TOKENIZER_MODE,
     first_file,
-    generation_config_from_gguf,
     is_glm_dsa_gguf,
+    register_tokenizer_mode,
     resolve_gguf_dir,
 )
-
-from .config_parser import GGUFConfigParser
+from .gguf_model.config_parser import GlmDsaGGUFConfigParser  # overlay: GLM-5 GGUF
 from .gguf_utils import check_gguf_file, is_gguf, is_remote_gguf, split_remote_gguf
 from .gguf_utils import is_local_gguf_quant  # overlay: glm-dsa config source
 from .loader import GGUFModelLoader
@@ -135,6 +136,9 @@ def _patch_engine_args() -> None:
             if glm_dsa is not None:  # overlay: the model stays its folder (or repo)
                 self.hf_config_path = glm_dsa
                 self.tokenizer = self.tokenizer or glm_dsa
+                # its tokenizer through vLLM's tokenizer registry (HF's cannot read it)
+                if self.tokenizer_mode in ("auto", "hf"):
+                    self.tokenizer_mode = TOKENIZER_MODE
                 if not is_remote_gguf(gguf_model):
                     self.model = str(Path(glm_dsa).parent)
         return original_create_model_config(self, *args, **kwargs)
@@ -159,34 +163,6 @@ def _patch_speculator_probe() -> None:
     config_module.maybe_override_with_speculators = maybe_override_with_speculators
     arg_utils_module._gguf_speculator_probe_patched = True
     config_module._gguf_speculator_probe_patched = True
-
-
-# overlay: for a glm-dsa GGUF (its config source, hf_config_path), the generation
-# config comes from its metadata: transformers finds no generation_config.json in
-# a file, and vLLM would take eos_token_id from the model config (the file's eos
-# alone). ModelConfig.try_get_generation_config calls this for vLLM's stop tokens
-# (SamplingParams.update_from_generation_config) and default sampling parameters
-# (get_diff_sampling_param); a --generation-config folder is passed instead of the
-# file and read as before.
-def _patch_generation_config() -> None:
-    if getattr(config_module, "_gguf_generation_config_patched", False):
-        return
-
-    import vllm.config.model as model_config_module
-
-    original_try_get_generation_config = config_module.try_get_generation_config
-
-    @wraps(original_try_get_generation_config)
-    def try_get_generation_config(model, *args, **kwargs):
-        if isinstance(model, (str, Path)) and str(model).endswith(".gguf") and (
-            is_glm_dsa_gguf(first_file(model))
-        ):
-            return generation_config_from_gguf(model)
-        return original_try_get_generation_config(model, *args, **kwargs)
-
-    config_module.try_get_generation_config = try_get_generation_config
-    model_config_module.try_get_generation_config = try_get_generation_config
-    config_module._gguf_generation_config_patched = True
 
 
 # overlay: offline (HF_HUB_OFFLINE), EngineArgs replaces a model id by its cached
@@ -232,10 +208,11 @@ def register() -> None:
         parser = get_config_parser("gguf")
     except ValueError:
         parser = None
-    if not isinstance(parser, GGUFConfigParser):
-        register_config_parser("gguf")(GGUFConfigParser)
+    # overlay: config format gguf with glm-dsa GGUFs as their own config source
+    if not isinstance(parser, GlmDsaGGUFConfigParser):
+        register_config_parser("gguf")(GlmDsaGGUFConfigParser)
     _patch_engine_args()
     _patch_speculator_probe()
     _patch_offline_model_path()  # overlay: repo_id:quant_type offline
-    _patch_generation_config()  # overlay: a glm-dsa GGUF's generation config
+    register_tokenizer_mode()  # overlay: a glm-dsa GGUF's tokenizer
     _patch_diffusers_loader()

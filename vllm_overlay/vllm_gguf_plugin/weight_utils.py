@@ -4,54 +4,15 @@ import os  # overlay: glob and itertools no longer used (download_gguf)
 from collections.abc import Generator
 from pathlib import Path
 
-import gguf
-import numpy as np
-import regex as re  # overlay: exact quant names (download_gguf)
+import numpy as np  # overlay: gguf-py's reader no longer used (open_gguf)
 import torch
 from huggingface_hub import snapshot_download
 from vllm.logger import init_logger
 
+from .gguf_model.files import quant_files  # overlay: exact quant names (download_gguf)
+from .gguf_model.reader import open_gguf  # overlay: every GGUF through the checked reader
+
 logger = init_logger(__name__)
-
-
-# overlay: a quant's files by exact name, split parts included and in any folder of
-# the repo (unsloth puts large quants in a folder per quant), all parts or none; two
-# models for one name (GLM-5-Q4_K_M and GLM-5-UD-Q4_K_M for Q4_K_M) are an error
-# instead of a guess
-_GGUF_PART_RE = re.compile(r"-(\d{5})-of-(\d{5})\.gguf$")
-
-
-def gguf_quant_files(names: list[str], quant_type: str, where: str) -> list[str]:
-    """The files (relative paths, first part first) of the one GGUF model among
-    `names` whose file name ends in `quant_type` (before `.gguf` or the split suffix)."""
-    models: dict[tuple[str, str], list[str]] = {}
-    for name in names:
-        base = name.rsplit("/", 1)[-1]
-        if not base.endswith(".gguf") or base.startswith("mmproj"):
-            continue
-        m = _GGUF_PART_RE.search(base)
-        stem = base[: m.start()] if m else base[: -len(".gguf")]
-        before = stem[: len(stem) - len(quant_type)]
-        if not stem.lower().endswith(quant_type.lower()) or before[-1:] not in ("", "-", "."):
-            continue
-        key = (name[: len(name) - len(base)], stem + ("-of-" + m.group(2) if m else ""))
-        models.setdefault(key, []).append(name)
-    if not models:
-        raise ValueError(f"No GGUF file of quant type {quant_type!r} in {where}")
-    if len(models) > 1:
-        found = ", ".join(sorted(f"{d}{k.split('-of-')[0]} ({len(v)} files)"
-                                 for (d, k), v in models.items()))
-        raise ValueError(f"{where} holds {len(models)} GGUF models for quant type "
-                         f"{quant_type!r}: {found}; name one by its full quant type")
-    files = sorted(next(iter(models.values())))
-    if m := _GGUF_PART_RE.search(files[0]):
-        count = int(m.group(2))
-        numbers = sorted(int(_GGUF_PART_RE.search(f).group(1)) for f in files)
-        if numbers != list(range(1, count + 1)):
-            missing = sorted(set(range(1, count + 1)) - set(numbers))
-            raise ValueError(f"{where}: the {quant_type} GGUF split set lacks parts "
-                             f"{', '.join(map(str, missing))} of {count}")
-    return files
 
 
 def download_gguf(
@@ -64,12 +25,12 @@ def download_gguf(
 ) -> str:
     """Download the GGUF model of `quant_type` from `repo_id` (every split part, or
     just the first) and return its (first) file. Offline, the cached snapshot."""
-    # overlay: the quant's files by exact name (gguf_quant_files), not by globs
+    # overlay: the quant's files by exact name (quant_files), not by globs
     from vllm.transformers_utils.repo_utils import list_repo_files
 
     names = [n for n in list_repo_files(repo_id, revision=revision) if n.endswith(".gguf")]
     if names:
-        files = gguf_quant_files(names, quant_type, repo_id)
+        files = quant_files(names, quant_type, repo_id)
         folder = snapshot_download(
             repo_id=repo_id,
             cache_dir=cache_dir,
@@ -86,7 +47,7 @@ def download_gguf(
             ignore_patterns=ignore_patterns,
         )
         cached = [p.relative_to(folder).as_posix() for p in Path(folder).rglob("*.gguf")]
-        files = gguf_quant_files(cached, quant_type, f"{repo_id} (cached in {folder})")
+        files = quant_files(cached, quant_type, f"{repo_id} (cached in {folder})")
     return os.path.join(folder, files[0])  # overlay: the first part
 
 
@@ -94,13 +55,13 @@ def resolve_local_gguf(local_dir: str, quant_type: str) -> str:
     """Find a GGUF file matching *quant_type* in a local directory."""
     # overlay: by exact name, as download_gguf
     names = [p.relative_to(local_dir).as_posix() for p in Path(local_dir).rglob("*.gguf")]
-    return os.path.join(local_dir, gguf_quant_files(names, quant_type, local_dir)[0])
+    return os.path.join(local_dir, quant_files(names, quant_type, local_dir)[0])
 
 
 def get_gguf_extra_tensor_names(
     gguf_file: str | Path, gguf_to_hf_name_map: dict[str, str]
 ) -> list[str]:
-    reader = gguf.GGUFReader(gguf_file)
+    reader = open_gguf(gguf_file)  # overlay: the checked reader
     expected_gguf_keys = set(gguf_to_hf_name_map.keys())
     exact_gguf_keys = {tensor.name for tensor in reader.tensors}
     extra_keys = expected_gguf_keys - exact_gguf_keys
@@ -110,7 +71,7 @@ def get_gguf_extra_tensor_names(
 def get_gguf_weight_type_map(
     gguf_file: str | Path, gguf_to_hf_name_map: dict[str, str]
 ) -> dict[str, str]:
-    reader = gguf.GGUFReader(gguf_file)
+    reader = open_gguf(gguf_file)  # overlay: the checked reader
     return {
         gguf_to_hf_name_map[tensor.name]: tensor.tensor_type.name
         for tensor in reader.tensors
@@ -137,7 +98,7 @@ def gguf_quant_weights_iterator_multi(
     _QUANT_TYPES = ("F32", "BF16", "F16")
 
     for gguf_file in gguf_files:
-        reader = gguf.GGUFReader(gguf_file)
+        reader = open_gguf(gguf_file)  # overlay: the checked reader
         for tensor in reader.tensors:
             if gguf_to_hf_name_map is not None:
                 if tensor.name not in gguf_to_hf_name_map:
@@ -168,7 +129,7 @@ def get_gguf_unquantized_params(gguf_files: list[str]) -> list[str]:
         {
             tensor.name
             for gguf_file in gguf_files
-            for tensor in gguf.GGUFReader(gguf_file).tensors
+            for tensor in open_gguf(gguf_file).tensors  # overlay: the checked reader
             if tensor.tensor_type.name in _QUANT_TYPES
         }
     )

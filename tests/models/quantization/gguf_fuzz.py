@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Malformed variants of a valid glm-dsa GGUF, for the hardening tests.
+"""Malformed variants of a valid GGUF (glm-dsa, llama), for the hardening tests.
 
 A GGUF is parsed here into its parts (`Gguf`: version, metadata entries with their
 GGUF value types, tensor infos, the data section) and written back byte for byte, so
@@ -126,13 +126,11 @@ def header_size(g: Gguf) -> int:
     return len(write(g)) - len(g.data)
 
 
-A = "glm-dsa"
-
-
 def metadata_variants(g: Gguf, rng: random.Random) -> Iterator[tuple[str, Gguf]]:
+    A = g.get("general.architecture").decode()  # the keys of its architecture
     n_layers = g.get(f"{A}.block_count")
     n_tokens = len(g.get("tokenizer.ggml.tokens")[1])
-    ints = [k.decode() for k, t, _ in g.kv if t in (U32, I32, U64) and k.startswith(b"glm-dsa.")]
+    ints = [k.decode() for k, t, _ in g.kv if t in (U32, I32, U64) and k.startswith(f"{A}.".encode())]
     floats = [k.decode() for k, t, _ in g.kv if t == F32]
     # values of the right type that cannot be right
     for key, value in [
@@ -312,5 +310,5 @@ def split_variants(path: Path, prefix: str) -> Iterator[tuple[str, dict[str, byt
     dup = replace(two[1], tensors=[replace(two[1].tensors[0], name=two[0].tensors[-1].name)]
                   + two[1].tensors[1:])
     yield "a tensor in both parts", files([two[0], dup]), name(1, 2)
-    yield "part 2 truncated", files([two[0]]) | {name(2, 2): write(two[1])[:-100]}, name(1, 2)
-    yield "part 2 of a single file", files([two[0]]) | {name(2, 2): write(g)}, name(1, 2)
+    yield "part 2 truncated", files([two[0]], 2) | {name(2, 2): write(two[1])[:-100]}, name(1, 2)
+    yield "part 2 of a single file", files([two[0]], 2) | {name(2, 2): write(g)}, name(1, 2)

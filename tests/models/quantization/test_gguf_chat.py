@@ -22,7 +22,7 @@ import pytest
 
 import gguf_reference as gr
 from test_gguf_engine_args import model_config
-from vllm.transformers_utils import glm_dsa_gguf as gg
+from vllm_gguf_plugin import gguf_model as gg
 
 # what vLLM reads of a generation config: eos_token_id for the stop tokens
 # (SamplingParams.update_from_generation_config), these for the default sampling
@@ -74,7 +74,7 @@ def test_generation_config_from_gguf(glm5_chat_gguf, checkpoint, kind):
     assert defaults == ref_config.get_diff_sampling_param()
     assert set(defaults) == set(gr.GLM5_SAMPLING)
     # the stop tokens of a request: eos, and GLM-5's end-of-turn tokens
-    tokenizer = get_tokenizer(config.tokenizer)
+    tokenizer = get_tokenizer(config.tokenizer, tokenizer_mode=config.tokenizer_mode)
     assert stop_tokens(config, tokenizer) == stop_tokens(ref_config, checkpoint[1])
     eos, stops, _ = stop_tokens(config, tokenizer)
     assert (tokenizer.convert_ids_to_tokens(eos), set(tokenizer.convert_ids_to_tokens(
@@ -118,12 +118,14 @@ def test_generation_config_errors_name_key(glm5_chat_gguf, tmp_path):
 
 
 def gguf_tokenizers(files):
-    """The GGUF's tokenizer as the overlay builds it and as vLLM serves it."""
+    """The GGUF's tokenizer as the overlay builds it and as vLLM serves it (the
+    tokenizer mode the plugin selects for it)."""
     from vllm.tokenizers import get_tokenizer
 
     return {"tokenizer_from_gguf": gg.tokenizer_from_gguf(files["bf16"]),
-            "vllm": get_tokenizer(str(files["bf16"])),
-            "vllm split": get_tokenizer(gguf_path(files, "split"))}
+            "vllm": get_tokenizer(str(files["bf16"]), tokenizer_mode=gg.TOKENIZER_MODE),
+            "vllm split": get_tokenizer(gguf_path(files, "split"),
+                                        tokenizer_mode=gg.TOKENIZER_MODE)}
 
 
 def added_tokens(tokenizer):

@@ -80,7 +80,7 @@ def monkeypatch_module():
 
 
 def gr_split_parts(glm5_ggufs):
-    from vllm.transformers_utils.glm_dsa_gguf import split_files
+    from vllm_gguf_plugin.gguf_model import split_files
 
     return split_files(glm5_ggufs["split"])
 
@@ -91,9 +91,10 @@ def check_from_the_gguf_alone(config, hf_reference, first):
     ref_config, ref_tokenizer = hf_reference
     assert config.quantization == "gguf"
     assert config.hf_config_path == str(first) and config.tokenizer == str(first)
+    assert config.tokenizer_mode == "glm_dsa_gguf"
     for f in CONFIG_FIELDS:
         assert getattr(config.hf_config, f, None) == getattr(ref_config, f, None), f
-    tokenizer = get_tokenizer(config.tokenizer)
+    tokenizer = get_tokenizer(config.tokenizer, tokenizer_mode=config.tokenizer_mode)
     for text in TEXTS:
         assert tokenizer.encode(text) == ref_tokenizer.encode(text), text
 
@@ -118,7 +119,7 @@ def test_local_gguf_alone(glm5_ggufs, hf_reference, tmp_path, form):
         expect = sorted((folder / "Q8_0").iterdir())
     config = model_config(str(ref))
     check_from_the_gguf_alone(config, hf_reference, first)
-    from vllm.transformers_utils.glm_dsa_gguf import split_files
+    from vllm_gguf_plugin.gguf_model import split_files
 
     assert split_files(weights_file(config)) == [type(first)(p) for p in expect]
     assert config.served_model_name == str(ref)
@@ -126,7 +127,7 @@ def test_local_gguf_alone(glm5_ggufs, hf_reference, tmp_path, form):
 
 def test_repo_quant_from_the_hub_cache(hub, hf_reference):
     """`org/repo:Q8_0` offline: the cached snapshot's Q8_0 folder, every part."""
-    from vllm.transformers_utils.glm_dsa_gguf import split_files
+    from vllm_gguf_plugin.gguf_model import split_files
 
     cache, parts = hub
     config = model_config("org/tiny-glm5-GGUF:Q8_0")

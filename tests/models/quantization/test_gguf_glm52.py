@@ -40,7 +40,8 @@ import gguf_reference as gr  # tests/models/quantization
 from glm5_tiny import GLM52_INDEXER_TYPES
 from test_gguf_glm_dsa import (CONFIG_FIELDS, REL_ERR, assert_checkpoint_values, hf_view,
                               stack_name, stored_types, yielded)
-from vllm.transformers_utils import glm_dsa_gguf as gg
+from vllm_gguf_plugin import gguf_model as gg
+from vllm_gguf_plugin.gguf_model import config as gguf_config
 from vllm_gguf_plugin.weights_adapter import glm_dsa
 from vllm_gguf_plugin.weights_adapter.glm_dsa import GlmDsaGGUF, runs_indexer
 
@@ -225,9 +226,9 @@ def test_glm_5_2_default_schedule_is_llama_cpp_s():
     body = re.search(r"GLM_5_2_DEFAULT_INDEXER_TYPES = \{(.*?)\};", source, re.S)[1]
     values = [int(v) for v in re.findall(r"\d+", body)]
     values += [0] * (512 - len(values))  # std::array<uint32_t, LLAMA_MAX_LAYERS>
-    assert values == [int(gg._glm_5_2_default_full(i)) for i in range(512)]
+    assert values == [int(gguf_config._glm_5_2_default_full(i)) for i in range(512)]
     glm52 = SimpleNamespace(num_hidden_layers=78, index_topk_freq=4, index_skip_topk_offset=3)
-    assert [gg._glm_5_2_default_full(i) for i in range(78)] == [
+    assert [gguf_config._glm_5_2_default_full(i) for i in range(78)] == [
         runs_indexer(glm52, i) for i in range(78)]
     assert sum(values[:78]) == 21
 
@@ -314,7 +315,7 @@ REQUIRED_KEYS = ("context_length", "embedding_length", "block_count",
 @pytest.mark.parametrize("keys", OPTIONAL_KEYS, ids=["+".join(k) for k in OPTIONAL_KEYS])
 def test_optional_keys_take_llama_cpp_defaults(meta, keys):
     _, expect = OPTIONAL_KEYS[keys]
-    present = gg.open_reader(meta.base).fields
+    present = gg.open_gguf(meta.base).fields
     assert all(f"{A}.{k}" in present for k in keys)  # a converted file has them
     f = meta.rewrite(drop_keys=tuple(f"{A}.{k}" for k in keys))
     if isinstance(expect, str):
@@ -434,7 +435,7 @@ def test_token_types_are_optional(meta):
     UNUSED [PAD<i>] placeholders too) and no added special tokens."""
     f = meta.rewrite(drop_keys=("tokenizer.ggml.token_type",))
     tok = gg.tokenizer_from_gguf(f)
-    assert len(tok) == len(gg.field(gg.open_reader(f), "tokenizer.ggml.tokens"))
+    assert len(tok) == len(gg.field(gg.open_gguf(f), "tokenizer.ggml.tokens"))
     # but the eos and padding tokens the file names
     assert set(tok.all_special_tokens) == {t for t in (tok.eos_token, tok.pad_token) if t}
     assert tok.encode("<|user|>") != gg.tokenizer_from_gguf(meta.base).encode("<|user|>")

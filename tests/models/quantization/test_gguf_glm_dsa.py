@@ -20,7 +20,7 @@ import torch
 from safetensors.torch import load_file
 
 import gguf_reference as gr  # tests/models/quantization
-from vllm.transformers_utils import glm_dsa_gguf as gg
+from vllm_gguf_plugin import gguf_model as gg
 from vllm_gguf_plugin.weights_adapter.glm_dsa import GlmDsaGGUF
 
 TYPES = ("bf16", "f16", "q8_0", "Q4_K_M")
@@ -146,7 +146,7 @@ def test_tokenizer_from_gguf_encodes_like_hf(glm5_gguf, glm5_ggufs):
     _, model, _ = glm5_gguf
     ref = AutoTokenizer.from_pretrained(model)
     tok = gg.tokenizer_from_gguf(glm5_ggufs["bf16"])
-    via_vllm = get_tokenizer(str(glm5_ggufs["bf16"]))
+    via_vllm = get_tokenizer(str(glm5_ggufs["bf16"]), tokenizer_mode=gg.TOKENIZER_MODE)
     for text in TEXTS:
         ids = ref.encode(text)
         assert tok.encode(text) == ids, text

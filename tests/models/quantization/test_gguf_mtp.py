@@ -376,7 +376,7 @@ def draft_config(gguf_file: Path):
 def test_file_without_mtp_block_is_refused(mtp_ggufs):
     """--no-mtp: no MTP tensors and no nextn_predict_layers key; asking for MTP is an
     error naming the cause, not a ZeroDivisionError or a missing-tensor error."""
-    from vllm.transformers_utils import glm_dsa_gguf as gg
+    from vllm_gguf_plugin import gguf_model as gg
 
     gguf = gr.gguf_module(mtp_ggufs[0])
     f = mtp_ggufs[1]["no-mtp"]
@@ -416,7 +416,7 @@ def test_unsupported_nextn_type_is_refused_before_loading(mtp_ggufs, tmp_path):
     llama-quantize's --tensor-type): the draft's reader (what the adapter's
     prepare_loading builds, before the model exists) names the tensor, the type and
     the file; the main model, which does not load the block, is unaffected."""
-    from vllm.transformers_utils import glm_dsa_gguf as gg
+    from vllm_gguf_plugin import gguf_model as gg
     from vllm_gguf_plugin.weights_adapter.glm_dsa import GGUFError, GlmDsaGGUF
 
     f = gr.quantize(mtp_ggufs[1]["bf16"], tmp_path / "ternary-eh-proj.gguf", "Q8_0",

@@ -8,7 +8,9 @@ Not run here: test_kernels.py, test_gguf_generation.py and test_multimodal_gguf.
 download models from the Hugging Face hub and run CUDA kernels; test_gguf_download.py
 mocks `glob.glob` inside `download_gguf`, which the overlay replaces (it picks a quant's
 files, split parts included, by exact name from the repo listing or the cache;
-tests/models/quantization/test_gguf_engine_args.py tests it).
+tests/models/quantization/test_gguf_engine_args.py tests it). test_gguf_utils.py mocks
+gguf-py's `GGUFReader` inside gguf_utils, which opens files through the overlay's
+checked reader (`open_gguf`): the mock takes that name instead.
 """
 
 import os
@@ -30,6 +32,9 @@ def test_plugin_sdist_cpu_tests(tmp_path):
         tar.extractall(tmp_path, members=[m for m in tar.getmembers() if "/tests/" in m.name],
                        filter="data")
     tests = next(tmp_path.glob("*/tests"))
+    utils = tests / "test_gguf_utils.py"
+    utils.write_text(utils.read_text().replace("vllm_gguf_plugin.gguf_utils.gguf.GGUFReader",
+                                               "vllm_gguf_plugin.gguf_utils.open_gguf"))
     # the tests import the installed plugin, never a copy next to them
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["CUDA_VISIBLE_DEVICES"] = ""

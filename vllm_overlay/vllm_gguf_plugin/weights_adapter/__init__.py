@@ -2,6 +2,7 @@
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 
 from .base import BaseGGUFWeightsAdapter
+from .checked import CheckedGGUFWeightsAdapter  # overlay: the default, files checked
 from .default import GGUFWeightsAdapter
 from .diffusion import (
     DiffusionGGUFAdapter,
@@ -24,11 +25,13 @@ def get_weights_adapter(config) -> GGUFWeightsAdapter:
     for cls in _ADAPTER_REGISTRY:
         if cls.matches(config):
             return cls(config)
-    return GGUFWeightsAdapter(config)
+    # overlay: the default adapter, refusing files whose tensors are not the model's
+    return CheckedGGUFWeightsAdapter(config)
 
 
 __all__ = [
     "BaseGGUFWeightsAdapter",
+    "CheckedGGUFWeightsAdapter",  # overlay: the default, files checked
     "DiffusionGGUFAdapter",
     "Flux2KleinDiffusionGGUFAdapter",
     "GGUFWeightsAdapter",

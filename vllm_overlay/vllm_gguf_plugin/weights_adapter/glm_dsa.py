@@ -52,14 +52,9 @@ import numpy as np
 import regex as re
 import torch
 from vllm.logger import init_logger
-from vllm.transformers_utils.glm_dsa_gguf import (
-    GGUFError,
-    field,
-    indexer_schedule,
-    open_reader,
-    split_files,
-)
 
+from ..gguf_model import GGUFError, field, open_gguf, split_files
+from ..gguf_model.config import indexer_schedule
 from ..quantization.utils import DEQUANT_TYPES
 from ..spec_decode import patch_mtp_sharing
 from .base import BaseGGUFWeightsAdapter, GGUFLoadSpec
@@ -272,8 +267,9 @@ def _shape(t) -> tuple[int, ...]:
 
 
 class GlmDsaGGUF:
-    """The tensors of one glm-dsa GGUF model (a single file or a split set),
-    checked against `config` and mapped to vLLM's names."""
+    """The tensors of one glm-dsa GGUF model (a single file or a split set as
+    `split_files` gives it: whole, its parts holding different tensors), checked
+    against `config` and mapped to vLLM's names."""
 
     def __init__(self, files: list[str | Path], config, tp_size: int = 1,
                  experts_tp_size: int | None = None):
@@ -282,14 +278,10 @@ class GlmDsaGGUF:
         self.file_of = {}
         first = None
         for f in files:
-            reader = open_reader(f)
-            if reader.byte_order != "I":
-                raise GGUFError(f"{f}: big-endian GGUF files are not supported")
+            reader = open_gguf(f)
             if field(reader, "split.no", 0, required=False) == 0:
                 first = (reader, Path(f))  # the part holding the metadata
             for t in reader.tensors:
-                if t.name in self.tensors:
-                    raise GGUFError(f"{f}: tensor {t.name!r} appears in more than one part")
                 self.tensors[t.name] = t
                 self.file_of[t.name] = Path(f)
         self.path = first[1] if first is not None else Path(files[0])

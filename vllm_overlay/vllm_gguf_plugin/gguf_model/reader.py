@@ -22,14 +22,19 @@ llama.cpp's loader does (`ggml/src/gguf.cpp`):
   the last tensor like the others).
 
 `GGUFFile(path)` does that and then serves the metadata and the tensors the way
-gguf-py's reader does (`fields[key].contents()`, `tensors[i].data` as views of the
-file), from that one bounded pass; `check_gguf(path)` only checks. Both raise
-`GGUFError` naming the file, where in it, and what was found. (gguf-py's reader
-takes about 15 s for a GLM-5 vocabulary's metadata on 2 cores, this under 1 s.)
+gguf-py's reader does (`fields[key].contents()`, `get_field(key)`, `tensors[i].data`
+as views of the file), from that one bounded pass; it raises `GGUFError` naming the
+file, where in it, and what was found. `open_gguf` is how the plugin opens every
+GGUF, whatever its architecture (once while the file is unchanged); `field` and
+`check_value` read metadata values checked for type and range.
+(gguf-py's reader takes about 15 s for a GLM-5 vocabulary's metadata on 2 cores,
+this under 1 s.)
 """
 
+import math
 import os
 import struct
+from functools import lru_cache
 from pathlib import Path
 from typing import NamedTuple
 
@@ -156,16 +161,16 @@ class Tensor(NamedTuple):
     data: np.ndarray
 
 
-
 # numpy element types of gguf-py's ReaderTensor.data; other types are bytes
 _ELEMENT_TYPES = {"F16": np.float16, "F32": np.float32, "F64": np.float64, "I8": np.int8,
                   "I16": np.int16, "I32": np.int32, "I64": np.int64}
 
 
 class GGUFFile:
-    """A GGUF file checked as the module docstring says, then readable the way our
-    code reads gguf-py's GGUFReader (`fields`, `tensors`, `byte_order`, `data`)
-    without trusting anything it states: the header is parsed once, bounded."""
+    """A GGUF file checked as the module docstring says, then readable the way the
+    plugin reads gguf-py's GGUFReader (`fields`, `get_field`, `tensors`,
+    `byte_order`, `data`) without trusting anything it states: the header is
+    parsed once, bounded."""
 
     byte_order = "I"  # little-endian; big-endian files are refused
 
@@ -274,8 +279,78 @@ class GGUFFile:
                             f"than the padding of {alignment} (a tensor count or offset that "
                             f"does not match the data?)")
 
+    def get_field(self, key: str) -> Field | None:
+        return self.fields.get(key)
 
-def check_gguf(path: str | os.PathLike) -> None:
-    """Raise GGUFError unless the file at `path` is a whole, consistent GGUF file
-    (see the module docstring). Only the header and the tensor table are read."""
-    GGUFFile(path)
+
+
+def open_gguf(path: str | os.PathLike) -> GGUFFile:
+    """The GGUF file at `path`, refusing files that are not whole or consistent
+    (`GGUFFile`); a file unchanged since it was last opened is not read again."""
+    path = Path(path)
+    if not path.is_file():
+        raise GGUFError(f"{path}: no such GGUF file")
+    stat = path.stat()
+    return _open(str(path), stat.st_size, stat.st_mtime_ns)
+
+
+@lru_cache(maxsize=16)
+def _open(path: str, size: int, mtime_ns: int) -> GGUFFile:
+    return GGUFFile(path)
+
+
+# what a metadata value must be, as it is said in an error
+_KINDS = {int: "an integer", float: "a finite number", bool: "a bool", str: "a string"}
+
+
+def _is(value, kind) -> bool:
+    if kind is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if kind is float:
+        return (isinstance(value, (int, float)) and not isinstance(value, bool)
+                and math.isfinite(value))
+    if kind is bool:
+        # llama.cpp's converter writes bools; a 0/1 integer reads the same
+        return isinstance(value, bool) or (isinstance(value, int) and value in (0, 1))
+    return isinstance(value, kind)
+
+
+def check_value(path, key: str, value, kind, lo=None, hi=None, *, above=None):
+    """`value` of metadata `key`, if it is of `kind` (int, float, bool, str; a list
+    of one: an array of them) and within [lo, hi] (and > above); otherwise a
+    GGUFError naming the key, the file, what was found and what was expected."""
+    many = isinstance(kind, list)
+    item = kind[0] if many else kind
+    expected = _KINDS[item] if not many else f"an array of {_KINDS[item].split(' ', 1)[1]}s"
+    if above is not None:
+        expected += f" above {above:g}"
+    if lo is not None and hi is not None:
+        expected += f" in {lo}..{hi}"
+    elif lo is not None:
+        expected += f" >= {lo}"
+    elif hi is not None:
+        expected += f" <= {hi}"
+    values = value if many and isinstance(value, list) else [value]
+    ok = (isinstance(value, list) == many and all(
+        _is(v, item) and (lo is None or v >= lo) and (hi is None or v <= hi)
+        and (above is None or v > above) for v in values))
+    if not ok:
+        found = repr(value) if not isinstance(value, list) else (
+            f"an array of {len(value)}" + (f" ({value[:4]!r}...)" if value else ""))
+        raise GGUFError(f"{path}: metadata key {key!r} is {found}, expected {expected}")
+    return value
+
+
+def field(reader: GGUFFile, key: str, default=None, *, required: bool = True, kind=None,
+          lo=None, hi=None, above=None):
+    """Metadata `key` of a GGUF file (its default when absent and not required),
+    checked with `check_value` when `kind` is given."""
+    f = reader.fields.get(key)
+    if f is None:
+        if required and default is None:
+            raise GGUFError(f"{reader.data.filename}: metadata key {key!r} is missing")
+        return default
+    value = f.contents()
+    if kind is not None:
+        check_value(reader.data.filename, key, value, kind, lo, hi, above=above)
+    return value
