@@ -16,7 +16,7 @@ greedy, 8 corpus prompts of 40-320 tokens, 64 new tokens) with N = 0 (no MTP) or
 N = 1..3 draft tokens; TRITON_MLA_SPARSE named for target and draft, the portable
 indexer, float16, eager; plus CUDA graphs for the GLM-5's bf16 and Q4_K_M at N = 0
 and 3, Q4_K_M as on SM120 (capability 12.0 and its shared memory reported, nothing forced,
-dtype auto) at N = 0 and 3, and mode `bi`: the GLM-5's files under VLLM_BATCH_INVARIANT=1
+dtype auto) at N = 0 and 3, and mode `bi`: the quantized files under VLLM_BATCH_INVARIANT=1
 (eager), where every token count runs the same GGUF kernels, so that a verification step
 of N + 1 tokens computes what a decode step computes. Rows run as parallel processes on
 one GPU; `--modes` and `--sources` take a subset.
@@ -65,8 +65,8 @@ def rows(models=MODELS, modes=MODES, sources=SOURCES) -> list[dict]:
     if "sm120" in modes and "Q4_K_M" in sources:
         out += [dict(model=m, source="Q4_K_M", mode="sm120", n=n) for m in models
                 for n in (0, 3)]
-    if "bi" in modes and "glm5" in models:
-        out += [dict(model="glm5", source=s, mode="bi", n=n)
+    if "bi" in modes:
+        out += [dict(model=m, source=s, mode="bi", n=n) for m in models
                 for s in BI_SOURCES if s in sources for n in (0, *DRAFT_TOKENS)]
     return out
 

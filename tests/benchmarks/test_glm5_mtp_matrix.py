@@ -68,10 +68,10 @@ def test_checks():
 
 def test_batch_invariant_rows_and_subsets():
     rows = matrix.rows()
-    bi = {(r["source"], r["n"]) for r in rows if r["mode"] == "bi"}
-    # the GLM-5's quantized files under batch invariance, each N with its N = 0 run
-    assert bi == {(s, n) for s in matrix.BI_SOURCES for n in (0, 1, 2, 3)}
-    assert all(r["model"] == "glm5" for r in rows if r["mode"] == "bi")
+    bi = {(r["model"], r["source"], r["n"]) for r in rows if r["mode"] == "bi"}
+    # each model's quantized files under batch invariance, each N with its N = 0 run
+    assert bi == {(m, s, n) for m in matrix.MODELS for s in matrix.BI_SOURCES
+                  for n in (0, 1, 2, 3)}
     some = matrix.rows(("glm5",), modes=("bi",), sources=("Q4_K_M", "IQ2_M"))
     assert {(r["mode"], r["source"]) for r in some} == {("bi", "Q4_K_M"), ("bi", "IQ2_M")}
     assert {"f16", "Q2_K"} <= set(matrix.SOURCES)
