@@ -317,6 +317,11 @@ def check_lock_paths(lock: dict) -> None:
                                            and not entry.get("base_sha256")):
             raise BuildError(f"upstream.lock: overlay entry {rel!r} needs base_sha256 = ... "
                              f"(replaces an upstream file) or new = true", EXIT_LOCK)
+    paths = list(lock["overlay"])
+    for before, after in zip(paths, paths[1:]):
+        if after < before:  # `rebase` writes them sorted: keep a round trip byte for byte
+            raise BuildError(f"upstream.lock: overlay entry {after!r} belongs before "
+                             f"{before!r} (entries are sorted by path)", EXIT_LOCK)
 
 
 def marker_problems(rel: str, base: str, ours: str) -> list[str]:

@@ -386,6 +386,10 @@ def test_synthetic_build_ok(tmp_path):
          "upstream vllm-0.23.0-cp38-abi3-manylinux_2_28_x86_64.whl has no such file"),
         ("syntax", {"vllm/new.py": "def broken(:\n"}, '[overlay."vllm/new.py"]\nnew = true\n',
          {}, "vllm_overlay/vllm/new.py does not compile"),
+        ("unsorted", {"vllm/mod.py": OURS, "vllm/new.py": "x = 1\n"},
+         '[overlay."vllm/new.py"]\nnew = true\n'
+         f'[overlay."vllm/mod.py"]\nbase_sha256 = "{BASE_SHA}"\n', {"vllm/mod.py": BASE},
+         "overlay entry 'vllm/mod.py' belongs before 'vllm/new.py'"),
     ],
 )
 def test_lock_problems_refused(tmp_path, case, overlay, lock, upstream, needle):
