@@ -156,10 +156,10 @@ def synthetic(tmp_path, new_files: dict[str, str]):
     (proj / "upstream.lock").write_text(synthetic_lock(
         sha["vllm-0.23.0.tar.gz"], sha["vllm-0.23.0-cp38-abi3-manylinux_2_28_x86_64.whl"],
         f'''[requires]
-[overlay."vllm/mod.py"]
-base_sha256 = "{hashlib.sha256(BASE.encode()).hexdigest()}"
 [overlay."vllm/extra.py"]
-new = true'''))
+new = true
+[overlay."vllm/mod.py"]
+base_sha256 = "{hashlib.sha256(BASE.encode()).hexdigest()}"'''))
     env = dict(os.environ, PIP_INDEX_URL=(tmp_path / "index").as_uri(),
                VLLM_OVERLAY_CACHE=str(tmp_path / "cache"))
     return proj, env
