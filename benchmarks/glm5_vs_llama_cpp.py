@@ -429,16 +429,24 @@ def main(argv=None):
     args = p.parse_args(argv)
     if args.path:
         return worker(args)
-    report = {"args": vars(args), "gguf_bytes": Path(args.gguf).stat().st_size, "paths": {}}
+    report = {"args": vars(args), "gguf_bytes": Path(args.gguf).stat().st_size, "paths": {},
+              "complete": False}
     llama = {"prefill": {}, "decode": {}}
+
+    def save():
+        # after every part, so that a run stopped by a time limit still reports what it measured
+        if args.json:
+            Path(args.json).write_text(json.dumps(report, indent=1, default=str))
     if args.llama_bench:
         rows, cmds = run_llama_bench(args)
         llama = llama_figures(rows)
         report["llama_cpp"] = {"commands": cmds, "rows": rows, "figures": llama}
+        save()
     if args.llama_profile and args.llama_bench:
         report.setdefault("llama_cpp", {})["profiles"] = llama_profiles(
             args.llama_profile, args.llama_bench, args.gguf, min(args.prompts),
             shlex.split(args.llama_bench_args))
+        save()
     if args.llama_batched_bench:
         cmd = batched_bench_cmd(args.llama_batched_bench, args.gguf, args.depths,
                                 [b for b in args.batches if b > 1], args.gen,
@@ -449,6 +457,7 @@ def main(argv=None):
         rows = parse_batched_bench(res.stdout + res.stderr)
         llama["aggregate"] = batched_figures(rows)
         report.setdefault("llama_cpp", {})["batched"] = {"command": " ".join(cmd), "rows": rows}
+        save()
     with tempfile.TemporaryDirectory() as tmp:
         for path in args.paths:
             out = Path(tmp) / f"{path}.json"
@@ -460,6 +469,7 @@ def main(argv=None):
             res = subprocess.run(cmd, capture_output=True, text=True, env=env)
             if res.returncode != 0:
                 report["paths"][path] = {"error": res.stderr[-4000:], "ratios": []}
+                save()
                 continue
             result = json.loads(out.read_text())
             figures = vllm_figures(result["rows"])
@@ -467,12 +477,13 @@ def main(argv=None):
             report["paths"][path] = {**result, "figures": figures, "settings": settings,
                                      "log_backends": backend_lines(res.stdout + res.stderr),
                                      "ratios": ratios(llama, figures)}
+            save()
+    report["complete"] = True
+    save()
     text = markdown(report)
     print(text)
     if args.md:
         Path(args.md).write_text(text)
-    if args.json:
-        Path(args.json).write_text(json.dumps(report, indent=1, default=str))
     return report
 
 
