@@ -40,11 +40,11 @@ def bindings_dir(explicit: str | None) -> Path:
     if explicit:
         return Path(explicit)
     sys.path.insert(0, str(ROOT))
-    import build
+    from tools import upstream
     import gguf_reference as gr
 
-    sdist = build.fetch(*gr.LLAMA_CPP_PYTHON)
-    dest = build.cache_dir() / f"bindings-{sdist.name.removesuffix('.tar.gz')}"
+    sdist = upstream.fetch(*gr.LLAMA_CPP_PYTHON)
+    dest = upstream.cache_dir() / f"bindings-{sdist.name.removesuffix('.tar.gz')}"
     prefix = f"{sdist.name.removesuffix('.tar.gz')}/llama_cpp/"
     if not (dest / ".complete").exists():
         with tarfile.open(sdist) as tar:

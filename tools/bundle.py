@@ -23,8 +23,9 @@ import tempfile
 import zipfile
 from pathlib import Path
 
-import build as b
-from build import BuildError, log
+from tools.common import (EXIT_BUNDLE, EXIT_DOWNLOAD, BuildError, copy_raw, entry_info, log,
+                          sha256_file)
+
 
 def freeze_pins(freeze: Path) -> dict[str, str]:
     pins = {}
@@ -53,7 +54,7 @@ def pinned_lacking(only: Path, freeze: Path) -> list[str]:
     have = freeze_pins(freeze)
     wanted = freeze_pins(only)
     if not wanted:
-        raise BuildError(f"{only}: no 'name==version' lines", b.EXIT_BUNDLE)
+        raise BuildError(f"{only}: no 'name==version' lines", EXIT_BUNDLE)
     return [f"{n}=={v}" for n, v in sorted(wanted.items()) if have.get(n) != v]
 
 
@@ -70,10 +71,10 @@ def resolve_lacking(wheels: list[Path], freeze: Path, target: list[str],
                          capture_output=True, text=True)
     if "Can not use any platform or abi specific options" in res.stderr:
         raise BuildError("this pip cannot resolve for another platform without --target; "
-                         "upgrade it: python -m pip install -U 'pip>=25'", b.EXIT_BUNDLE)
+                         "upgrade it: python -m pip install -U 'pip>=25'", EXIT_BUNDLE)
     if res.returncode != 0:
         raise BuildError(f"pip could not resolve the dependencies:\n{res.stderr.strip()}",
-                         b.EXIT_BUNDLE)
+                         EXIT_BUNDLE)
     return [f"{i['metadata']['name']}=={i['metadata']['version']} "
             f"--hash=sha256:{i['download_info']['archive_info']['hashes']['sha256']}"
             for i in json.loads(report.read_text())["install"]
@@ -101,10 +102,10 @@ def slim_wheel(src_path: Path, dst_path: Path, patterns: list[str]) -> None:
                         if r and r[0] not in dropped]
                 buf = io.StringIO()
                 csv.writer(buf, lineterminator="\n").writerows(rows)
-                dst.writestr(b.entry_info(info.filename, 0o644, info.date_time),
+                dst.writestr(entry_info(info.filename, 0o644, info.date_time),
                              buf.getvalue().encode(), compress_type=zipfile.ZIP_DEFLATED)
             else:
-                b.copy_raw(src, info, dst, info.date_time)
+                copy_raw(src, info, dst, info.date_time)
     log(f"[bundle] dropped {len(dropped)} members from {src_path.name}")
 
 
@@ -117,7 +118,7 @@ def bundle(args) -> int:
     for pattern in args.drop:
         if not any(dropped_members(w, [pattern]) for w in wheels_in):
             raise BuildError(f"--drop {pattern!r} matches nothing in "
-                             f"{', '.join(w.name for w in wheels_in)}", b.EXIT_BUNDLE)
+                             f"{', '.join(w.name for w in wheels_in)}", EXIT_BUNDLE)
     out = Path(args.out).resolve()
     py = args.python_version
     with tempfile.TemporaryDirectory() as tmp:
@@ -140,9 +141,9 @@ def bundle(args) -> int:
                                   "-r", str(reqs), "-d", str(wheels), *target],
                                  capture_output=True, text=True)
             if res.returncode != 0:
-                raise BuildError(f"pip download failed:\n{res.stderr.strip()}", b.EXIT_DOWNLOAD)
+                raise BuildError(f"pip download failed:\n{res.stderr.strip()}", EXIT_DOWNLOAD)
         (tmp / "bundle" / "install.sh").write_text(INSTALL_SH)
-        manifest = "".join(f"{b.sha256_file(w)}  wheels/{w.name}\n" for w in sorted(wheels.iterdir()))
+        manifest = "".join(f"{sha256_file(w)}  wheels/{w.name}\n" for w in sorted(wheels.iterdir()))
         (tmp / "bundle" / "MANIFEST.sha256").write_text(manifest)
         tar_path = tmp / "bundle.tar"
         with tarfile.open(tar_path, "w", format=tarfile.PAX_FORMAT) as tar:
@@ -164,7 +165,7 @@ def bundle(args) -> int:
                 part.write_bytes(chunk)
                 parts.append(part)
         (out / "install.sh").write_text(INSTALL_SH)
-        (out / "SHA256SUMS").write_text("".join(f"{b.sha256_file(p)}  {p.name}\n" for p in parts))
+        (out / "SHA256SUMS").write_text("".join(f"{sha256_file(p)}  {p.name}\n" for p in parts))
     log(f"[bundle] {out}: {len(parts)} parts of at most {args.max_part} bytes; on the target: "
         f"bash install.sh PARTS_DIR [SITE]")
     return 0

@@ -312,9 +312,9 @@ def save(model: TrainedGlm5, path: Path) -> None:
 
 def cache_root() -> Path:
     sys.path.insert(0, str(ROOT))
-    import build
+    from tools import upstream
 
-    return build.cache_dir()
+    return upstream.cache_dir()
 
 
 def trained_glm5(recipe: dict = RECIPE, log=print) -> Path:

@@ -62,11 +62,11 @@ def _upstream_cuda_module(cuda: types.ModuleType) -> types.ModuleType:
     backend registry it validates are the installed ones)."""
     sys.path.insert(0, str(ROOT))
     try:
-        import build
+        from tools import upstream
     finally:
         sys.path.remove(str(ROOT))
-    lock = build.load_lock()
-    wheel = build.fetch_wheel(lock, build.DEFAULT_PLATFORM)
+    lock = upstream.load_lock()
+    wheel = upstream.fetch_wheel(lock, upstream.DEFAULT_PLATFORM)
     with zipfile.ZipFile(wheel) as zf:
         source = zf.read("vllm/platforms/cuda.py").decode()
     name = "vllm.platforms._upstream_cuda"

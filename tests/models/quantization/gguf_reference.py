@@ -38,9 +38,9 @@ def llama_cpp_dir(cache: Path) -> Path:
     if os.environ.get("VLLM_OVERLAY_LLAMA_CPP"):
         return Path(os.environ["VLLM_OVERLAY_LLAMA_CPP"])
     sys.path.insert(0, str(ROOT))
-    import build
+    from tools import upstream
 
-    sdist = build.fetch(*LLAMA_CPP_PYTHON)
+    sdist = upstream.fetch(*LLAMA_CPP_PYTHON)
     dest = cache / sdist.name.removesuffix(".tar.gz")
     marker = dest / ".complete"
     if not marker.exists():
@@ -73,10 +73,10 @@ def llama_tool(name: str) -> Path:
     if os.environ.get(env):
         return Path(os.environ[env])
     sys.path.insert(0, str(ROOT))
-    import build
+    from tools import upstream
 
-    sdist = build.fetch(*LLAMA_CPP_PYTHON)
-    home = build.cache_dir() / f"llama-tools-shared-{sdist.name.removesuffix('.tar.gz')}"
+    sdist = upstream.fetch(*LLAMA_CPP_PYTHON)
+    home = upstream.cache_dir() / f"llama-tools-shared-{sdist.name.removesuffix('.tar.gz')}"
     binary = home / "build" / "bin" / (f"lib{name}.so" if name == "llama" else name)
     if binary.exists():
         return binary

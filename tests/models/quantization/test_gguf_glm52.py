@@ -217,9 +217,9 @@ def test_glm_5_2_default_schedule_is_llama_cpp_s():
     the pinned sdist's src/models/glm-dsa.cpp), and on GLM-5.2's 78 layers the
     schedule of its config (index_topk_freq 4, index_skip_topk_offset 3)."""
     sys.path.insert(0, str(gr.ROOT))
-    import build
+    from tools import upstream
 
-    sdist = build.fetch(*gr.LLAMA_CPP_PYTHON)
+    sdist = upstream.fetch(*gr.LLAMA_CPP_PYTHON)
     member = f"{sdist.name.removesuffix('.tar.gz')}/vendor/llama.cpp/src/models/glm-dsa.cpp"
     with tarfile.open(sdist) as tar:
         source = tar.extractfile(member).read().decode()
