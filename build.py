@@ -40,7 +40,7 @@ from pathlib import Path
 
 from tools import bundle, rebase
 from tools.common import (EXIT_LOCK, BuildError, copy_raw, dist_name, entry_info, log,
-                          remove_stale_temps, set_verbosity)
+                          normalized_name, remove_stale_temps, set_verbosity)
 from tools.upstream import (DEFAULT_PLATFORM, LOCK, OVERLAY, ROOT, fetch_sdist, fetch_wheels,
                             load_lock, module_name, overlay_files, pin_of, pins)
 
@@ -156,7 +156,7 @@ def record_hash(data: bytes) -> str:
 def requirement_name(line: str) -> str:
     """The normalized project name of a 'Requires-Dist: ...' line."""
     name = re.split(r"[\s;<>=!~\[(]", line[len("Requires-Dist: "):], maxsplit=1)[0]
-    return re.sub(r"[-_.]+", "-", name).lower()
+    return normalized_name(name)
 
 
 def rewrite_metadata(text: str, version: str, requires: dict[str, str],
@@ -215,11 +215,11 @@ def build_wheels(lock: dict, platform: str, out_dir: Path) -> list[Path]:
     files = check_overlay(lock, wheels)
     byte_compile(files)
     digest = overlay_digest(LOCK.read_bytes(), files)
-    exact = {re.sub(r"[-_.]+", "-", lock[k]["package"]).lower():
+    exact = {normalized_name(lock[k]["package"]):
              f"{lock[k]['package']}=={overlay_version(lock, k, digest)}" for k in pins(lock)}
     built = []
     for key in pins(lock):
-        own = re.sub(r"[-_.]+", "-", lock[key]["package"]).lower()
+        own = normalized_name(lock[key]["package"])
         requires = lock["requires"] if key == "upstream" else {}
         built.append(write_wheel(
             lock, key, wheels[key], {r: p for r, p in files.items() if pin_of(lock, r) == key},
@@ -237,7 +237,7 @@ def write_wheel(lock: dict, key: str, wheel: Path, files: dict[str, Path], versi
     dist = dist_name(up["package"])
     old_info = f"{dist}-{up['version']}.dist-info/"
     new_info = f"{dist}-{version}.dist-info/"
-    requires = {re.sub(r"[-_.]+", "-", k).lower(): v for k, v in requires.items()}
+    requires = {normalized_name(k): v for k, v in requires.items()}
     out_name = wheel.name.replace(f"-{up['version']}-", f"-{version}-", 1)
     date_time = zip_time()
 
@@ -358,8 +358,8 @@ def cmd_diff(args) -> int:
 
 def cmd_sdist(args) -> int:
     lock = load_lock()
-    key = next((k for k in pins(lock) if re.sub(r"[-_.]+", "-", lock[k]["package"]).lower()
-                == re.sub(r"[-_.]+", "-", args.package).lower()), None)
+    key = next((k for k in pins(lock)
+                if normalized_name(lock[k]["package"]) == normalized_name(args.package)), None)
     if key is None:
         raise BuildError(f"upstream.lock pins no package {args.package!r} (pinned: "
                          f"{', '.join(lock[k]['package'] for k in pins(lock))})", 2)

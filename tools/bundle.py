@@ -24,7 +24,7 @@ import zipfile
 from pathlib import Path
 
 from tools.common import (EXIT_BUNDLE, EXIT_DOWNLOAD, BuildError, copy_raw, entry_info, log,
-                          sha256_file)
+                          normalized_name, sha256_file)
 
 
 def freeze_pins(freeze: Path) -> dict[str, str]:
@@ -32,7 +32,7 @@ def freeze_pins(freeze: Path) -> dict[str, str]:
     for line in freeze.read_text().splitlines():
         m = re.fullmatch(r"([A-Za-z0-9][A-Za-z0-9._-]*)\s*==\s*(\S+)", line.split("#")[0].strip())
         if m:
-            pins[re.sub(r"[-_.]+", "-", m.group(1)).lower()] = m.group(2)
+            pins[normalized_name(m.group(1))] = m.group(2)
     return pins
 
 

@@ -60,6 +60,11 @@ def remove_stale_temps(folder: Path, prefix: str) -> None:
             pass
 
 
+def normalized_name(name: str) -> str:
+    """A project name as PEP 503 compares it: lower case, runs of -_. become one -."""
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
 def dist_name(package: str) -> str:
     """The package's name in wheel and dist-info names (PEP 427: runs of -_. become _)."""
     return re.sub(r"[-_.]+", "_", package)

@@ -32,15 +32,11 @@ import zipfile
 from pathlib import Path
 
 from tools.common import (EXIT_DOWNLOAD, EXIT_LOCK, EXIT_REBASE, BuildError, dist_name, log,
-                          write_atomic)
+                          normalized_name, write_atomic)
 from tools.upstream import (DEFAULT_PLATFORM, LOCK, OVERLAY, ROOT, fetch, fetch_wheel,
                             index_files, load_lock, module_name, overlay_files, pin_of, pins)
 
 CONFLICT_RE = re.compile(r"^(<<<<<<< |>>>>>>> )", re.M)
-
-
-def normalized(package: str) -> str:
-    return re.sub(r"[-_.]+", "-", package).lower()
 
 
 def release_files(package: str, version: str, platforms: list[str]) -> dict:
@@ -128,7 +124,7 @@ def module_file(module: str, names: set[str]) -> str | None:
 def pin_key(lock: dict, package: str) -> str:
     """The lock table that pins `package`: [upstream] for vLLM, [plugin] for the other."""
     for key in pins(lock):
-        if normalized(lock[key]["package"]) == normalized(package):
+        if normalized_name(lock[key]["package"]) == normalized_name(package):
             return key
     if "plugin" in lock:
         raise BuildError(f"upstream.lock pins {lock['upstream']['package']} and "
