@@ -385,7 +385,9 @@ def parse_size(text: str) -> int:
 
 
 def cmd_bundle(args) -> int:
-    return bundle.bundle(args)
+    return bundle.bundle(args.wheel, exclude_from=args.exclude_from, out=args.out,
+                         max_part=args.max_part, python_version=args.python_version,
+                         platforms=args.platform, only=args.only, drop=args.drop)
 
 
 def cmd_rebase(args) -> int:
@@ -393,8 +395,9 @@ def cmd_rebase(args) -> int:
     if args.resume or args.abort:
         return rebase.resume(abort=args.abort)
     if args.check:
-        return rebase.rebase(args.check, False, True, report, args.package)
-    return rebase.rebase(args.to, args.allow_conflicts, False, report, args.package)
+        return rebase.rebase(args.check, package=args.package, dry_run=True, report_path=report)
+    return rebase.rebase(args.to, package=args.package, allow_conflicts=args.allow_conflicts,
+                         report_path=report)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -109,28 +109,32 @@ def slim_wheel(src_path: Path, dst_path: Path, patterns: list[str]) -> None:
     log(f"[bundle] dropped {len(dropped)} members from {src_path.name}")
 
 
-def bundle(args) -> int:
-    wheels_in = [Path(w).resolve() for w in args.wheel]
-    freeze = Path(args.exclude_from).resolve()
+def bundle(wheel_files: list[str], *, exclude_from: str, out: str, max_part: int,
+           python_version: str, platforms: list[str], only: str | None,
+           drop: list[str]) -> int:
+    """The bundle of `wheel_files` for a host whose `pip freeze` is `exclude_from`, in parts of
+    at most `max_part` bytes under `out`; `only`: a file of name==version pins to bundle instead
+    of the dependency closure; `drop`: globs of wheel members to leave out."""
+    wheels_in = [Path(w).resolve() for w in wheel_files]
+    freeze = Path(exclude_from).resolve()
     for p in (*wheels_in, freeze):
         if not p.is_file():
             raise BuildError(f"{p}: no such file", 2)
-    for pattern in args.drop:
+    for pattern in drop:
         if not any(dropped_members(w, [pattern]) for w in wheels_in):
             raise BuildError(f"--drop {pattern!r} matches nothing in "
                              f"{', '.join(w.name for w in wheels_in)}", EXIT_BUNDLE)
-    out = Path(args.out).resolve()
-    py = args.python_version
+    out = Path(out).resolve()
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         wheels = tmp / "bundle" / "wheels"
         wheels.mkdir(parents=True)
         for wheel in wheels_in:
-            slim_wheel(wheel, wheels / wheel.name, args.drop)
-        target = ["--only-binary=:all:", "--python-version", py, "--implementation", "cp",
-                  *[a for p in args.platform for a in ("--platform", p)]]
-        if args.only:
-            needed = pinned_lacking(Path(args.only), freeze)
+            slim_wheel(wheel, wheels / wheel.name, drop)
+        target = ["--only-binary=:all:", "--python-version", python_version,
+                  "--implementation", "cp", *[a for p in platforms for a in ("--platform", p)]]
+        if only:
+            needed = pinned_lacking(Path(only), freeze)
         else:
             needed = resolve_lacking(wheels_in, freeze, target, tmp)
         log(f"[bundle] the target lacks {len(needed)} packages")
@@ -160,13 +164,13 @@ def bundle(args) -> int:
             old.unlink(missing_ok=True)
         parts = []
         with open(tar_path, "rb") as f:
-            while chunk := f.read(args.max_part):
+            while chunk := f.read(max_part):
                 part = out / f"part-{len(parts):02d}"
                 part.write_bytes(chunk)
                 parts.append(part)
         (out / "install.sh").write_text(INSTALL_SH)
         (out / "SHA256SUMS").write_text("".join(f"{sha256_file(p)}  {p.name}\n" for p in parts))
-    log(f"[bundle] {out}: {len(parts)} parts of at most {args.max_part} bytes; on the target: "
+    log(f"[bundle] {out}: {len(parts)} parts of at most {max_part} bytes; on the target: "
         f"bash install.sh PARTS_DIR [SITE]")
     return 0
 

@@ -47,7 +47,7 @@ def release_files(package: str, version: str, platforms: list[str]) -> dict:
               if n in files]
     if not sdists:
         raise BuildError(f"{package} {version} is not on the package index (no "
-                           f"{dist}-{version}.tar.gz)", EXIT_DOWNLOAD)
+                         f"{dist}-{version}.tar.gz)", EXIT_DOWNLOAD)
     wheels = {}
     for plat in platforms:
         plain = f"{dist}-{version}-cp38-abi3-{plat}.whl"
@@ -56,7 +56,7 @@ def release_files(package: str, version: str, platforms: list[str]) -> dict:
         name = plain if plain in files else (tagged[0] if tagged else None)
         if name is None:
             raise BuildError(f"{package} {version} has no wheel for {plat} on the index",
-                               EXIT_DOWNLOAD)
+                             EXIT_DOWNLOAD)
         wheels[plat] = {"filename": name, "sha256": files[name]["sha256"]}
     sdist = sdists[0]
     return {"sdist": {"filename": sdist, "sha256": files[sdist]["sha256"]}, "wheels": wheels}
@@ -128,20 +128,22 @@ def pin_key(lock: dict, package: str) -> str:
             return key
     if "plugin" in lock:
         raise BuildError(f"upstream.lock pins {lock['upstream']['package']} and "
-                           f"{lock['plugin']['package']}; {package} would be a third upstream",
-                           EXIT_LOCK)
+                         f"{lock['plugin']['package']}; {package} would be a third upstream",
+                         EXIT_LOCK)
     return "plugin"
 
 
-def rebase(to: str, allow_conflicts: bool, dry_run: bool, report_path: Path | None,
-           package: str = "vllm") -> int:
+def rebase(to: str, *, package: str = "vllm", dry_run: bool = False,
+           allow_conflicts: bool = False, report_path: Path | None = None) -> int:
+    """Move `package`'s pin to release `to` ("latest": the newest on the index) and merge its
+    overlay files; `dry_run` only reports."""
     if PENDING.exists() and not dry_run:
         raise BuildError("a rebase is in progress: resolve the conflicts and run "
-                           "`build.py rebase --continue`, or `--abort`", EXIT_REBASE)
+                         "`build.py rebase --continue`, or `--abort`", EXIT_REBASE)
     lock = load_lock()
     key = pin_key(lock, package)
     if key not in lock:
-        return pin_new(lock, key, package, to, dry_run, report_path)
+        return pin_new(lock, key, package, to, dry_run=dry_run, report_path=report_path)
     up = lock[key]
     top = module_name(up["package"])
     if to == "latest":
@@ -178,7 +180,7 @@ def rebase(to: str, allow_conflicts: bool, dry_run: bool, report_path: Path | No
                 base = old_zf.read(rel).decode()
                 if hashlib.sha256(base.encode()).hexdigest() != entry["base_sha256"]:
                     raise BuildError(f"{rel}: the pinned wheel does not hold the recorded "
-                                       f"base; run `build.py check`", EXIT_LOCK)
+                                     f"base; run `build.py check`", EXIT_LOCK)
                 theirs = new_zf.read(rel).decode()
                 row["new_base_sha256"] = hashlib.sha256(theirs.encode()).hexdigest()
                 row["hunks_ours"] = hunks(base, ours)
@@ -265,7 +267,7 @@ def rebase(to: str, allow_conflicts: bool, dry_run: bool, report_path: Path | No
     return 0 if not blocking else EXIT_REBASE
 
 
-def pin_new(lock: dict, key: str, package: str, to: str, dry_run: bool,
+def pin_new(lock: dict, key: str, package: str, to: str, *, dry_run: bool,
             report_path: Path | None) -> int:
     """First pin of a second upstream (no overlay files of it exist yet)."""
     if to == "latest":
@@ -303,7 +305,7 @@ def update_lock(lock: dict, key: str, to: str, sdist: dict, wheels: dict, bases:
     write_atomic(LOCK, dump_lock(lock).encode())
 
 
-def resume(abort: bool) -> int:
+def resume(*, abort: bool) -> int:
     """--continue: conflicts resolved and deleted files' changes moved: move the pin;
     --abort: restore the overlay files (and put back any the maintainer removed)."""
     if not PENDING.exists():
@@ -342,7 +344,7 @@ def resume(abort: bool) -> int:
     for rel in added:
         log(f"[rebase] not in upstream.lock yet: {rel} (`build.py check` names its entry)")
     log(f"[rebase] upstream.lock now pins {state['package']} {state['to']}; run "
-          f"`python build.py check`")
+        f"`python build.py check`")
     return 0
 
 
