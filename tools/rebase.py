@@ -240,10 +240,7 @@ def rebase(to: str, *, package: str = "vllm", dry_run: bool = False,
             report["lock_updated"] = True
 
     print(f"rebase {up['package']} {up['version']} -> {to}{' (dry run)' if dry_run else ''}")
-    for r in results:
-        if r["result"] == "other-upstream":
-            if not r.get("imports_changed_upstream"):
-                continue
+    for r in results:  # every overlay file, the other upstream's too
         extra = f", {r['conflicts']} conflicts" if r.get("conflicts") else ""
         hunk = (f" (overlay {r['hunks_ours']} hunks, upstream {r['hunks_upstream']} hunks{extra})"
                 if "hunks_ours" in r else "")
