@@ -29,10 +29,6 @@ if os.environ.get("TRITON_INTERPRET") == "1":
     triton_utils.triton, triton_utils.tl, triton_utils.tldevice = triton, tl, tldevice
 
 
-def pytest_configure(config):
-    config.addinivalue_line("markers", "gpu: needs a CUDA GPU (run on the GPU host)")
-
-
 def pytest_collection_modifyitems(config, items):
     if HAS_CUDA:
         return
