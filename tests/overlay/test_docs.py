@@ -5,9 +5,10 @@ tests/kernels/attention/test_attention_selector_sparse.py.)"""
 
 import ast
 import re
-import sys
 import tomllib
 from pathlib import Path
+
+from tools import common
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -32,11 +33,6 @@ def test_overlay_files_listed():
 
 
 def test_exit_codes_listed():
-    sys.path.insert(0, str(ROOT))
-    try:
-        from tools import common
-    finally:
-        sys.path.remove(str(ROOT))
     doc = (ROOT / "docs" / "overlay.md").read_text().split("## Exit codes", 1)[1]
     table = {int(m[1]) for m in re.finditer(r"^\| (\d+) \|", doc, re.M)}
     codes = {0, 2} | {v for k, v in vars(common).items() if k.startswith("EXIT_")}

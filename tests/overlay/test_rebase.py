@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from test_build import make_wheel, run_build, sha256, synthetic_lock
+from tests.overlay.test_build import make_wheel, run_build, sha256, synthetic_lock
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -11,12 +11,11 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent / "vllm_report_capability"))
-sys.path.insert(0, str(Path(__file__).parents[1]))
 
 
 @pytest.fixture
 def cuda_platform(monkeypatch):
-    from cuda_platform import import_cuda_platform
+    from tests.cuda_platform import import_cuda_platform
 
     cuda = import_cuda_platform()
     platform = cuda.NonNvmlCudaPlatform()

@@ -18,7 +18,6 @@ import sys
 import tarfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[3]
 LLAMA_CPP_PYTHON = ("llama-cpp-python", "llama_cpp_python-0.3.36.tar.gz",
                     "832db0699007f1be95a7e41ef12e88926b02ba836461e36a36372db2760c1a2e")
 # The split regex of GLM-4.5/GLM-5's tokenizer.json, as HF spells it.
@@ -37,7 +36,6 @@ def llama_cpp_dir(cache: Path) -> Path:
     (or the tree VLLM_OVERLAY_LLAMA_CPP names, e.g. on the offline GPU host)."""
     if os.environ.get("VLLM_OVERLAY_LLAMA_CPP"):
         return Path(os.environ["VLLM_OVERLAY_LLAMA_CPP"])
-    sys.path.insert(0, str(ROOT))
     from tools import upstream
 
     sdist = upstream.fetch(*LLAMA_CPP_PYTHON)
@@ -72,7 +70,6 @@ def llama_tool(name: str) -> Path:
     env = "VLLM_OVERLAY_" + name.upper().replace("-", "_")
     if os.environ.get(env):
         return Path(os.environ[env])
-    sys.path.insert(0, str(ROOT))
     from tools import upstream
 
     sdist = upstream.fetch(*LLAMA_CPP_PYTHON)
