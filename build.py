@@ -4,7 +4,8 @@
 Two upstreams are pinned in upstream.lock: vLLM ([upstream]) and vLLM's GGUF support,
 vllm-gguf-plugin ([plugin]). Overlay files live under vllm_overlay/<package>/ by their path in
 that upstream's wheel. Both wheels get the version <upstream version>+<label>.<overlay digest>
-and require each other exactly.
+and require each other exactly. The lock, the package index and the cache are tools/upstream.py;
+bundle and rebase are tools/bundle.py and tools/rebase.py.
 
     python build.py wheel  [--out DIR] [--platform P]      build dist/vllm-<ver>+<label>.<digest>-...whl
                                                            and dist/vllm_gguf_plugin-<ver>+...whl
@@ -28,284 +29,29 @@ import csv
 import difflib
 import hashlib
 import io
-import json
 import os
 import py_compile
 import re
-import subprocess
 import sys
 import tempfile
 import time
-import tomllib
-import urllib.parse
-import urllib.request
 import zipfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent
-LOCK = ROOT / "upstream.lock"
-OVERLAY = ROOT / "vllm_overlay"
+from tools import bundle, rebase
+from tools.common import (EXIT_LOCK, BuildError, copy_raw, dist_name, entry_info, log,
+                          normalized_name, remove_stale_temps, set_verbosity)
+from tools.upstream import (DEFAULT_PLATFORM, LOCK, OVERLAY, ROOT, fetch_sdist, fetch_wheels,
+                            load_lock, module_name, overlay_files, pin_of, pins)
+
 MARKER = "# overlay:"
-DEFAULT_PLATFORM = "manylinux_2_28_x86_64"
 # 1980-01-01, the earliest time a zip entry can carry; SOURCE_DATE_EPOCH overrides it.
 ZIP_EPOCH = 315532800
 
-EXIT_DOWNLOAD, EXIT_HASH, EXIT_LOCK, EXIT_BUNDLE, EXIT_REBASE = 3, 4, 5, 6, 7
-VERBOSITY = 1
-
-
-class BuildError(Exception):
-    def __init__(self, message: str, code: int):
-        super().__init__(message)
-        self.code = code
-
-
-def log(msg: str, level: int = 1) -> None:
-    if VERBOSITY >= level:
-        print(msg, file=sys.stderr, flush=True)
-
-
-def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
-def write_atomic(path: Path, data: bytes) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_bytes(data)
-    tmp.replace(path)
-
-
-def remove_stale_temps(folder: Path, prefix: str) -> None:
-    """Remove `prefix<pid>-*` files an interrupted run of this tool left in `folder` (their
-    process is gone); a live run's files stay."""
-    for path in folder.glob(f"{prefix}*"):
-        m = re.match(rf"{re.escape(prefix)}(\d+)-", path.name)
-        if m is None or not path.is_file():
-            continue
-        try:
-            os.kill(int(m.group(1)), 0)
-        except ProcessLookupError:
-            path.unlink(missing_ok=True)
-            log(f"removed {path}, left by an interrupted run", 2)
-        except PermissionError:  # alive, another user's
-            pass
-
-
-def cache_dir() -> Path:
-    base = os.environ.get("VLLM_OVERLAY_CACHE") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "vllm-overlay")
-    path = Path(base) / "upstream"
-    path.mkdir(parents=True, exist_ok=True)
-    return path
-
 
 # ---------------------------------------------------------------------------------------------
-# Step 1: read the lock
+# Check the overlay against the lock and the upstream wheels
 # ---------------------------------------------------------------------------------------------
-# The pinned upstreams, by their table in upstream.lock: vLLM itself, then (optional) the
-# out-of-tree package that carries vLLM's GGUF support since vLLM 0.24.
-PINS = ("upstream", "plugin")
-
-
-def dist_name(package: str) -> str:
-    """The package's name in wheel and dist-info names (PEP 427: runs of -_. become _)."""
-    return re.sub(r"[-_.]+", "_", package)
-
-
-def module_name(package: str) -> str:
-    """The import package a pinned project's overlay files live under (vllm_overlay/<it>/)."""
-    return dist_name(package).lower()
-
-
-def load_lock(path: Path = LOCK) -> dict:
-    try:
-        lock = tomllib.loads(path.read_text())
-    except (OSError, tomllib.TOMLDecodeError) as e:
-        raise BuildError(f"{path.name}: cannot read: {e}", EXIT_LOCK) from e
-    up = lock.get("upstream", {})
-    for key in ("package", "version", "label", "sdist", "wheels"):
-        if key not in up:
-            raise BuildError(f"{path.name}: [upstream] lacks '{key}'", EXIT_LOCK)
-    # vLLM reads its own version: collect_env takes a last tuple part starting with "g" for a git
-    # sha, and platform detection looks for "cpu" in it.
-    if not re.fullmatch(r"[a-z][a-z0-9]*", up["label"]) or up["label"].startswith("g") \
-            or "cpu" in up["label"]:
-        raise BuildError(f"{path.name}: label {up['label']!r} must be lower-case letters and "
-                         f"digits, not start with 'g' and not contain 'cpu'", EXIT_LOCK)
-    for key in PINS[1:]:
-        if key in lock:
-            if not isinstance(lock[key], dict):
-                raise BuildError(f"{path.name}: [{key}] must be a table", EXIT_LOCK)
-            for field in ("package", "version", "sdist", "wheels"):
-                if field not in lock[key]:
-                    raise BuildError(f"{path.name}: [{key}] lacks '{field}'", EXIT_LOCK)
-    for key in pins(lock):
-        for field in ("package", "version"):
-            if not isinstance(lock[key][field], str):
-                raise BuildError(f"{path.name}: [{key}] {field} must be a quoted string, not "
-                                 f"{lock[key][field]!r}", EXIT_LOCK)
-        if not re.fullmatch(r"\d+(\.\d+)*", lock[key]["version"]):
-            raise BuildError(f"{path.name}: [{key}] version {lock[key]['version']!r} is not a "
-                             f"release number (X.Y.Z)", EXIT_LOCK)
-        for name, entry in [("sdist", lock[key]["sdist"])] + [
-                (f"wheels.{plat}", w) for plat, w in lock[key]["wheels"].items()]:
-            for field in ("filename", "sha256"):
-                if not isinstance(entry, dict) or not isinstance(entry.get(field), str):
-                    raise BuildError(f"{path.name}: [{key}.{name}] needs {field} = \"...\"",
-                                     EXIT_LOCK)
-    lock.setdefault("overlay", {})
-    lock.setdefault("requires", {})
-    return lock
-
-
-def pins(lock: dict) -> list[str]:
-    """The lock's pinned upstreams, vLLM first."""
-    return [key for key in PINS if key in lock]
-
-
-def pin_of(lock: dict, rel: str) -> str | None:
-    """The pin an overlay path ('vllm/...', 'vllm_gguf_plugin/...') belongs to."""
-    top = rel.split("/", 1)[0]
-    return next((k for k in pins(lock) if module_name(lock[k]["package"]) == top), None)
-
-
-def wheel_entry(lock: dict, platform: str, key: str = "upstream") -> dict:
-    wheels = lock[key]["wheels"]
-    if platform not in wheels:
-        raise BuildError(f"upstream.lock [{key}] pins no wheel for platform {platform!r} "
-                         f"(pinned: {', '.join(sorted(wheels))})", EXIT_LOCK)
-    return wheels[platform]
-
-
-# ---------------------------------------------------------------------------------------------
-# Step 2: fetch pinned files into the cache, sha256-checked
-# ---------------------------------------------------------------------------------------------
-def index_url() -> str:
-    """The index pip would use: $PIP_INDEX_URL, pip's configuration, else pip's default."""
-    url = os.environ.get("PIP_INDEX_URL")
-    if not url:
-        out = subprocess.run([sys.executable, "-m", "pip", "config", "get", "global.index-url"],
-                             capture_output=True, text=True)
-        url = out.stdout.strip() if out.returncode == 0 else ""
-    if not url:
-        from pip._internal.models.index import PyPI  # pip's own default index
-        url = PyPI.simple_url
-    return url.rstrip("/")
-
-
-def index_files(package: str) -> dict[str, dict]:
-    """filename -> {url, sha256} for every file of `package` on the index (PEP 691 JSON)."""
-    url = f"{index_url()}/{package}/"
-    # A file:// index (a local mirror) is a folder per project with the JSON in index.json.
-    local = url.startswith("file:")
-    req = urllib.request.Request(url + "index.json" if local else url,
-                                 headers={"Accept": "application/vnd.pypi.simple.v1+json"})
-    try:
-        with urllib.request.urlopen(req, timeout=60) as resp:
-            data = json.load(resp)
-    except (OSError, ValueError) as e:
-        raise BuildError(f"cannot read the package index at {url}: {e}", EXIT_DOWNLOAD) from e
-    return {f["filename"]: {"url": urllib.parse.urljoin(url, f["url"]),
-                            "sha256": f.get("hashes", {}).get("sha256")} for f in data["files"]}
-
-
-def download(url: str, dest: Path) -> None:
-    try:
-        with urllib.request.urlopen(url, timeout=120) as resp, open(dest, "wb") as out:
-            total = int(resp.headers.get("Content-Length") or 0)
-            done, last = 0, 0.0
-            while chunk := resp.read(1 << 20):
-                out.write(chunk)
-                done += len(chunk)
-                now = time.monotonic()
-                if VERBOSITY >= 1 and (now - last > 2 or done == total):
-                    pct = f" {100 * done / total:5.1f}%" if total else ""
-                    log(f"  {dest.name.split('-', 2)[-1]}: {done / 2**20:8.1f} MiB{pct}")
-                    last = now
-    except OSError as e:
-        raise BuildError(f"download of {url} failed: {e}", EXIT_DOWNLOAD) from e
-
-
-def fetch(package: str, filename: str, sha256: str) -> Path:
-    """Return the cached, hash-checked file; download it first if it is not cached."""
-    path = cache_dir() / filename
-    remove_stale_temps(path.parent, ".partial-")
-    if path.is_dir() or (path.exists() and not path.is_file()):
-        raise BuildError(f"cached {path} is not a file (a directory?); upstream.lock expects the "
-                         f"file {filename} there: remove it", EXIT_HASH)
-    if path.exists():
-        got = sha256_file(path)
-        if got != sha256:
-            raise BuildError(f"cached {path} has sha256 {got}, upstream.lock expects {sha256}; "
-                             f"refusing it (delete the file to download it again)", EXIT_HASH)
-        log(f"[fetch] {filename}: cached, sha256 ok", 2)
-        return path
-    files = index_files(package)
-    if filename not in files:
-        raise BuildError(f"{filename} is not on the package index", EXIT_DOWNLOAD)
-    listed = files[filename]["sha256"]
-    if listed and listed != sha256:
-        raise BuildError(f"the index lists {filename} with sha256 {listed}, "
-                         f"upstream.lock expects {sha256}", EXIT_HASH)
-    log(f"[fetch] {filename}")
-    partial = path.with_name(f".partial-{os.getpid()}-{filename}")
-    try:
-        download(files[filename]["url"], partial)
-        got = sha256_file(partial)
-        if got != sha256:
-            raise BuildError(f"downloaded {filename} has sha256 {got}, upstream.lock expects "
-                             f"{sha256}; not kept", EXIT_HASH)
-        partial.replace(path)
-    finally:
-        partial.unlink(missing_ok=True)
-    return path
-
-
-def fetch_wheel(lock: dict, platform: str, key: str = "upstream") -> Path:
-    entry = wheel_entry(lock, platform, key)
-    return fetch(lock[key]["package"], entry["filename"], entry["sha256"])
-
-
-def fetch_wheels(lock: dict, platform: str) -> dict[str, Path]:
-    """Every pinned upstream wheel for `platform`, by pin."""
-    return {key: fetch_wheel(lock, platform, key) for key in pins(lock)}
-
-
-def fetch_sdist(lock: dict, key: str = "upstream") -> Path:
-    entry = lock[key]["sdist"]
-    return fetch(lock[key]["package"], entry["filename"], entry["sha256"])
-
-
-# ---------------------------------------------------------------------------------------------
-# Step 3: check the overlay against the lock and the upstream wheel
-# ---------------------------------------------------------------------------------------------
-def overlay_files(lock: dict) -> dict[str, Path]:
-    """Wheel path ('vllm/...', 'vllm_gguf_plugin/...') -> file under vllm_overlay/; refuses
-    anything outside the pinned upstreams' packages."""
-    found = {}
-    if not OVERLAY.is_dir():
-        return found
-    tops = sorted(module_name(lock[k]["package"]) for k in pins(lock))
-    for path in sorted(OVERLAY.rglob("*")):
-        if "__pycache__" in path.parts or path.suffix == ".pyc":
-            continue
-        rel = path.relative_to(OVERLAY).as_posix()
-        if path.is_symlink():
-            raise BuildError(f"vllm_overlay/{rel}: symbolic links are not allowed", EXIT_LOCK)
-        if path.is_dir():
-            continue
-        if pin_of(lock, rel) is None:
-            raise BuildError(f"vllm_overlay/{rel}: overlay files must live under "
-                             + " or ".join(f"vllm_overlay/{t}/" for t in tops)
-                             + " (the packages upstream.lock pins)", EXIT_LOCK)
-        found[rel] = path
-    return found
-
-
 def check_lock_paths(lock: dict) -> None:
     for rel, entry in lock["overlay"].items():
         parts = rel.split("/")
@@ -398,7 +144,7 @@ def byte_compile(files: dict[str, Path]) -> None:
 
 
 # ---------------------------------------------------------------------------------------------
-# Step 4: write the overlay wheel
+# Write the overlay wheels
 # ---------------------------------------------------------------------------------------------
 def overlay_digest(lock_text: bytes, files: dict[str, Path]) -> str:
     h = hashlib.sha256(lock_text)
@@ -415,7 +161,7 @@ def record_hash(data: bytes) -> str:
 def requirement_name(line: str) -> str:
     """The normalized project name of a 'Requires-Dist: ...' line."""
     name = re.split(r"[\s;<>=!~\[(]", line[len("Requires-Dist: "):], maxsplit=1)[0]
-    return re.sub(r"[-_.]+", "-", name).lower()
+    return normalized_name(name)
 
 
 def rewrite_metadata(text: str, version: str, requires: dict[str, str],
@@ -462,35 +208,6 @@ def zip_time() -> tuple:
     return time.gmtime(epoch)[:6]
 
 
-def entry_info(name: str, mode: int, date_time: tuple) -> zipfile.ZipInfo:
-    info = zipfile.ZipInfo(name, date_time)
-    info.create_system = 3  # unix, so that the mode bits below are honoured
-    info.external_attr = ((0o755 if mode & 0o111 else 0o644) | 0o100000) << 16
-    return info
-
-
-def copy_raw(src: zipfile.ZipFile, info: zipfile.ZipInfo, dst: zipfile.ZipFile,
-             date_time: tuple) -> None:
-    """Copy one member's compressed bytes as they are: no decompression, no recompression."""
-    src.fp.seek(info.header_offset)
-    header = src.fp.read(zipfile.sizeFileHeader)
-    name_len, extra_len = int.from_bytes(header[26:28], "little"), int.from_bytes(header[28:30],
-                                                                                   "little")
-    src.fp.seek(info.header_offset + zipfile.sizeFileHeader + name_len + extra_len)
-    raw = src.fp.read(info.compress_size)
-    new = entry_info(info.filename, info.external_attr >> 16, date_time)
-    new.compress_type, new.CRC = info.compress_type, info.CRC
-    new.compress_size, new.file_size = info.compress_size, info.file_size
-    new.header_offset = dst.fp.tell()
-    # zipfile has no public raw-copy call; this writes what ZipFile.write would, minus compression.
-    dst.fp.write(new.FileHeader(zip64=None))
-    dst.fp.write(raw)
-    dst.start_dir = dst.fp.tell()
-    dst.filelist.append(new)
-    dst.NameToInfo[new.filename] = new
-    dst._didModify = True
-
-
 def overlay_version(lock: dict, key: str, digest: str) -> str:
     return f"{lock[key]['version']}+{lock['upstream']['label']}.{digest}"
 
@@ -503,11 +220,11 @@ def build_wheels(lock: dict, platform: str, out_dir: Path) -> list[Path]:
     files = check_overlay(lock, wheels)
     byte_compile(files)
     digest = overlay_digest(LOCK.read_bytes(), files)
-    exact = {re.sub(r"[-_.]+", "-", lock[k]["package"]).lower():
+    exact = {normalized_name(lock[k]["package"]):
              f"{lock[k]['package']}=={overlay_version(lock, k, digest)}" for k in pins(lock)}
     built = []
     for key in pins(lock):
-        own = re.sub(r"[-_.]+", "-", lock[key]["package"]).lower()
+        own = normalized_name(lock[key]["package"])
         requires = lock["requires"] if key == "upstream" else {}
         built.append(write_wheel(
             lock, key, wheels[key], {r: p for r, p in files.items() if pin_of(lock, r) == key},
@@ -525,7 +242,7 @@ def write_wheel(lock: dict, key: str, wheel: Path, files: dict[str, Path], versi
     dist = dist_name(up["package"])
     old_info = f"{dist}-{up['version']}.dist-info/"
     new_info = f"{dist}-{version}.dist-info/"
-    requires = {re.sub(r"[-_.]+", "-", k).lower(): v for k, v in requires.items()}
+    requires = {normalized_name(k): v for k, v in requires.items()}
     out_name = wheel.name.replace(f"-{up['version']}-", f"-{version}-", 1)
     date_time = zip_time()
 
@@ -646,8 +363,8 @@ def cmd_diff(args) -> int:
 
 def cmd_sdist(args) -> int:
     lock = load_lock()
-    key = next((k for k in pins(lock) if re.sub(r"[-_.]+", "-", lock[k]["package"]).lower()
-                == re.sub(r"[-_.]+", "-", args.package).lower()), None)
+    key = next((k for k in pins(lock)
+                if normalized_name(lock[k]["package"]) == normalized_name(args.package)), None)
     if key is None:
         raise BuildError(f"upstream.lock pins no package {args.package!r} (pinned: "
                          f"{', '.join(lock[k]['package'] for k in pins(lock))})", 2)
@@ -672,31 +389,23 @@ def parse_size(text: str) -> int:
     return int(m.group(1)) * {"": 1, "K": 2**10, "M": 2**20, "G": 2**30}[m.group(2).upper()]
 
 
-def tool(name: str):
-    """Import tools/<name>.py; its `import build` finds this module, not a second copy."""
-    sys.path.insert(0, str(ROOT / "tools"))
-    sys.modules.setdefault("build", sys.modules[__name__])
-    import importlib
-
-    return importlib.import_module(name)
-
-
 def cmd_bundle(args) -> int:
-    return tool("bundle").bundle(args)
+    return bundle.bundle(args.wheel, exclude_from=args.exclude_from, out=args.out,
+                         max_part=args.max_part, python_version=args.python_version,
+                         platforms=args.platform, only=args.only, drop=args.drop)
 
 
 def cmd_rebase(args) -> int:
-    rebase = tool("rebase")
     report = Path(args.report) if args.report else None
     if args.resume or args.abort:
         return rebase.resume(abort=args.abort)
     if args.check:
-        return rebase.rebase(args.check, False, True, report, args.package)
-    return rebase.rebase(args.to, args.allow_conflicts, False, report, args.package)
+        return rebase.rebase(args.check, package=args.package, dry_run=True, report_path=report)
+    return rebase.rebase(args.to, package=args.package, allow_conflicts=args.allow_conflicts,
+                         report_path=report)
 
 
 def main(argv: list[str] | None = None) -> int:
-    global VERBOSITY
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("-q", "--quiet", action="store_true", help="errors only")
@@ -750,7 +459,7 @@ def main(argv: list[str] | None = None) -> int:
         args.platform = [args.platform] + [f"manylinux_2_{n}_x86_64" for n in range(17, 40)] + [
             "manylinux2014_x86_64", "manylinux1_x86_64", "linux_x86_64"] \
             if args.platform.endswith("x86_64") else [args.platform]
-    VERBOSITY = 0 if args.quiet else 2 if args.verbose else 1
+    set_verbosity(0 if args.quiet else 2 if args.verbose else 1)
     try:
         return args.func(args)
     except BuildError as e:

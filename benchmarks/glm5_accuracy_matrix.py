@@ -1,7 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 """Accuracy matrix of the tiny GLM-5 in vLLM against transformers fp32.
 
-    python benchmarks/glm5_accuracy_matrix.py --out DIR [--parallel 6] [--modes eager graphs]
+    python -m benchmarks.glm5_accuracy_matrix --out DIR [--parallel 6] [--modes eager graphs]
 
 Rows: source {safetensors, GGUF bf16, GGUF q8_0, GGUF Q4_K_M} x path
 {FLASHMLA_SPARSE + DeepGEMM (upstream), TRITON_MLA_SPARSE + DeepGEMM,
@@ -30,8 +30,6 @@ import json
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT / "tests" / "models"), str(ROOT / "tests" / "models" / "quantization")]
 
 SOURCES = ("safetensors", "gguf-bf16", "gguf-q8_0", "gguf-Q4_K_M")
 PATHS = {
@@ -76,9 +74,9 @@ def status(res: dict, bound_: float | None) -> dict:
 
 def prepare(out: Path) -> dict:
     """The tiny model, its GGUFs and the fp32 references; {source: (model, ref json)}."""
-    import gguf_reference as gr
-    from glm5_runs import hf_reference
-    from glm5_tiny import make_tiny_glm5
+    from tests.models.glm5_runs import hf_reference
+    from tests.models.glm5_tiny import make_tiny_glm5
+    from tests.models.quantization import gguf_reference as gr
 
     model = make_tiny_glm5(out / "tiny-glm5")
     gr.write_tokenizer(model, gr.config(model)["vocab_size"])
@@ -98,7 +96,7 @@ def prepare(out: Path) -> dict:
 
 
 def run_row(row: dict, model: Path, ref: dict, out: Path, mem: float) -> dict:
-    from glm5_runs import compare, generate
+    from tests.models.glm5_runs import compare, generate
 
     name = "-".join(row.values())
     try:

@@ -1,7 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 """Accuracy on the same GGUF: the overlay and llama.cpp against transformers fp32.
 
-    python benchmarks/glm5_gguf_accuracy.py --out DIR --llama-lib DIR [--bindings DIR]
+    python -m benchmarks.glm5_gguf_accuracy --out DIR --llama-lib DIR [--bindings DIR]
         [--paths portable-fp16 portable-bf16 upstream-bf16] [--eager] [--json FILE]
 
 The tiny GLM-5 (tests/models/glm5_tiny.py) as llama.cpp writes it: bf16, q8_0
@@ -28,9 +28,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT / "benchmarks"), str(ROOT / "tests" / "models"),
-                str(ROOT / "tests" / "models" / "quantization")]
 
 SOURCES = ("gguf-bf16", "gguf-q8_0", "gguf-Q4_K_M")
 PATHS = {
@@ -45,7 +42,7 @@ PATHS = {
 
 
 def llama_cpp_run(gguf: Path, out: Path, lib: str, bindings: str | None) -> dict:
-    cmd = [sys.executable, str(ROOT / "benchmarks" / "llama_cpp_logits.py"), "--gguf",
+    cmd = [sys.executable, "-m", "benchmarks.llama_cpp_logits", "--gguf",
            str(gguf), "--lib", lib, "--out", str(out),
            *(["--bindings", bindings] if bindings else [])]
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
@@ -92,8 +89,8 @@ def main():
     p.add_argument("--parallel", type=int, default=6)
     p.add_argument("--json", default=None)
     args = p.parse_args()
-    import glm5_accuracy_matrix
-    from glm5_runs import compare, generate
+    from benchmarks import glm5_accuracy_matrix
+    from tests.models.glm5_runs import compare, generate
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -1,7 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 """A GLM-5-shaped GGUF made by llama.cpp's own tools, for benchmarks/glm5_vs_llama_cpp.py.
 
-    python benchmarks/glm5_llama_cpp_model.py --out DIR [--layers 3] [--experts 256]
+    python -m benchmarks.glm5_llama_cpp_model --out DIR [--layers 3] [--experts 256]
         [--quants Q4_K_M IQ2_M] [--intermediate bf16|q8_0] [--work-dir DIR] [--keep]
         [--llama-imatrix BIN] [--small]
 
@@ -51,11 +51,9 @@ import shutil
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT / "tests" / "models"), str(ROOT / "tests" / "models" / "quantization")]
 
-import gguf_reference as gr  # noqa: E402
-from glm5_tiny import TINY_GLM5  # noqa: E402
+from tests.models.glm5_tiny import TINY_GLM5
+from tests.models.quantization import gguf_reference as gr
 
 # GLM-5's per-layer dimensions (its config.json; transformers' GlmMoeDsaConfig defaults)
 GLM5_DIMS = {

@@ -2,7 +2,7 @@
 """MTP speculative decoding in vLLM from the files people serve: lossless greedy
 output and acceptance, by file type.
 
-    python benchmarks/glm5_mtp_matrix.py --out DIR [--parallel 8] [--models glm5 glm52]
+    python -m benchmarks.glm5_mtp_matrix --out DIR [--parallel 8] [--models glm5 glm52]
         [--json FILE]
 
 Models: the trained tiny GLM-5 (tests/models/glm5_trained.py, whose MTP head
@@ -38,8 +38,6 @@ import os
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT / "tests" / "models"), str(ROOT / "tests" / "models" / "quantization")]
 
 NEAR_TIE = 0.05  # nats
 ACCEPTANCE_TOLERANCE = 0.10  # relative to the bf16 file's
@@ -123,9 +121,9 @@ def check(results: dict) -> list[dict]:
 
 def prepare(out: Path, models, sources=SOURCES) -> dict:
     """{(model, source): path} of each source (bf16 always: the quantizer's input)."""
-    import glm5_trained
-    import gguf_reference as gr
-    from glm5_tiny import make_tiny_glm52
+    from tests.models import glm5_trained
+    from tests.models.glm5_tiny import make_tiny_glm52
+    from tests.models.quantization import gguf_reference as gr
 
     llama_cpp = gr.llama_cpp_dir(out / "llama-cpp")
     checkpoints = {}
@@ -149,7 +147,7 @@ def prepare(out: Path, models, sources=SOURCES) -> dict:
 
 
 def run_row(row: dict, model: Path, out: Path) -> dict:
-    from glm5_runs import _run
+    from tests.models.glm5_runs import _run
 
     name = "-".join(map(str, row.values()))
     args = ["--model", str(model), "--num-speculative-tokens", str(row["n"]),
@@ -163,7 +161,7 @@ def run_row(row: dict, model: Path, out: Path) -> dict:
             args += [f"--{k.replace('_', '-')}", v]
         args += ["--eager"] if row["mode"] in ("eager", "bi") else []
     try:
-        res = _run("glm5_mtp_generate.py", out / f"{name}.json", args, env=env)
+        res = _run("tests.models.glm5_mtp_generate", out / f"{name}.json", args, env=env)
     except AssertionError as e:
         return {**row, "error": str(e)[:600]}
     return {**row, **{k: res[k] for k in ("acceptance", "attention_backend",

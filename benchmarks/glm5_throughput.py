@@ -2,7 +2,7 @@
 """GLM-5-shaped serving throughput: TRITON_MLA_SPARSE + portable indexer against
 FLASHMLA_SPARSE + DeepGEMM, in the same run.
 
-    python benchmarks/glm5_throughput.py --json out.json [--contexts 8192 32768]
+    python -m benchmarks.glm5_throughput --json out.json [--contexts 8192 32768]
         [--batch 8] [--gen 64] [--layers 4] [--experts 16]
 
 The model has GLM-5's real per-layer dimensions (transformers' GlmMoeDsaConfig
@@ -149,8 +149,9 @@ def main():
         results = {}
         for path in args.paths:
             out = Path(tmp) / f"{path}.json"
-            cmd = [sys.executable, __file__, "--path", path, "--model-dir", tmp, "--out",
-                   str(out), "--batch", str(args.batch), "--gen", str(args.gen),
+            cmd = [sys.executable, "-m", "benchmarks.glm5_throughput", "--path", path,
+                   "--model-dir", tmp, "--out", str(out), "--batch", str(args.batch),
+                   "--gen", str(args.gen),
                    "--contexts", *map(str, args.contexts),
                    *(["--profile"] if args.profile else [])]
             res = subprocess.run(cmd, capture_output=True, text=True)

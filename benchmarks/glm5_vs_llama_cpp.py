@@ -1,7 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 """GGUF prefill and decode speed: the overlay against llama.cpp, same file, same GPU.
 
-    python benchmarks/glm5_vs_llama_cpp.py --gguf FILE.gguf --llama-bench BIN
+    python -m benchmarks.glm5_vs_llama_cpp --gguf FILE.gguf --llama-bench BIN
         [--llama-batched-bench BIN2] [--json out.json] [--md out.md] [--paths portable upstream sm120]
         [--prompts 512 8192] [--depths 0 8192] [--batches 1 8 32] [--gen 128] [--profile]
         [--llama-profile NCU]
@@ -48,7 +48,6 @@ import sys
 import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
 
 PATHS = {
     "portable": {"backend": "TRITON_MLA_SPARSE", "indexer": "triton", "dtype": "float16",
@@ -323,15 +322,6 @@ def kernel_shares(kernels: list[tuple[str, float]]) -> dict:
     return shares
 
 
-def _glm5_throughput():
-    """benchmarks/glm5_throughput.py (decode_step_s, timed_generate)."""
-    spec = importlib.util.spec_from_file_location("glm5_throughput",
-                                                  ROOT / "benchmarks" / "glm5_throughput.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
 def worker(args) -> None:
     settings = PATHS[args.path]
     if settings["env"] and importlib.util.find_spec("vllm_report_capability") is None:
@@ -339,10 +329,10 @@ def worker(args) -> None:
     os.environ["VLLM_SPARSE_INDEXER_LOGITS"] = settings["indexer"]
     if args.profile:
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    from benchmarks import glm5_throughput as throughput  # decode_step_s, timed_generate
     from vllm import LLM
     from vllm_gguf_plugin.gguf_model import config_from_gguf
 
-    throughput = _glm5_throughput()
     decode_step_s = throughput.decode_step_s
     vocab = config_from_gguf(args.gguf).vocab_size
     longest = max([*args.prompts, *args.depths, 1])
@@ -461,8 +451,9 @@ def main(argv=None):
     with tempfile.TemporaryDirectory() as tmp:
         for path in args.paths:
             out = Path(tmp) / f"{path}.json"
-            cmd = [sys.executable, __file__, "--gguf", args.gguf, "--path", path, "--out",
-                   str(out), "--gen", str(args.gen), "--prompts", *map(str, args.prompts),
+            cmd = [sys.executable, "-m", "benchmarks.glm5_vs_llama_cpp", "--gguf", args.gguf,
+                   "--path", path, "--out", str(out), "--gen", str(args.gen),
+                   "--prompts", *map(str, args.prompts),
                    "--depths", *map(str, args.depths), "--batches", *map(str, args.batches),
                    *(["--profile"] if args.profile else [])]
             env = dict(os.environ, **PATHS[path]["env"])

@@ -1,7 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 """llama.cpp's logits on glm5_generate.py's prompts, in glm5_generate.py's output format.
 
-    python benchmarks/llama_cpp_logits.py --gguf FILE.gguf --lib DIR --out OUT.json
+    python -m benchmarks.llama_cpp_logits --gguf FILE.gguf --lib DIR --out OUT.json
         [--bindings DIR] [--max-tokens 32] [--n-gpu-layers 999] [--n-ubatch 512]
 
 DIR holds libllama.so (and its libggml*.so) of the pinned llama.cpp, e.g. a shared build
@@ -31,20 +31,17 @@ from pathlib import Path
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT / "tests" / "models"), str(ROOT / "tests" / "models" / "quantization")]
 
 
 def bindings_dir(explicit: str | None) -> Path:
     """The folder holding llama-cpp-python's `llama_cpp/` package (the pinned sdist's)."""
     if explicit:
         return Path(explicit)
-    sys.path.insert(0, str(ROOT))
-    import build
-    import gguf_reference as gr
+    from tests.models.quantization import gguf_reference as gr
+    from tools import upstream
 
-    sdist = build.fetch(*gr.LLAMA_CPP_PYTHON)
-    dest = build.cache_dir() / f"bindings-{sdist.name.removesuffix('.tar.gz')}"
+    sdist = upstream.fetch(*gr.LLAMA_CPP_PYTHON)
+    dest = upstream.cache_dir() / f"bindings-{sdist.name.removesuffix('.tar.gz')}"
     prefix = f"{sdist.name.removesuffix('.tar.gz')}/llama_cpp/"
     if not (dest / ".complete").exists():
         with tarfile.open(sdist) as tar:
@@ -161,7 +158,7 @@ def main():
     import faulthandler
 
     faulthandler.enable()  # a crash inside libllama still names the call it happened in
-    from glm5_generate import prompts
+    from tests.models.glm5_generate import prompts
 
     L = load_bindings(bindings_dir(args.bindings), Path(args.lib))
     longest = max(map(len, prompts(1000)))

@@ -2,9 +2,9 @@
 """Bounded load against a local `vllm serve`: OpenAI completions and chat, greedy.
 
     # the reference: the same prompts through vllm.LLM in this process
-    python benchmarks/serve_load.py offline --model M [--tokenizer T] --out ref.json
+    python -m benchmarks.serve_load offline --model M [--tokenizer T] --out ref.json
     # the load: CONCURRENCY clients for ROUNDS rounds against the server
-    python benchmarks/serve_load.py load --base-url http://127.0.0.1:8000 --model M \
+    python -m benchmarks.serve_load load --base-url http://127.0.0.1:8000 --model M \
         --reference ref.json --concurrency 64 --rounds 3 --json report.json
 
 Every prompt is sent as a completion (even index) or a chat message (odd index),

@@ -5,13 +5,20 @@ Tests import the *installed* vLLM (the overlay wheel), never vllm_overlay/.
 Without a CUDA GPU, Triton kernels run under the Triton interpreter
 (TRITON_INTERPRET=1, set here before anything imports Triton) and tests marked
 `gpu` are skipped; on the GPU host they run.
+
+tests/ and benchmarks/ are packages, as upstream's are: helpers import as
+`tests.models.glm5_tiny` or `benchmarks.kernels.cuda_graph_timing` (pytest puts the
+repository root on sys.path), and a file that runs as a script runs as
+`python -m tests.…` from the repository root.
 """
 
 import os
+from pathlib import Path
 
 import pytest
 import torch
 
+ROOT = Path(__file__).resolve().parents[1]
 HAS_CUDA = torch.cuda.is_available()
 if not HAS_CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -29,10 +36,6 @@ if os.environ.get("TRITON_INTERPRET") == "1":
     triton_utils.triton, triton_utils.tl, triton_utils.tldevice = triton, tl, tldevice
 
 
-def pytest_configure(config):
-    config.addinivalue_line("markers", "gpu: needs a CUDA GPU (run on the GPU host)")
-
-
 def pytest_collection_modifyitems(config, items):
     if HAS_CUDA:
         return
@@ -44,18 +47,20 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture(scope="session")
 def run_without_gpu():
-    """Run a test module as a script in a plain process: no GPU and no Triton
-    interpreter, which cannot compile (Triton compiles for any target without a
-    GPU). Returns what the script prints as JSON on its last line."""
+    """Run a module of tests/ (`python -m tests.…`, from the repository root) in a
+    plain process: no GPU and no Triton interpreter, which cannot compile (Triton
+    compiles for any target without a GPU). Returns what the module prints as JSON
+    on its last line."""
     import json
     import subprocess
     import sys
 
-    def run(script, *args, timeout: int = 600):
+    def run(module: str, *args, timeout: int = 600):
         env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
         env["CUDA_VISIBLE_DEVICES"] = ""
-        proc = subprocess.run([sys.executable, str(script), *map(str, args)], env=env,
-                              capture_output=True, text=True, timeout=timeout, check=False)
+        proc = subprocess.run([sys.executable, "-m", module, *map(str, args)], cwd=ROOT,
+                              env=env, capture_output=True, text=True, timeout=timeout,
+                              check=False)
         assert proc.returncode == 0, proc.stderr[-3000:]
         return json.loads(proc.stdout.strip().splitlines()[-1])
 

@@ -23,15 +23,16 @@ import tempfile
 import zipfile
 from pathlib import Path
 
-import build as b
-from build import BuildError, log
+from tools.common import (EXIT_BUNDLE, EXIT_DOWNLOAD, BuildError, copy_raw, entry_info, log,
+                          normalized_name, sha256_file)
+
 
 def freeze_pins(freeze: Path) -> dict[str, str]:
     pins = {}
     for line in freeze.read_text().splitlines():
         m = re.fullmatch(r"([A-Za-z0-9][A-Za-z0-9._-]*)\s*==\s*(\S+)", line.split("#")[0].strip())
         if m:
-            pins[re.sub(r"[-_.]+", "-", m.group(1)).lower()] = m.group(2)
+            pins[normalized_name(m.group(1))] = m.group(2)
     return pins
 
 
@@ -53,7 +54,7 @@ def pinned_lacking(only: Path, freeze: Path) -> list[str]:
     have = freeze_pins(freeze)
     wanted = freeze_pins(only)
     if not wanted:
-        raise BuildError(f"{only}: no 'name==version' lines", b.EXIT_BUNDLE)
+        raise BuildError(f"{only}: no 'name==version' lines", EXIT_BUNDLE)
     return [f"{n}=={v}" for n, v in sorted(wanted.items()) if have.get(n) != v]
 
 
@@ -70,10 +71,10 @@ def resolve_lacking(wheels: list[Path], freeze: Path, target: list[str],
                          capture_output=True, text=True)
     if "Can not use any platform or abi specific options" in res.stderr:
         raise BuildError("this pip cannot resolve for another platform without --target; "
-                         "upgrade it: python -m pip install -U 'pip>=25'", b.EXIT_BUNDLE)
+                         "upgrade it: python -m pip install -U 'pip>=25'", EXIT_BUNDLE)
     if res.returncode != 0:
         raise BuildError(f"pip could not resolve the dependencies:\n{res.stderr.strip()}",
-                         b.EXIT_BUNDLE)
+                         EXIT_BUNDLE)
     return [f"{i['metadata']['name']}=={i['metadata']['version']} "
             f"--hash=sha256:{i['download_info']['archive_info']['hashes']['sha256']}"
             for i in json.loads(report.read_text())["install"]
@@ -101,35 +102,39 @@ def slim_wheel(src_path: Path, dst_path: Path, patterns: list[str]) -> None:
                         if r and r[0] not in dropped]
                 buf = io.StringIO()
                 csv.writer(buf, lineterminator="\n").writerows(rows)
-                dst.writestr(b.entry_info(info.filename, 0o644, info.date_time),
+                dst.writestr(entry_info(info.filename, 0o644, info.date_time),
                              buf.getvalue().encode(), compress_type=zipfile.ZIP_DEFLATED)
             else:
-                b.copy_raw(src, info, dst, info.date_time)
+                copy_raw(src, info, dst, info.date_time)
     log(f"[bundle] dropped {len(dropped)} members from {src_path.name}")
 
 
-def bundle(args) -> int:
-    wheels_in = [Path(w).resolve() for w in args.wheel]
-    freeze = Path(args.exclude_from).resolve()
+def bundle(wheel_files: list[str], *, exclude_from: str, out: str, max_part: int,
+           python_version: str, platforms: list[str], only: str | None,
+           drop: list[str]) -> int:
+    """The bundle of `wheel_files` for a host whose `pip freeze` is `exclude_from`, in parts of
+    at most `max_part` bytes under `out`; `only`: a file of name==version pins to bundle instead
+    of the dependency closure; `drop`: globs of wheel members to leave out."""
+    wheels_in = [Path(w).resolve() for w in wheel_files]
+    freeze = Path(exclude_from).resolve()
     for p in (*wheels_in, freeze):
         if not p.is_file():
             raise BuildError(f"{p}: no such file", 2)
-    for pattern in args.drop:
+    for pattern in drop:
         if not any(dropped_members(w, [pattern]) for w in wheels_in):
             raise BuildError(f"--drop {pattern!r} matches nothing in "
-                             f"{', '.join(w.name for w in wheels_in)}", b.EXIT_BUNDLE)
-    out = Path(args.out).resolve()
-    py = args.python_version
+                             f"{', '.join(w.name for w in wheels_in)}", EXIT_BUNDLE)
+    out = Path(out).resolve()
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         wheels = tmp / "bundle" / "wheels"
         wheels.mkdir(parents=True)
         for wheel in wheels_in:
-            slim_wheel(wheel, wheels / wheel.name, args.drop)
-        target = ["--only-binary=:all:", "--python-version", py, "--implementation", "cp",
-                  *[a for p in args.platform for a in ("--platform", p)]]
-        if args.only:
-            needed = pinned_lacking(Path(args.only), freeze)
+            slim_wheel(wheel, wheels / wheel.name, drop)
+        target = ["--only-binary=:all:", "--python-version", python_version,
+                  "--implementation", "cp", *[a for p in platforms for a in ("--platform", p)]]
+        if only:
+            needed = pinned_lacking(Path(only), freeze)
         else:
             needed = resolve_lacking(wheels_in, freeze, target, tmp)
         log(f"[bundle] the target lacks {len(needed)} packages")
@@ -140,9 +145,9 @@ def bundle(args) -> int:
                                   "-r", str(reqs), "-d", str(wheels), *target],
                                  capture_output=True, text=True)
             if res.returncode != 0:
-                raise BuildError(f"pip download failed:\n{res.stderr.strip()}", b.EXIT_DOWNLOAD)
+                raise BuildError(f"pip download failed:\n{res.stderr.strip()}", EXIT_DOWNLOAD)
         (tmp / "bundle" / "install.sh").write_text(INSTALL_SH)
-        manifest = "".join(f"{b.sha256_file(w)}  wheels/{w.name}\n" for w in sorted(wheels.iterdir()))
+        manifest = "".join(f"{sha256_file(w)}  wheels/{w.name}\n" for w in sorted(wheels.iterdir()))
         (tmp / "bundle" / "MANIFEST.sha256").write_text(manifest)
         tar_path = tmp / "bundle.tar"
         with tarfile.open(tar_path, "w", format=tarfile.PAX_FORMAT) as tar:
@@ -159,13 +164,13 @@ def bundle(args) -> int:
             old.unlink(missing_ok=True)
         parts = []
         with open(tar_path, "rb") as f:
-            while chunk := f.read(args.max_part):
+            while chunk := f.read(max_part):
                 part = out / f"part-{len(parts):02d}"
                 part.write_bytes(chunk)
                 parts.append(part)
         (out / "install.sh").write_text(INSTALL_SH)
-        (out / "SHA256SUMS").write_text("".join(f"{b.sha256_file(p)}  {p.name}\n" for p in parts))
-    log(f"[bundle] {out}: {len(parts)} parts of at most {args.max_part} bytes; on the target: "
+        (out / "SHA256SUMS").write_text("".join(f"{sha256_file(p)}  {p.name}\n" for p in parts))
+    log(f"[bundle] {out}: {len(parts)} parts of at most {max_part} bytes; on the target: "
         f"bash install.sh PARTS_DIR [SITE]")
     return 0
 

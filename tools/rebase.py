@@ -31,24 +31,23 @@ import tempfile
 import zipfile
 from pathlib import Path
 
-import build as b
+from tools.common import (EXIT_DOWNLOAD, EXIT_LOCK, EXIT_REBASE, BuildError, dist_name, log,
+                          normalized_name, write_atomic)
+from tools.upstream import (DEFAULT_PLATFORM, LOCK, OVERLAY, ROOT, fetch, fetch_wheel,
+                            index_files, load_lock, module_name, overlay_files, pin_of, pins)
 
 CONFLICT_RE = re.compile(r"^(<<<<<<< |>>>>>>> )", re.M)
 
 
-def normalized(package: str) -> str:
-    return re.sub(r"[-_.]+", "-", package).lower()
-
-
 def release_files(package: str, version: str, platforms: list[str]) -> dict:
     """sdist and per-platform wheel of `version` from the index, with their sha256."""
-    files = b.index_files(package)
-    dist = b.dist_name(package)
+    files = index_files(package)
+    dist = dist_name(package)
     sdists = [n for n in (f"{package}-{version}.tar.gz", f"{dist}-{version}.tar.gz")
               if n in files]
     if not sdists:
-        raise b.BuildError(f"{package} {version} is not on the package index (no "
-                           f"{dist}-{version}.tar.gz)", b.EXIT_DOWNLOAD)
+        raise BuildError(f"{package} {version} is not on the package index (no "
+                         f"{dist}-{version}.tar.gz)", EXIT_DOWNLOAD)
     wheels = {}
     for plat in platforms:
         plain = f"{dist}-{version}-cp38-abi3-{plat}.whl"
@@ -56,8 +55,8 @@ def release_files(package: str, version: str, platforms: list[str]) -> dict:
                         and n.endswith(f"-{plat}.whl"))
         name = plain if plain in files else (tagged[0] if tagged else None)
         if name is None:
-            raise b.BuildError(f"{package} {version} has no wheel for {plat} on the index",
-                               b.EXIT_DOWNLOAD)
+            raise BuildError(f"{package} {version} has no wheel for {plat} on the index",
+                             EXIT_DOWNLOAD)
         wheels[plat] = {"filename": name, "sha256": files[name]["sha256"]}
     sdist = sdists[0]
     return {"sdist": {"filename": sdist, "sha256": files[sdist]["sha256"]}, "wheels": wheels}
@@ -65,13 +64,13 @@ def release_files(package: str, version: str, platforms: list[str]) -> dict:
 
 def latest_version(package: str) -> str:
     versions = set()
-    names = (re.escape(package), re.escape(b.dist_name(package)))
-    for name in b.index_files(package):
+    names = (re.escape(package), re.escape(dist_name(package)))
+    for name in index_files(package):
         m = re.fullmatch(rf"(?:{'|'.join(names)})-(\d+(?:\.\d+)*)\.tar\.gz", name)
         if m:
             versions.add(m.group(1))
     if not versions:
-        raise b.BuildError(f"no release of {package} on the package index", b.EXIT_DOWNLOAD)
+        raise BuildError(f"no release of {package} on the package index", EXIT_DOWNLOAD)
     return max(versions, key=lambda v: tuple(int(x) for x in v.split(".")))
 
 
@@ -86,7 +85,7 @@ def merge(base: str, ours: str, theirs: str, labels: tuple[str, str, str]) -> tu
         res = subprocess.run(["git", "merge-file", "-p", "-L", labels[0], "-L", labels[1],
                               "-L", labels[2], *paths], capture_output=True, text=True)
     if res.returncode < 0 or res.returncode > 127:
-        raise b.BuildError(f"git merge-file failed: {res.stderr.strip()}", b.EXIT_LOCK)
+        raise BuildError(f"git merge-file failed: {res.stderr.strip()}", EXIT_LOCK)
     return res.stdout, res.returncode
 
 
@@ -124,44 +123,46 @@ def module_file(module: str, names: set[str]) -> str | None:
 
 def pin_key(lock: dict, package: str) -> str:
     """The lock table that pins `package`: [upstream] for vLLM, [plugin] for the other."""
-    for key in b.pins(lock):
-        if normalized(lock[key]["package"]) == normalized(package):
+    for key in pins(lock):
+        if normalized_name(lock[key]["package"]) == normalized_name(package):
             return key
     if "plugin" in lock:
-        raise b.BuildError(f"upstream.lock pins {lock['upstream']['package']} and "
-                           f"{lock['plugin']['package']}; {package} would be a third upstream",
-                           b.EXIT_LOCK)
+        raise BuildError(f"upstream.lock pins {lock['upstream']['package']} and "
+                         f"{lock['plugin']['package']}; {package} would be a third upstream",
+                         EXIT_LOCK)
     return "plugin"
 
 
-def rebase(to: str, allow_conflicts: bool, dry_run: bool, report_path: Path | None,
-           package: str = "vllm") -> int:
+def rebase(to: str, *, package: str = "vllm", dry_run: bool = False,
+           allow_conflicts: bool = False, report_path: Path | None = None) -> int:
+    """Move `package`'s pin to release `to` ("latest": the newest on the index) and merge its
+    overlay files; `dry_run` only reports."""
     if PENDING.exists() and not dry_run:
-        raise b.BuildError("a rebase is in progress: resolve the conflicts and run "
-                           "`build.py rebase --continue`, or `--abort`", b.EXIT_REBASE)
-    lock = b.load_lock()
+        raise BuildError("a rebase is in progress: resolve the conflicts and run "
+                         "`build.py rebase --continue`, or `--abort`", EXIT_REBASE)
+    lock = load_lock()
     key = pin_key(lock, package)
     if key not in lock:
-        return pin_new(lock, key, package, to, dry_run, report_path)
+        return pin_new(lock, key, package, to, dry_run=dry_run, report_path=report_path)
     up = lock[key]
-    top = b.module_name(up["package"])
+    top = module_name(up["package"])
     if to == "latest":
         to = latest_version(up["package"])
     if to == up["version"]:
-        b.log(f"[rebase] already at {to}")
+        log(f"[rebase] already at {to}")
     platforms = sorted(lock["upstream"]["wheels"])
     new = release_files(up["package"], to, platforms)
-    platform = b.DEFAULT_PLATFORM if b.DEFAULT_PLATFORM in up["wheels"] else sorted(up["wheels"])[0]
-    old_wheel = b.fetch_wheel(lock, platform, key)
-    new_wheel = b.fetch(up["package"], **new["wheels"][platform])
-    b.fetch(up["package"], **new["sdist"])  # verify it too: the lock will pin it
+    platform = DEFAULT_PLATFORM if DEFAULT_PLATFORM in up["wheels"] else sorted(up["wheels"])[0]
+    old_wheel = fetch_wheel(lock, platform, key)
+    new_wheel = fetch(up["package"], **new["wheels"][platform])
+    fetch(up["package"], **new["sdist"])  # verify it too: the lock will pin it
 
-    files = b.overlay_files(lock)
+    files = overlay_files(lock)
     results, writes = [], {}
     with zipfile.ZipFile(old_wheel) as old_zf, zipfile.ZipFile(new_wheel) as new_zf:
         old_names, new_names = set(old_zf.namelist()), set(new_zf.namelist())
         for rel, entry in sorted(lock["overlay"].items()):
-            mine = b.pin_of(lock, rel) == key
+            mine = pin_of(lock, rel) == key
             ours = files[rel].read_text() if rel in files else None
             row = {"path": rel, "kind": "new" if entry.get("new") is True else "replaced"}
             if not mine:
@@ -178,8 +179,8 @@ def rebase(to: str, allow_conflicts: bool, dry_run: bool, report_path: Path | No
             else:
                 base = old_zf.read(rel).decode()
                 if hashlib.sha256(base.encode()).hexdigest() != entry["base_sha256"]:
-                    raise b.BuildError(f"{rel}: the pinned wheel does not hold the recorded "
-                                       f"base; run `build.py check`", b.EXIT_LOCK)
+                    raise BuildError(f"{rel}: the pinned wheel does not hold the recorded "
+                                     f"base; run `build.py check`", EXIT_LOCK)
                 theirs = new_zf.read(rel).decode()
                 row["new_base_sha256"] = hashlib.sha256(theirs.encode()).hexdigest()
                 row["hunks_ours"] = hunks(base, ours)
@@ -221,9 +222,9 @@ def rebase(to: str, allow_conflicts: bool, dry_run: bool, report_path: Path | No
         # what --abort puts back: every overlay file of this upstream (the maintainer may
         # remove some while resolving)
         originals = {rel: path.read_text() for rel, path in files.items()
-                     if b.pin_of(lock, rel) == key}
+                     if pin_of(lock, rel) == key}
         for rel, text in writes.items():
-            b.write_atomic(files[rel], text.encode())
+            write_atomic(files[rel], text.encode())
         report["written"] = sorted(writes)
         if waiting and not allow_conflicts:
             # Like `git rebase`: resolve the markers and move deleted files' changes, then
@@ -232,17 +233,14 @@ def rebase(to: str, allow_conflicts: bool, dry_run: bool, report_path: Path | No
                      "wheels": new["wheels"], "bases": new_bases, "originals": originals,
                      "deleted": sorted(r["path"] for r in waiting
                                        if r["result"] == "deleted-upstream"),
-                     "overlay": sorted(files), "lock": b.LOCK.read_text()}
-            b.write_atomic(PENDING, (json.dumps(state, indent=1) + "\n").encode())
+                     "overlay": sorted(files), "lock": LOCK.read_text()}
+            write_atomic(PENDING, (json.dumps(state, indent=1) + "\n").encode())
         else:
             update_lock(lock, key, to, new["sdist"], new["wheels"], new_bases)
             report["lock_updated"] = True
 
     print(f"rebase {up['package']} {up['version']} -> {to}{' (dry run)' if dry_run else ''}")
-    for r in results:
-        if r["result"] == "other-upstream":
-            if not r.get("imports_changed_upstream"):
-                continue
+    for r in results:  # every overlay file, the other upstream's too
         extra = f", {r['conflicts']} conflicts" if r.get("conflicts") else ""
         hunk = (f" (overlay {r['hunks_ours']} hunks, upstream {r['hunks_upstream']} hunks{extra})"
                 if "hunks_ours" in r else "")
@@ -262,19 +260,19 @@ def rebase(to: str, allow_conflicts: bool, dry_run: bool, report_path: Path | No
                   f"mechanism lives now, then remove the overlay file")
         print("then `python build.py rebase --continue` (or --abort)")
     if report_path:
-        b.write_atomic(report_path, (json.dumps(report, indent=1) + "\n").encode())
-    return 0 if not blocking else b.EXIT_REBASE
+        write_atomic(report_path, (json.dumps(report, indent=1) + "\n").encode())
+    return 0 if not blocking else EXIT_REBASE
 
 
-def pin_new(lock: dict, key: str, package: str, to: str, dry_run: bool,
+def pin_new(lock: dict, key: str, package: str, to: str, *, dry_run: bool,
             report_path: Path | None) -> int:
     """First pin of a second upstream (no overlay files of it exist yet)."""
     if to == "latest":
         to = latest_version(package)
     new = release_files(package, to, sorted(lock["upstream"]["wheels"]))
-    platform = b.DEFAULT_PLATFORM if b.DEFAULT_PLATFORM in new["wheels"] else sorted(new["wheels"])[0]
-    b.fetch(package, **new["wheels"][platform])
-    b.fetch(package, **new["sdist"])
+    platform = DEFAULT_PLATFORM if DEFAULT_PLATFORM in new["wheels"] else sorted(new["wheels"])[0]
+    fetch(package, **new["wheels"][platform])
+    fetch(package, **new["sdist"])
     report = {"package": package, "from": None, "to": to, "wheel": new["wheels"][platform],
               "sdist": new["sdist"], "files": [], "clean": True, "lock_updated": False,
               "dry_run": dry_run}
@@ -284,13 +282,13 @@ def pin_new(lock: dict, key: str, package: str, to: str, dry_run: bool,
         report["lock_updated"] = True
     print(f"rebase {package}: not pinned -> {to}{' (dry run)' if dry_run else ''}")
     print(f"lock {'updated' if report['lock_updated'] else 'not updated'}; its overlay files go "
-          f"under vllm_overlay/{b.module_name(package)}/")
+          f"under vllm_overlay/{module_name(package)}/")
     if report_path:
-        b.write_atomic(report_path, (json.dumps(report, indent=1) + "\n").encode())
+        write_atomic(report_path, (json.dumps(report, indent=1) + "\n").encode())
     return 0
 
 
-PENDING = b.ROOT / "rebase-pending.json"
+PENDING = ROOT / "rebase-pending.json"
 
 
 def update_lock(lock: dict, key: str, to: str, sdist: dict, wheels: dict, bases: dict,
@@ -301,37 +299,37 @@ def update_lock(lock: dict, key: str, to: str, sdist: dict, wheels: dict, bases:
             lock["overlay"][rel]["base_sha256"] = sha
     for rel in dropped:
         lock["overlay"].pop(rel, None)
-    b.write_atomic(b.LOCK, dump_lock(lock).encode())
+    write_atomic(LOCK, dump_lock(lock).encode())
 
 
-def resume(abort: bool) -> int:
+def resume(*, abort: bool) -> int:
     """--continue: conflicts resolved and deleted files' changes moved: move the pin;
     --abort: restore the overlay files (and put back any the maintainer removed)."""
     if not PENDING.exists():
-        raise b.BuildError("no rebase in progress", b.EXIT_REBASE)
+        raise BuildError("no rebase in progress", EXIT_REBASE)
     state = json.loads(PENDING.read_text())
-    lock = b.load_lock()
-    files = b.overlay_files(lock)
+    lock = load_lock()
+    files = overlay_files(lock)
     if abort:
         for rel, text in state["originals"].items():
-            path = b.OVERLAY / rel
+            path = OVERLAY / rel
             path.parent.mkdir(parents=True, exist_ok=True)
-            b.write_atomic(path, text.encode())
-        b.write_atomic(b.LOCK, state["lock"].encode())
+            write_atomic(path, text.encode())
+        write_atomic(LOCK, state["lock"].encode())
         PENDING.unlink()
-        b.log(f"[rebase] aborted; {len(state['originals'])} overlay files and the lock restored")
+        log(f"[rebase] aborted; {len(state['originals'])} overlay files and the lock restored")
         return 0
     left = [rel for rel in state["bases"]
             if rel in files and CONFLICT_RE.search(files[rel].read_text())]
     if left:
-        raise b.BuildError("unresolved conflict markers in: " + ", ".join(left), b.EXIT_REBASE)
+        raise BuildError("unresolved conflict markers in: " + ", ".join(left), EXIT_REBASE)
     kept = [rel for rel in state["deleted"] if rel in files]
     if kept:
-        raise b.BuildError(
+        raise BuildError(
             "deleted upstream, still in the overlay: " + ", ".join(kept) + " (move the change "
-            "to where its mechanism lives now and remove the file)", b.EXIT_REBASE)
+            "to where its mechanism lives now and remove the file)", EXIT_REBASE)
     key = state["key"]
-    mine = [rel for rel in lock["overlay"] if b.pin_of(lock, rel) == key]
+    mine = [rel for rel in lock["overlay"] if pin_of(lock, rel) == key]
     dropped = tuple(sorted(rel for rel in mine if rel not in files))
     added = sorted(rel for rel in files if rel not in lock["overlay"])
     update_lock(lock, key, state["to"], state["sdist"], state["wheels"],
@@ -339,11 +337,11 @@ def resume(abort: bool) -> int:
                 dropped)
     PENDING.unlink()
     for rel in dropped:
-        b.log(f"[rebase] no longer in the overlay: {rel} (lock entry removed)")
+        log(f"[rebase] no longer in the overlay: {rel} (lock entry removed)")
     for rel in added:
-        b.log(f"[rebase] not in upstream.lock yet: {rel} (`build.py check` names its entry)")
-    b.log(f"[rebase] upstream.lock now pins {state['package']} {state['to']}; run "
-          f"`python build.py check`")
+        log(f"[rebase] not in upstream.lock yet: {rel} (`build.py check` names its entry)")
+    log(f"[rebase] upstream.lock now pins {state['package']} {state['to']}; run "
+        f"`python build.py check`")
     return 0
 
 

@@ -2,7 +2,7 @@
 """GGUF matrix products at GLM-5's shapes: each kernel path of vllm-gguf-plugin by token
 count, against the 16-bit tensor-core bound, same weights.
 
-    python benchmarks/kernels/benchmark_gguf_ops.py [--json out.json] [--md out.md]
+    python -m benchmarks.kernels.benchmark_gguf_ops [--json out.json] [--md out.md]
         [--types Q4_K Q6_K Q8_0 IQ2_S] [--tokens 1 8 64 512 8192] [--ops dense moe]
 
 Why: the overlay's prefill of a GGUF runs 3-4x slower than llama.cpp's on the same file
@@ -106,7 +106,7 @@ def fastest(row_paths: dict) -> str | None:
 def _time_us(fn) -> tuple[float, str]:
     from triton.testing import do_bench
 
-    from cuda_graph_timing import graph_us  # this folder
+    from benchmarks.kernels.cuda_graph_timing import graph_us
 
     try:
         return graph_us([fn]), "graph"

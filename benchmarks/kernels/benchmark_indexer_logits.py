@@ -2,7 +2,7 @@
 """Sparse-indexer logits: the portable Triton kernels (fp8 dots, and the 16-bit dots
 of GPUs without them) vs DeepGEMM, same inputs.
 
-    python benchmarks/kernels/benchmark_indexer_logits.py [--json out.json]
+    python -m benchmarks.kernels.benchmark_indexer_logits [--json out.json]
 
 GLM-5 indexer shape (32 heads x 128, fp8). Prefill: M query rows of one request
 whose keys end at N (causal bounds), compute-bound: 2*M*N*32*128 FLOP (upper
@@ -30,7 +30,7 @@ from triton.testing import do_bench
 
 from vllm.v1.attention.ops import triton_indexer_logits as il
 
-from cuda_graph_timing import graph_us  # this folder
+from benchmarks.kernels.cuda_graph_timing import graph_us
 
 FP8 = torch.float8_e4m3fn
 H, D, BS = 32, 128, 64

@@ -1,7 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 """Sparse MLA attention: TRITON_MLA_SPARSE's kernel path vs FlashMLA sparse.
 
-    python benchmarks/kernels/benchmark_triton_mla_sparse.py [--json out.json]
+    python -m benchmarks.kernels.benchmark_triton_mla_sparse [--json out.json]
 
 For every (tokens T, heads H, KV dtype) it times one call (GPU time, from
 CUDA-graph replays; also eager, with Python launch overhead) of the backend's
@@ -45,7 +45,7 @@ from vllm.platforms import current_platform
 from vllm.v1.attention.ops import sparse_mla_launch as sml
 from vllm.v1.attention.ops import triton_sparse_mla
 
-from cuda_graph_timing import graph_us  # this folder
+from benchmarks.kernels.cuda_graph_timing import graph_us
 
 KV_LORA, HEAD = 512, 576
 Q_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}

@@ -3,9 +3,9 @@
 from Nsight Compute's source page.
 
     ncu -k regex:_sparse_mla_kernel -c 1 --section SourceCounters --page source \
-        --print-source sass,cuda --csv python benchmarks/kernels/sparse_mla_one_launch.py \
+        --print-source sass,cuda --csv python -m benchmarks.kernels.sparse_mla_one_launch \
         4096 64 bf16 > src.csv
-    python benchmarks/kernels/ncu_source_lines.py src.csv triton_sparse_mla.py [TOP]
+    python -m benchmarks.kernels.ncu_source_lines src.csv triton_sparse_mla.py [TOP]
 """
 
 import collections

@@ -2,7 +2,7 @@
 """One launch of the sparse MLA gather kernel at a benchmark shape, for a profiler:
 
     ncu -k regex:_sparse_mla_kernel -c 1 --section WarpStateStats ... \
-        python benchmarks/kernels/sparse_mla_one_launch.py TOKENS HEADS {bf16,fp8}
+        python -m benchmarks.kernels.sparse_mla_one_launch TOKENS HEADS {bf16,fp8}
 
 bf16 queries, topk 2048, a 262,144-token pool, random slots per token, the launch
 table's configuration for the device. On Hopper, 64-head tiles run the

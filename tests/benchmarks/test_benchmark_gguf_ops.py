@@ -5,17 +5,13 @@ finite values), its flop/byte counts, its choice of the fastest right path and i
 table; on a GPU, every path of a small dense and MoE case against float32."""
 
 import math
-import sys
-from pathlib import Path
 
 import gguf
 import numpy as np
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "benchmarks" / "kernels"))  # as when run as a script
-import benchmark_gguf_ops as bench  # noqa: E402
+from benchmarks.kernels import benchmark_gguf_ops as bench
 
 ALL_TYPES = ("Q4_0", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ2_XXS", "IQ2_XS",
              "IQ2_S", "IQ3_XXS", "IQ3_S", "IQ4_XS", "IQ4_NL", "IQ1_S", "IQ1_M")

@@ -3,19 +3,10 @@
 kinds of the Triton kernels side by side, their ratio checked against the SM80/86
 targets, in its JSON rows and its table; on a GPU, a small case of each kind runs."""
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "benchmarks" / "kernels"))  # as when run as a script
-spec = importlib.util.spec_from_file_location(
-    "benchmark_indexer_logits", ROOT / "benchmarks" / "kernels" / "benchmark_indexer_logits.py")
-bench = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(bench)
+from benchmarks.kernels import benchmark_indexer_logits as bench
 
 
 def test_ratios_and_targets():

@@ -1,9 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 """The accuracy matrix enumerates every row and applies its stated bound."""
 
-from benchmark_scripts import load_benchmark
-
-matrix = load_benchmark("glm5_accuracy_matrix")
+from benchmarks import glm5_accuracy_matrix as matrix
 
 
 def test_every_row_once():

@@ -2,9 +2,7 @@
 """The accuracy comparison with llama.cpp (benchmarks/glm5_gguf_accuracy.py): its paths
 and its table, each engine's error and the overlay's over llama.cpp's."""
 
-from benchmark_scripts import load_benchmark
-
-acc = load_benchmark("glm5_gguf_accuracy")
+from benchmarks import glm5_gguf_accuracy as acc
 
 
 def test_paths_name_the_sm120_path_and_upstreams():

@@ -4,9 +4,8 @@ checks: lossless greedy output up to a stated near-tie, acceptance against the b
 file's, TRITON_MLA_SPARSE for target and draft."""
 
 import pytest
-from benchmark_scripts import load_benchmark
 
-matrix = load_benchmark("glm5_mtp_matrix")
+from benchmarks import glm5_mtp_matrix as matrix
 
 
 def test_every_row_once():

@@ -4,15 +4,9 @@ issue states it (hidden 6144, 64 heads, 32 indexer heads, top-k 2048, 256-dim v
 heads) plus GLM-5's MLA ranks, and loads as a GlmMoeDsaConfig; its decode step
 time comes from each request's token timestamps."""
 
-import importlib.util
-from pathlib import Path
 from types import SimpleNamespace
 
-ROOT = Path(__file__).resolve().parents[2]
-spec = importlib.util.spec_from_file_location("glm5_throughput",
-                                              ROOT / "benchmarks" / "glm5_throughput.py")
-bench = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(bench)
+from benchmarks import glm5_throughput as bench
 
 
 def test_glm5_per_layer_shape():

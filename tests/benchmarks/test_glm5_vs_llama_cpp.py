@@ -17,10 +17,9 @@ import math
 from pathlib import Path
 
 import pytest
-from benchmark_scripts import load_benchmark
 
-gen = load_benchmark("glm5_llama_cpp_model")
-bench = load_benchmark("glm5_vs_llama_cpp")
+from benchmarks import glm5_llama_cpp_model as gen
+from benchmarks import glm5_vs_llama_cpp as bench
 
 
 def test_full_size_checkpoint_is_glm5_shaped():

@@ -3,19 +3,14 @@
 passes a deterministic server and catches failed requests, texts that change
 between rounds and texts that differ from the offline reference."""
 
-import importlib.util
 import json
 import threading
 from argparse import Namespace
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
-spec = importlib.util.spec_from_file_location("serve_load", ROOT / "benchmarks" / "serve_load.py")
-serve_load = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(serve_load)
+from benchmarks import serve_load
 
 
 def answer(body: dict) -> str:

@@ -5,24 +5,14 @@ deeper software pipelines and, for an fp8 cache at 64 heads, reading the rows on
 or twice; every candidate runs and matches the table's launch on the same inputs."""
 
 import dataclasses
-import importlib.util
 import math
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
+from benchmarks.kernels import benchmark_triton_mla_sparse as bench
 from vllm.v1.attention.ops import sparse_mla_launch as sml
 from vllm.v1.attention.ops import triton_sparse_mla as tsm
-
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "benchmarks" / "kernels"))  # as when run as a script
-spec = importlib.util.spec_from_file_location(
-    "benchmark_triton_mla_sparse",
-    ROOT / "benchmarks" / "kernels" / "benchmark_triton_mla_sparse.py")
-bench = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(bench)
 
 RELOAD = sml.SparseMLATile.TRITON_V_RELOAD
 # the Triton tiles of an H200 (Hopper without the Gluon tiles)

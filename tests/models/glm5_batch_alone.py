@@ -3,7 +3,7 @@
 generated in one batch against each prompt alone, in one engine, with or without MTP:
 whether batch composition alone changes a file's greedy output.
 
-    python tests/models/glm5_batch_alone.py FILE.gguf N
+    python -m tests.models.glm5_batch_alone FILE.gguf N
 
 N = 0: no speculative decoding, else MTP with N draft tokens. TRITON_MLA_SPARSE for
 target and draft, the portable indexer, float16, eager. Prints "DIAG N [step of the
@@ -14,8 +14,7 @@ $OUT/diag-N.json (both outputs).
 import json, os, sys
 os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
 os.environ["VLLM_SPARSE_INDEXER_LOGITS"] = "triton"
-sys.path[:0] = [os.path.dirname(os.path.abspath(__file__))]
-from glm5_trained import prompts
+from tests.models.glm5_trained import prompts
 from vllm import LLM, SamplingParams
 f, n = sys.argv[1], int(sys.argv[2])
 spec = {"method": "mtp", "num_speculative_tokens": n, "attention_backend": "TRITON_MLA_SPARSE"}

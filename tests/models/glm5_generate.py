@@ -1,7 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 """Generate with vLLM from a (tiny) GLM-5 checkpoint and dump tokens and logprobs.
 
-    python tests/models/glm5_generate.py --model DIR|FILE.gguf --out OUT.json
+    python -m tests.models.glm5_generate --model DIR|FILE.gguf --out OUT.json
         [--attention-backend NAME] [--indexer auto|deepgemm|triton] [--kv-cache-dtype D]
         [--eager] [--inspect]
 

@@ -1,7 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 """The transformers fp32 reference for glm5_generate.py's prompts and output format.
 
-    python tests/models/glm5_hf_reference.py --model DIR --out OUT.json [--device cuda]
+    python -m tests.models.glm5_hf_reference --model DIR --out OUT.json [--device cuda]
 
 transformers' `GlmMoeDsaForCausalLM` (with its DSA indexer) in float32 computes,
 for the same fixed prompts, the top-5 prompt logprobs (plus the prompt token's
@@ -12,13 +12,10 @@ model itself is involved.
 
 import argparse
 import json
-import sys
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from glm5_generate import prompts  # noqa: E402
+from tests.models.glm5_generate import prompts
 
 
 def top(logprobs: torch.Tensor, also: int | None = None) -> dict[str, float]:

@@ -2,7 +2,7 @@
 """Greedy generation, MTP acceptance and decode speed of vLLM on the trained tiny
 GLM-5 (glm5_trained.py), with or without MTP speculative decoding.
 
-    python tests/models/glm5_mtp_generate.py --model DIR|FILE.gguf --out OUT.json
+    python -m tests.models.glm5_mtp_generate --model DIR|FILE.gguf --out OUT.json
         [--num-speculative-tokens N] [--attention-backend NAME]
         [--indexer auto|deepgemm|triton] [--dtype D] [--eager]
 
@@ -109,8 +109,8 @@ def main():
     os.environ["VLLM_SPARSE_INDEXER_LOGITS"] = args.indexer
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
 
-    from glm5_generate import attention_backend_name, count_triton_indexer_calls
-    from glm5_trained import prompts
+    from tests.models.glm5_generate import attention_backend_name, count_triton_indexer_calls
+    from tests.models.glm5_trained import prompts
     from vllm import LLM, SamplingParams
     from vllm.v1.attention.ops import triton_indexer_logits as il
 

@@ -1,7 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 """How far apart two identical vLLM runs of the tiny GLM-5 are, per path.
 
-    python tests/models/glm5_rerun.py --out DIR [--mem 0.05] [--json REPORT]
+    python -m tests.models.glm5_rerun --out DIR [--mem 0.05] [--json REPORT]
 
 Each path (attention backend x indexer) runs twice on the same checkpoint with the
 same settings (eager; bf16, plus fp16 for TRITON_MLA_SPARSE + portable indexer, as
@@ -14,13 +14,10 @@ gives mean 0. Used to locate run-to-run variation, not to bound it.
 import argparse
 import concurrent.futures
 import json
-import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from glm5_runs import compare, generate  # noqa: E402
-from glm5_tiny import make_tiny_glm5  # noqa: E402
+from tests.models.glm5_runs import compare, generate
+from tests.models.glm5_tiny import make_tiny_glm5
 
 PATHS = {
     "flashmla+deepgemm": {"attention_backend": "FLASHMLA_SPARSE", "indexer": "deepgemm",

@@ -1,6 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Run glm5_generate.py (vLLM) and glm5_hf_reference.py (transformers fp32) in
-subprocesses and compare their JSON outputs."""
+"""Run tests.models.glm5_generate (vLLM) and tests.models.glm5_hf_reference
+(transformers fp32) in subprocesses and compare their JSON outputs."""
 
 import json
 import re
@@ -8,12 +8,13 @@ import subprocess
 import sys
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
-def _run(script, out, args, env=None):
-    cmd = [sys.executable, str(HERE / script), "--out", str(out), *args]
-    res = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
+def _run(module, out, args, env=None):
+    """`python -m module --out OUT ARGS...` from the repository root; its JSON."""
+    cmd = [sys.executable, "-m", module, "--out", str(out), *args]
+    res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600, env=env)
     # the error lines first: a failed engine start ends with teardown warnings
     errors = [line for line in res.stderr.splitlines() if re.search(r"\w(Error|Exception): ", line)]
     assert res.returncode == 0, ("\n".join(errors[-3:]) + "\n---\n" + res.stdout[-3000:]
@@ -26,12 +27,12 @@ def generate(model, out, eager=True, env=None, **kw):
     args = ["--model", str(model)] + (["--eager"] if eager else [])
     for k, v in kw.items():  # a value of "" is a bare flag
         args += [f"--{k.replace('_', '-')}"] + ([v] if v != "" else [])
-    return _run("glm5_generate.py", out, args, env=env)
+    return _run("tests.models.glm5_generate", out, args, env=env)
 
 
 def hf_reference(model_dir, out):
     """transformers fp32 on the checkpoint dir."""
-    return _run("glm5_hf_reference.py", out, ["--model", str(model_dir)])
+    return _run("tests.models.glm5_hf_reference", out, ["--model", str(model_dir)])
 
 
 def compare(a, b):

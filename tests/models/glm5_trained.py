@@ -36,7 +36,7 @@ and of this module's training code, so CI pays for it once;
 VLLM_OVERLAY_GLM5_TRAINED names a ready one (e.g. carried to the offline GPU host).
 Bitwise, a run reproduces only with the same torch version and thread count.
 
-    python tests/models/glm5_trained.py [--out DIR]   # train (or find) and print metrics
+    python -m tests.models.glm5_trained [--out DIR]   # train (or find) and print metrics
 """
 
 import hashlib
@@ -44,16 +44,14 @@ import inspect
 import json
 import os
 import shutil
-import sys
 import time
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from glm5_tiny import TINY_GLM5
+from tests.models.glm5_tiny import TINY_GLM5
 
-ROOT = Path(__file__).resolve().parents[2]
 N_LAYERS = 2
 TRAINED_GLM5 = {
     **TINY_GLM5,
@@ -311,10 +309,9 @@ def save(model: TrainedGlm5, path: Path) -> None:
 
 
 def cache_root() -> Path:
-    sys.path.insert(0, str(ROOT))
-    import build
+    from tools import upstream
 
-    return build.cache_dir()
+    return upstream.cache_dir()
 
 
 def trained_glm5(recipe: dict = RECIPE, log=print) -> Path:
@@ -325,8 +322,8 @@ def trained_glm5(recipe: dict = RECIPE, log=print) -> Path:
     home = cache_root() / f"glm5-trained-{_digest(recipe)}"
     if (home / "metrics.json").exists():
         return home
-    sys.path.insert(0, str(Path(__file__).resolve().parent / "quantization"))
-    import gguf_reference as gr  # the test tokenizer, as for the random tiny model
+    # the test tokenizer, as for the random tiny model
+    from tests.models.quantization import gguf_reference as gr
 
     work = home.with_name(f"{home.name}.partial-{os.getpid()}")
     shutil.rmtree(work, ignore_errors=True)

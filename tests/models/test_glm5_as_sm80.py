@@ -20,8 +20,9 @@ where upstream takes no fp16). A second test forces the 16-bit dots on the H200'
 own capability (VLLM_SPARSE_INDEXER_DOTS=16bit) and compares them with the fp8-dot
 Triton path as well.
 
-Run as a script, this file is tests/models/glm5_generate.py counting the Triton
-indexer's kernel launches by dot kind and (eager) the q quantization's stores by kind.
+Run as a script (`python -m tests.models.test_glm5_as_sm80`), this file is
+tests.models.glm5_generate counting the Triton indexer's kernel launches by dot kind and
+(eager) the q quantization's stores by kind.
 """
 
 import importlib.util
@@ -32,8 +33,8 @@ from pathlib import Path
 
 import pytest
 
-from glm5_runs import _run, compare, generate, hf_reference, within_rerun
-from glm5_tiny import make_tiny_glm5
+from tests.models.glm5_runs import _run, compare, generate, hf_reference, within_rerun
+from tests.models.glm5_tiny import make_tiny_glm5
 
 # opt-in shared memory per block, as the test hook reports it (bytes)
 SHARED_MEM = {"8.0": 163 * 1024, "8.6": 99 * 1024}
@@ -46,7 +47,7 @@ def generate_counted(model, out, eager=True, env=None, **kw) -> dict:
     args = ["--model", str(model)] + (["--eager"] if eager else [])
     for k, v in kw.items():
         args += [f"--{k.replace('_', '-')}", v]
-    return _run(Path(__file__).name, out, args, env=env)
+    return _run(__name__, out, args, env=env)
 
 
 def bound(ref_mean: float) -> float:
@@ -173,8 +174,7 @@ def _count_launches(rope: bool) -> dict:
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    import glm5_generate
+    from tests.models import glm5_generate
 
     launches = _count_launches(rope="--eager" in sys.argv)
     glm5_generate.main()

@@ -16,8 +16,8 @@ import os
 
 import pytest
 
-from glm5_runs import compare, generate
-from glm5_tiny import make_tiny_glm5
+from tests.models.glm5_runs import compare, generate
+from tests.models.glm5_tiny import make_tiny_glm5
 
 
 @pytest.mark.gpu

@@ -303,6 +303,7 @@ def synthetic_project(tmp_path, overlay: dict[str, str], lock_overlay: str,
     (cache / "upstream").mkdir(parents=True)
     proj.mkdir()
     shutil.copy(ROOT / "build.py", proj / "build.py")
+    shutil.copytree(ROOT / "tools", proj / "tools", ignore=shutil.ignore_patterns("__pycache__"))
     name = "vllm-0.23.0-cp38-abi3-manylinux_2_28_x86_64.whl"
     make_wheel(cache / "upstream" / name, "0.23.0", {
         "vllm/__init__.py": "",

@@ -5,6 +5,7 @@ synthetic releases served from a local file:// index for the conflict cases."""
 import hashlib
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -13,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from test_build import make_wheel, run_build, sha256, synthetic_lock
+from tests.overlay.test_build import make_wheel, run_build, sha256, synthetic_lock
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -73,6 +74,7 @@ def test_0_25_0_conflicts_in_the_indexer_and_abort_restores(tmp_path):
     assert not report["lock_updated"]
     assert "<<<<<<<" in (proj / "vllm_overlay" / INDEXER).read_text()
     assert (proj / "upstream.lock").read_text() == lock0
+    assert set(reported_fates(res.stdout)) == set(tomllib.loads(lock0)["overlay"])
     # The report names what the backend relies on that changed upstream.
     backend = next(f for f in report["files"] if f["path"].endswith("triton_mla_sparse.py"))
     assert backend["imports_changed_upstream"]
@@ -323,6 +325,26 @@ def test_synthetic_pin_a_second_upstream(tmp_path):
     assert "vllm-gguf-plugin 0.0.3: ok, 1 replaced" in check.stderr
     third = rebase(proj, env, "--package", "other-plugin", "--to", "1.0")
     assert third.returncode == 5 and "would be a third upstream" in third.stderr
+
+
+def reported_fates(stdout: str) -> dict[str, str]:
+    """path -> result, from the lines of the text report that name a file."""
+    return {path: fate for fate, path in re.findall(r"^  (\S+) +(\S+\.py)", stdout, re.M)}
+
+
+def test_report_names_every_overlay_file(tmp_path):
+    """The text report names every overlay file's fate: the other upstream's files as
+    `other-upstream`, also those that import nothing that changed upstream."""
+    proj, env = synthetic(tmp_path, {"vllm/mod.py": BASE.replace("d = 4", "d = 40")})
+    assert rebase(proj, env, "--package", "vllm-gguf-plugin", "--to", "0.0.3").returncode == 0
+    (proj / "vllm_overlay/vllm_gguf_plugin").mkdir()
+    (proj / "vllm_overlay/vllm_gguf_plugin/extra.py").write_text("x = 1\n")
+    with open(proj / "upstream.lock", "a") as f:
+        f.write('\n[overlay."vllm_gguf_plugin/extra.py"]\nnew = true\n')
+    res = rebase(proj, env, "--check", "0.23.1")
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert reported_fates(res.stdout) == {"vllm/mod.py": "clean", "vllm/extra.py": "new",
+                                          "vllm_gguf_plugin/extra.py": "other-upstream"}
 
 
 def test_unknown_release(tmp_path):

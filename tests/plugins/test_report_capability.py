@@ -5,18 +5,16 @@ shared memory, and what vLLM and the overlay's kernels decide from them is SM120
 (CPU, no driver)."""
 
 import functools
-import sys
-from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent / "vllm_report_capability"))
-sys.path.insert(0, str(Path(__file__).parents[1]))
+# the plugin's package from its project folder (no package itself: `pip install` takes it)
+from tests.plugins.vllm_report_capability import vllm_report_capability as hook
 
 
 @pytest.fixture
 def cuda_platform(monkeypatch):
-    from cuda_platform import import_cuda_platform
+    from tests.cuda_platform import import_cuda_platform
 
     cuda = import_cuda_platform()
     platform = cuda.NonNvmlCudaPlatform()
@@ -28,8 +26,6 @@ def cuda_platform(monkeypatch):
 
 
 def test_reports_the_capability(cuda_platform, monkeypatch):
-    import vllm_report_capability as hook
-
     from vllm.v1.attention.ops import sparse_mla_launch as sml
 
     # (imported here after an engine's platform resolved to CUDA: the same object)
@@ -70,8 +66,6 @@ def test_reports_the_capability(cuda_platform, monkeypatch):
 
 
 def test_without_the_variables_nothing_changes(cuda_platform, monkeypatch):
-    import vllm_report_capability as hook
-
     monkeypatch.delenv(hook.ENV, raising=False)
     monkeypatch.delenv(hook.SHARED_MEM_ENV, raising=False)
     cls = type(cuda_platform)
@@ -81,8 +75,6 @@ def test_without_the_variables_nothing_changes(cuda_platform, monkeypatch):
 
 
 def test_reports_shared_memory(cuda_platform, monkeypatch):
-    import vllm_report_capability as hook
-
     import torch
 
     from vllm.platforms.interface import DeviceCapability

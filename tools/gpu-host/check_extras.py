@@ -28,6 +28,10 @@ import tempfile
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
+# run as a script (tools/gpu-host is no package): `tools.common` from the repo root
+sys.path.insert(0, str(HERE.parents[1]))
+from tools.common import normalized_name  # noqa: E402
+
 SERVE = ["vllm.entrypoints.cli.main", "vllm.entrypoints.cli.launch",
          "vllm.entrypoints.openai.api_server", "vllm.entrypoints.cli.serve", "serve-app"]
 LLM = ["vllm.entrypoints.llm", "vllm.v1.engine.core", "vllm.v1.engine.core_client",
@@ -67,12 +71,9 @@ sys.exit(bad)
 """
 
 
-def norm(name: str) -> str:
-    return re.sub(r"[-_.]+", "-", name).lower()
-
-
 def names(path: Path) -> set[str]:
-    return {norm(re.split(r"[=<>@ ]", line.strip())[0]) for line in path.read_text().splitlines()
+    return {normalized_name(re.split(r"[=<>@ ]", line.strip())[0])
+            for line in path.read_text().splitlines()
             if line.strip() and not line.strip().startswith("#")}
 
 
@@ -82,7 +83,7 @@ def build_view(site: str, keep: set[str], view: str) -> None:
     kept, dirty = set(), set()
     for dist in md.distributions(path=[site]):
         files = [Path(f).parts for f in dist.files or [] if not str(f).startswith("..")]
-        if norm(dist.metadata["Name"]) in keep:
+        if normalized_name(dist.metadata["Name"]) in keep:
             kept.update(files)
         else:
             dirty.update(p[:i] for p in files for i in range(1, len(p)))
@@ -105,7 +106,8 @@ def main() -> int:
     p.add_argument("--hide", action="append", default=[])
     args = p.parse_args()
     keep = (names(HERE / "h200-pip-freeze.txt") | names(HERE / "h200-runtime-extras.txt")
-            | {"vllm", "vllm-gguf-plugin"} | set(map(norm, args.also))) - set(map(norm, args.hide))
+            | {"vllm", "vllm-gguf-plugin"} | set(map(normalized_name, args.also))) \
+        - set(map(normalized_name, args.hide))
     with tempfile.TemporaryDirectory() as view:
         build_view(os.path.abspath(args.site_packages), keep, view)
         res = subprocess.run([sys.executable, "-S", "-c", PROBE, SERVE_APP,

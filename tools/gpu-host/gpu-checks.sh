@@ -99,7 +99,7 @@ for stage in $stages; do
         | grep -E "passed|failed|error|REPORT|FAILED|Error" || rc=1 ;;
     mtp)
       # MTP from the trained tiny GLM-5's GGUF: lossless greedy, acceptance for N = 1..5,
-      # decode tokens/s; .glm5-trained/ carried (tests/models/glm5_trained.py --out), else
+      # decode tokens/s; .glm5-trained/ carried (python3 -m tests.models.glm5_trained --out), else
       # the host trains it first
       [ -d .glm5-trained ] && export VLLM_OVERLAY_GLM5_TRAINED="$here/.glm5-trained"
       VLLM_OVERLAY_REPORT_DIR="$out" timeout "${MTP_TIMEOUT:-580}" python3 -m pytest \
@@ -112,7 +112,7 @@ for stage in $stages; do
       pip install -q --no-deps --no-build-isolation --target /tmp/site \
         tests/plugins/vllm_report_capability >/dev/null 2>&1 || rc=1
       [ -d .glm5-trained ] && export VLLM_OVERLAY_GLM5_TRAINED="$here/.glm5-trained"
-      timeout "${MTPQ_TIMEOUT:-580}" python3 benchmarks/glm5_mtp_matrix.py --out /tmp/mtpq \
+      timeout "${MTPQ_TIMEOUT:-580}" python3 -m benchmarks.glm5_mtp_matrix --out /tmp/mtpq \
         --parallel "${MTPQ_PARALLEL:-8}" ${MTPQ_ARGS:-} --json "$out/mtp-matrix.json" 2>&1 \
         | tee "$out/mtp-matrix.log" | grep -E "^\||Error" || rc=1 ;;
     upstream)
@@ -121,18 +121,18 @@ for stage in $stages; do
     bench)
       # OPS_FILE: time a copy of the kernel file (e.g. the working tree's) instead;
       # BENCH_ARGS: more options (e.g. --q-dtype fp16 --heads 8 32 64)
-      timeout 300 python3 benchmarks/kernels/benchmark_triton_mla_sparse.py \
+      timeout 300 python3 -m benchmarks.kernels.benchmark_triton_mla_sparse \
         --compile-workers 8 ${OPS_FILE:+--ops-file "$OPS_FILE"} ${BENCH_ARGS:-} --json "$out/bench-mla.json" \
         2>&1 | tee "$out/bench-mla.log" | tail -34 || rc=1
-      timeout 300 python3 benchmarks/kernels/benchmark_indexer_logits.py \
+      timeout 300 python3 -m benchmarks.kernels.benchmark_indexer_logits \
         --json "$out/bench-indexer.json" 2>&1 | tee "$out/bench-indexer.log" | tail -14 || rc=1 ;;
     sweep)
       # the shapes short of the kernel issue's targets (bf16 at 64 heads, fp8 KV),
       # 32 heads (GLM-5 at TP2) and 8 heads (the 16-head tile)
-      timeout "${SWEEP_TIMEOUT:-400}" python3 benchmarks/kernels/benchmark_triton_mla_sparse.py \
+      timeout "${SWEEP_TIMEOUT:-400}" python3 -m benchmarks.kernels.benchmark_triton_mla_sparse \
         --sweep --compile-workers 12 --tokens 8 64 4096 --heads 8 32 64 --kv bf16 --json "$out/sweep-mla.json" 2>&1 \
         | tee "$out/sweep-mla.log" | tail -22 || rc=1
-      timeout "${SWEEP_TIMEOUT:-400}" python3 benchmarks/kernels/benchmark_triton_mla_sparse.py \
+      timeout "${SWEEP_TIMEOUT:-400}" python3 -m benchmarks.kernels.benchmark_triton_mla_sparse \
         --sweep --compile-workers 12 --tokens 64 4096 --heads 8 32 64 --kv fp8 --json "$out/sweep-mla-fp8.json" 2>&1 \
         | tee "$out/sweep-mla-fp8.log" | tail -22 || rc=1 ;;
     mla)
@@ -142,7 +142,7 @@ for stage in $stages; do
       timeout 300 python3 -m pytest tests/benchmarks/test_sparse_mla_sweep.py -q \
         -p no:cacheprovider -p no:warnings 2>&1 | tee "$out/mla-sweep-tests.log" | tail -3 || rc=1 ;;
     bisect)
-      timeout "${BISECT_TIMEOUT:-420}" python3 tests/models/quantization/gguf_bisect.py /tmp/bisect 2>&1 \
+      timeout "${BISECT_TIMEOUT:-420}" python3 -m tests.models.quantization.gguf_bisect /tmp/bisect 2>&1 \
         | tee "$out/bisect.log" | grep -E "^[a-z_]+ \{|Error" || rc=1 ;;
     sm120)
       # the engine "as on SM120": the capability hook, then the no-flags GGUF test
@@ -167,25 +167,25 @@ for stage in $stages; do
         -p no:cacheprovider -p no:warnings 2>&1 | tee "$out/bi.log" \
         | grep -E "passed|failed|REPORT|Error" || rc=1 ;;
     rerun)
-      timeout 300 python3 tests/models/glm5_rerun.py --out /tmp/rerun --mem "${RERUN_MEM:-0.05}" \
+      timeout 300 python3 -m tests.models.glm5_rerun --out /tmp/rerun --mem "${RERUN_MEM:-0.05}" \
         --json "$out/rerun.json" > "$out/rerun.log" 2>&1; tail -n 6 "$out/rerun.log" ;;
     serve)
       timeout 420 bash tools/gpu-host/serve-check.sh "$out" 2>&1 | tee "$out/serve-check.log" \
         | tail -20 || rc=1 ;;
     throughput)
       # THROUGHPUT_ARGS: e.g. --profile (kernels of 16 decode steps per path)
-      timeout 500 python3 benchmarks/glm5_throughput.py ${THROUGHPUT_ARGS:-} \
+      timeout 500 python3 -m benchmarks.glm5_throughput ${THROUGHPUT_ARGS:-} \
         --json "$out/glm5-throughput.json" 2>&1 \
         | tee "$out/glm5-throughput.log" | tail -8 || rc=1 ;;
     matrix)
       # MATRIX_MODES="eager" or "graphs" runs half of the rows (one call each)
-      timeout "${MATRIX_TIMEOUT:-580}" python3 benchmarks/glm5_accuracy_matrix.py --out /tmp/matrix \
+      timeout "${MATRIX_TIMEOUT:-580}" python3 -m benchmarks.glm5_accuracy_matrix --out /tmp/matrix \
         --parallel "${MATRIX_PARALLEL:-8}" --mem-total "${MATRIX_MEM:-0.85}" \
         --modes ${MATRIX_MODES:-eager graphs} 2>&1 \
         | tee "$out/matrix.log" | grep -E "^\|" || rc=1
       cp /tmp/matrix/matrix.json "$out/matrix-${MATRIX_MODES:-all}.json" 2>/dev/null || true ;;
     ggufops)
-      timeout "${GGUF_OPS_TIMEOUT:-400}" python3 benchmarks/kernels/benchmark_gguf_ops.py \
+      timeout "${GGUF_OPS_TIMEOUT:-400}" python3 -m benchmarks.kernels.benchmark_gguf_ops \
         ${GGUF_OPS_ARGS:-} --json "$out/gguf-ops.json" --md "$out/gguf-ops.md" \
         > "$out/gguf-ops.log" 2>&1 || rc=1
       cat "$out/gguf-ops.md" 2>/dev/null || tail -20 "$out/gguf-ops.log" ;;
@@ -194,7 +194,7 @@ for stage in $stages; do
         tests/benchmarks/test_benchmark_gguf_ops.py -m gpu -q -p no:cacheprovider \
         -p no:warnings 2>&1 | tee "$out/gguf-tests.log" | grep -E "passed|failed|Error" || rc=1 ;;
     llamaacc)
-      timeout "${LLAMAACC_TIMEOUT:-540}" python3 benchmarks/glm5_gguf_accuracy.py \
+      timeout "${LLAMAACC_TIMEOUT:-540}" python3 -m benchmarks.glm5_gguf_accuracy \
         --out /tmp/llamaacc --llama-lib "${LLAMA_LIB:?LLAMA_LIB}" \
         ${LLAMA_BINDINGS:+--bindings "$LLAMA_BINDINGS"} --json "$out/gguf-accuracy.json" 2>&1 \
         | tee "$out/gguf-accuracy.log" | grep -E "^\||Error" || rc=1 ;;

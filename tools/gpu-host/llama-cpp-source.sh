@@ -8,9 +8,8 @@
 #   bash tools/gpu-host/llama-cpp-source.sh [SDIST] OUT.tar.xz
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
-read -r SDIST_NAME SDIST_SHA < <(python3 -c "
-import sys; sys.path.insert(0, '$ROOT/tests/models/quantization')
-import gguf_reference as g; print(*g.LLAMA_CPP_PYTHON[1:])")
+read -r SDIST_NAME SDIST_SHA < <(cd "$ROOT" && python3 -c "
+from tests.models.quantization import gguf_reference as g; print(*g.LLAMA_CPP_PYTHON[1:])")
 CACHE="${VLLM_OVERLAY_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/vllm-overlay}/upstream"
 if [ $# -ge 2 ]; then SDIST="$1"; OUT="$2"; else SDIST="$CACHE/$SDIST_NAME"; OUT="${1:?OUT.tar.xz}"; fi
 got="$(sha256sum "$SDIST" | cut -d' ' -f1)"

@@ -19,9 +19,8 @@ export VLLM_BATCH_INVARIANT="${VLLM_BATCH_INVARIANT:-1}"
 python3 - "$work" <<'PY' || exit 1
 import sys
 from pathlib import Path
-sys.path[:0] = ["tests/models", "tests/models/quantization"]
-import gguf_reference as gr
-from glm5_tiny import make_tiny_glm5
+from tests.models.glm5_tiny import make_tiny_glm5
+from tests.models.quantization import gguf_reference as gr
 work = Path(sys.argv[1])
 model = make_tiny_glm5(work / "tiny")
 gr.write_tokenizer(model, gr.config(model)["vocab_size"])
@@ -32,7 +31,7 @@ gguf="$work/tiny-bf16.gguf"
 mem="${SERVE_MEM:-0.9}"
 engine=(); [ -n "${SERVE_KV_BYTES:-}" ] && engine=(--kv-cache-memory-bytes "$SERVE_KV_BYTES")
 engine+=(--max-num-batched-tokens "${SERVE_MAX_BATCHED:-8192}")
-python3 benchmarks/serve_load.py offline --model "$gguf" --out "$work/ref.json" \
+python3 -m benchmarks.serve_load offline --model "$gguf" --out "$work/ref.json" \
   --gpu-memory-utilization "$mem" "${engine[@]}" \
   > "$out/serve-offline.log" 2>&1 || {
     grep -v "it/s\]" "$out/serve-offline.log" | grep -A45 -m1 "Traceback"
@@ -44,7 +43,7 @@ pid=$!
 healthy() { python3 -c 'import urllib.request as u; u.urlopen("http://127.0.0.1:8000/health", timeout=2)' 2>/dev/null; }
 for _ in $(seq 150); do healthy && break; kill -0 "$pid" 2>/dev/null || break; sleep 2; done
 healthy || { echo "vllm serve did not become healthy"; tail -40 "$out/serve.log"; kill "$pid" 2>/dev/null; exit 1; }
-python3 benchmarks/serve_load.py load --model "$gguf" --reference "$work/ref.json" \
+python3 -m benchmarks.serve_load load --model "$gguf" --reference "$work/ref.json" \
   --concurrency 64 --rounds 3 --json "$out/serve-load.json" | tail -20
 rc=${PIPESTATUS[0]}
 kill "$pid"; wait "$pid" 2>/dev/null

@@ -26,12 +26,12 @@ from unittest.mock import patch
 import pytest
 import torch
 
+from tests.cuda_platform import import_cuda_platform
+from tools import upstream
 from vllm.config import AttentionConfig
 from vllm.platforms.interface import DeviceCapability
 from vllm.v1.attention.backends.registry import AttentionBackendEnum
 from vllm.v1.attention.selector import AttentionSelectorConfig
-
-from cuda_platform import import_cuda_platform
 
 ROOT = Path(__file__).resolve().parents[3]
 
@@ -60,13 +60,8 @@ def _upstream_cuda_module(cuda: types.ModuleType) -> types.ModuleType:
     """`vllm/platforms/cuda.py` of the pinned upstream wheel, as a module of its
     own beside the installed one (same package, so its relative imports and the
     backend registry it validates are the installed ones)."""
-    sys.path.insert(0, str(ROOT))
-    try:
-        import build
-    finally:
-        sys.path.remove(str(ROOT))
-    lock = build.load_lock()
-    wheel = build.fetch_wheel(lock, build.DEFAULT_PLATFORM)
+    lock = upstream.load_lock()
+    wheel = upstream.fetch_wheel(lock, upstream.DEFAULT_PLATFORM)
     with zipfile.ZipFile(wheel) as zf:
         source = zf.read("vllm/platforms/cuda.py").decode()
     name = "vllm.platforms._upstream_cuda"

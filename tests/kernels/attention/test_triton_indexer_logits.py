@@ -375,8 +375,7 @@ def test_backend_choice(monkeypatch):
 
 
 def _report_capability(monkeypatch, capability):
-    from cuda_platform import import_cuda_platform
-
+    from tests.cuda_platform import import_cuda_platform
     from vllm.platforms.interface import DeviceCapability
 
     cuda = import_cuda_platform()
@@ -410,8 +409,7 @@ def test_e4m3_as_bytes_is_a_constant_to_torch_compile(monkeypatch):
     constant, and the whole graph compiles."""
     import ctypes
 
-    from cuda_platform import import_cuda_platform
-
+    from tests.cuda_platform import import_cuda_platform
     from vllm.platforms.interface import DeviceCapability
 
     cuda = import_cuda_platform()
@@ -497,8 +495,7 @@ DEEPGEMM_CAPABILITIES = {(9, 0), (10, 0), (10, 3), (12, 0), (12, 1)}
                                         (11, 0), (12, 0), (12, 1)])
 @pytest.mark.parametrize("deep_gemm_installed", [True, False])
 def test_auto_backend_follows_vllm_support(monkeypatch, capability, deep_gemm_installed):
-    from cuda_platform import import_cuda_platform
-
+    from tests.cuda_platform import import_cuda_platform
     from vllm.platforms.interface import DeviceCapability
     from vllm.utils import import_utils
 

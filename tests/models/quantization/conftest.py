@@ -1,8 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
 import pytest
 
-import gguf_reference as gr
-from glm5_tiny import copy_shared_indexers, make_tiny_glm5, make_tiny_glm52
+from tests.models.glm5_tiny import copy_shared_indexers, make_tiny_glm5, make_tiny_glm52
+from tests.models.quantization import gguf_reference as gr
 
 
 @pytest.fixture(scope="session", autouse=True)

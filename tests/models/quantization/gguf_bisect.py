@@ -1,7 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 """Which tensor group breaks a quantized GLM-5 GGUF in vLLM? (a debugging script)
 
-    python tests/models/quantization/gguf_bisect.py OUT_DIR
+    python -m tests.models.quantization.gguf_bisect OUT_DIR
 
 Makes the tiny GLM-5, its bf16 and q8_0 GGUFs, and hybrids that take one group
 of tensors from the q8_0 file and the rest from the bf16 file; runs each in vLLM
@@ -15,12 +15,9 @@ import os
 import sys
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-sys.path[:0] = [str(HERE), str(HERE.parent)]
-
-import gguf_reference as gr  # noqa: E402
-from glm5_runs import compare, generate  # noqa: E402
-from glm5_tiny import make_tiny_glm5  # noqa: E402
+from tests.models.glm5_runs import compare, generate
+from tests.models.glm5_tiny import make_tiny_glm5
+from tests.models.quantization import gguf_reference as gr
 
 GROUPS = {
     "experts": r"ffn_(gate|up|down)_exps",

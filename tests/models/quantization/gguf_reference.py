@@ -18,7 +18,6 @@ import sys
 import tarfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[3]
 LLAMA_CPP_PYTHON = ("llama-cpp-python", "llama_cpp_python-0.3.36.tar.gz",
                     "832db0699007f1be95a7e41ef12e88926b02ba836461e36a36372db2760c1a2e")
 # The split regex of GLM-4.5/GLM-5's tokenizer.json, as HF spells it.
@@ -37,10 +36,9 @@ def llama_cpp_dir(cache: Path) -> Path:
     (or the tree VLLM_OVERLAY_LLAMA_CPP names, e.g. on the offline GPU host)."""
     if os.environ.get("VLLM_OVERLAY_LLAMA_CPP"):
         return Path(os.environ["VLLM_OVERLAY_LLAMA_CPP"])
-    sys.path.insert(0, str(ROOT))
-    import build
+    from tools import upstream
 
-    sdist = build.fetch(*LLAMA_CPP_PYTHON)
+    sdist = upstream.fetch(*LLAMA_CPP_PYTHON)
     dest = cache / sdist.name.removesuffix(".tar.gz")
     marker = dest / ".complete"
     if not marker.exists():
@@ -72,11 +70,10 @@ def llama_tool(name: str) -> Path:
     env = "VLLM_OVERLAY_" + name.upper().replace("-", "_")
     if os.environ.get(env):
         return Path(os.environ[env])
-    sys.path.insert(0, str(ROOT))
-    import build
+    from tools import upstream
 
-    sdist = build.fetch(*LLAMA_CPP_PYTHON)
-    home = build.cache_dir() / f"llama-tools-shared-{sdist.name.removesuffix('.tar.gz')}"
+    sdist = upstream.fetch(*LLAMA_CPP_PYTHON)
+    home = upstream.cache_dir() / f"llama-tools-shared-{sdist.name.removesuffix('.tar.gz')}"
     binary = home / "build" / "bin" / (f"lib{name}.so" if name == "llama" else name)
     if binary.exists():
         return binary

@@ -3,7 +3,7 @@
 GGUF the way the engine does it for `--speculative-config '{"method": "mtp", ...}'`,
 and run on given inputs.
 
-    python glm5_mtp_cpu.py FILE.gguf --out OUT.pt [--inputs IN.pt] [--tokens N]
+    python -m tests.models.quantization.glm5_mtp_cpu FILE.gguf --out OUT.pt [--inputs IN.pt] [--tokens N]
         [--dtype float32|bfloat16]
 
 Run it as a script (glm5_vllm_cpu's stubs change vLLM's platform for the process).
@@ -43,12 +43,11 @@ target's modules, and the GGUF tensor each of them was loaded from.
 import argparse
 import json
 import sys
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from glm5_vllm_cpu import describe, init_single_process, stub_device_selection  # noqa: E402
+from tests.models.quantization.glm5_vllm_cpu import (describe, init_single_process,
+                                                     stub_device_selection)
 
 
 def configs(gguf_file: str, num_speculative_tokens: int, dtype: str):

@@ -2,7 +2,7 @@
 """vLLM's GlmMoeDsaForCausalLM built and filled on CPU from a glm-dsa GGUF, the way
 the GGUF plugin's loader does it in the engine, for tests without a GPU.
 
-    python glm5_vllm_cpu.py FILE.gguf [FILE.gguf ...] [--hf DIR]
+    python -m tests.models.quantization.glm5_vllm_cpu FILE.gguf [FILE.gguf ...] [--hf DIR]
 
 Run it as a script (the stubs below change vLLM's platform for the whole process).
 What the engine would pick from the device is stubbed; nothing is run:

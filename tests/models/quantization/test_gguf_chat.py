@@ -20,8 +20,8 @@ import json
 
 import pytest
 
-import gguf_reference as gr
-from test_gguf_engine_args import model_config
+from tests.models.quantization import gguf_reference as gr
+from tests.models.quantization.test_gguf_engine_args import model_config
 from vllm_gguf_plugin import gguf_model as gg
 
 # what vLLM reads of a generation config: eos_token_id for the stop tokens

@@ -18,9 +18,9 @@ from unittest.mock import patch
 import pytest
 import torch
 
-import gguf_reference as gr
-from cuda_platform import import_cuda_platform
-from test_gguf_glm_dsa import CONFIG_FIELDS, TEXTS
+from tests.cuda_platform import import_cuda_platform
+from tests.models.quantization import gguf_reference as gr
+from tests.models.quantization.test_gguf_glm_dsa import CONFIG_FIELDS, TEXTS
 
 cuda = import_cuda_platform()
 

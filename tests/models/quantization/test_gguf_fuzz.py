@@ -23,9 +23,9 @@ from pathlib import Path
 import pytest
 import torch
 
-import gguf_fuzz
-import gguf_reference as gr
-from glm5_tiny import make_tiny_glm5
+from tests.models.glm5_tiny import make_tiny_glm5
+from tests.models.quantization import gguf_fuzz
+from tests.models.quantization import gguf_reference as gr
 
 TIME_LIMIT_S = 20
 MEMORY_LIMIT = 256 << 20  # bytes allocated at once through Python and numpy

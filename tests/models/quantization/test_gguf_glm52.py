@@ -25,9 +25,7 @@ indexer weights before them, as some published GLM-5.2 GGUFs do.
 
 import copy
 import re
-import sys
 import tarfile
-from pathlib import Path
 from types import SimpleNamespace
 from unittest.mock import patch
 
@@ -36,16 +34,16 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-import gguf_reference as gr  # tests/models/quantization
-from glm5_tiny import GLM52_INDEXER_TYPES
-from test_gguf_glm_dsa import (CONFIG_FIELDS, REL_ERR, assert_checkpoint_values, hf_view,
-                              stack_name, stored_types, yielded)
+from tests.models.glm5_tiny import GLM52_INDEXER_TYPES
+from tests.models.quantization import gguf_reference as gr
+from tests.models.quantization.test_gguf_glm_dsa import (CONFIG_FIELDS, REL_ERR,
+                                                         assert_checkpoint_values, hf_view,
+                                                         stack_name, stored_types, yielded)
 from vllm_gguf_plugin import gguf_model as gg
 from vllm_gguf_plugin.gguf_model import config as gguf_config
 from vllm_gguf_plugin.weights_adapter import glm_dsa
 from vllm_gguf_plugin.weights_adapter.glm_dsa import GlmDsaGGUF, runs_indexer
 
-HERE = Path(__file__).resolve().parent
 A = "glm-dsa"
 N_LAYERS = len(GLM52_INDEXER_TYPES)
 FULL = [i for i, t in enumerate(GLM52_INDEXER_TYPES) if t == "full"]  # 0, 2, 5
@@ -131,7 +129,8 @@ def vllm_models(run_without_gpu, glm52_gguf, glm52_ggufs) -> dict:
     """{kind: vLLM's model of that file, built on CPU and filled by the plugin's
     loader, summed up by glm5_vllm_cpu.py against the HF checkpoint}."""
     files = [glm52_ggufs[k] for k in VLLM_KINDS]
-    got = run_without_gpu(HERE / "glm5_vllm_cpu.py", *files, "--hf", glm52_gguf[1])
+    got = run_without_gpu("tests.models.quantization.glm5_vllm_cpu", *files, "--hf",
+                          glm52_gguf[1])
     return dict(zip(VLLM_KINDS, got))
 
 
@@ -162,7 +161,8 @@ def test_quantized_glm5_fills_vllm_model(run_without_gpu, glm5_gguf, glm5_ggufs)
     blocks in vLLM 0.26 (it copies into the unquantized shape): the plugin's
     params.py stores them itself, so quantized GLM-5 files fill the model, wq_b
     keeping its q8_0 blocks."""
-    got, = run_without_gpu(HERE / "glm5_vllm_cpu.py", glm5_ggufs["q8_0"], "--hf", glm5_gguf[1])
+    got, = run_without_gpu("tests.models.quantization.glm5_vllm_cpu", glm5_ggufs["q8_0"],
+                           "--hf", glm5_gguf[1])
     assert got["indexer_layers"] == [0, 1, 2, 3]
     assert got["params"]["model.layers.1.self_attn.indexer.wq_b.qweight"][0] == "torch.uint8"
     assert all(e is not None and e <= REL_ERR["Q8_0"] for e in got["errors"].values())
@@ -216,10 +216,9 @@ def test_glm_5_2_default_schedule_is_llama_cpp_s():
     """_glm_5_2_default_full is llama.cpp's GLM_5_2_DEFAULT_INDEXER_TYPES (read from
     the pinned sdist's src/models/glm-dsa.cpp), and on GLM-5.2's 78 layers the
     schedule of its config (index_topk_freq 4, index_skip_topk_offset 3)."""
-    sys.path.insert(0, str(gr.ROOT))
-    import build
+    from tools import upstream
 
-    sdist = build.fetch(*gr.LLAMA_CPP_PYTHON)
+    sdist = upstream.fetch(*gr.LLAMA_CPP_PYTHON)
     member = f"{sdist.name.removesuffix('.tar.gz')}/vendor/llama.cpp/src/models/glm-dsa.cpp"
     with tarfile.open(sdist) as tar:
         source = tar.extractfile(member).read().decode()

@@ -19,7 +19,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-import gguf_reference as gr  # tests/models/quantization
+from tests.models.quantization import gguf_reference as gr
 from vllm_gguf_plugin import gguf_model as gg
 from vllm_gguf_plugin.weights_adapter.glm_dsa import GlmDsaGGUF
 

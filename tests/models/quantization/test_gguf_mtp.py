@@ -38,11 +38,10 @@ from pathlib import Path
 import pytest
 import torch
 
-import glm5_trained
-import gguf_reference as gr
-from test_gguf_glm_dsa import REL_ERR as GLM_DSA_REL_ERR
+from tests.models import glm5_trained
+from tests.models.quantization import gguf_reference as gr
+from tests.models.quantization.test_gguf_glm_dsa import REL_ERR as GLM_DSA_REL_ERR
 
-HERE = Path(__file__).resolve().parent
 N = glm5_trained.N_LAYERS  # the MTP block is layer N (blk.N in the GGUF)
 KINDS = ("bf16", "q8_0", "Q4_K_M", "Q2_K", "IQ2_M")
 # the MTP block's own embedding (not in GLM-5's checkpoint): the main one with rows
@@ -187,8 +186,8 @@ def drafts(run_without_gpu, mtp_ggufs, mtp_inputs, tmp_path_factory) -> dict:
     out = {}
     for kind in (*KINDS, OWN_EMBED):
         extra = ["--inputs", tmp / "inputs.pt"] if kind == "bf16" else []
-        summary = run_without_gpu(HERE / "glm5_mtp_cpu.py", mtp_ggufs[1][kind], "--out",
-                                  tmp / f"{kind}.pt", *extra)
+        summary = run_without_gpu("tests.models.quantization.glm5_mtp_cpu", mtp_ggufs[1][kind],
+                                  "--out", tmp / f"{kind}.pt", *extra)
         out[kind] = (summary, torch.load(tmp / f"{kind}.pt"))
     return out
 

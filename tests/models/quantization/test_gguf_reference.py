@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-import gguf_reference as gr  # tests/models/quantization
+from tests.models.quantization import gguf_reference as gr
 
 
 @pytest.fixture(scope="module")

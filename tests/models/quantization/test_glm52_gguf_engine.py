@@ -28,10 +28,10 @@ import json
 
 import pytest
 
-import gguf_reference as gr
-from glm5_runs import compare, generate, hf_reference, within_rerun
-from glm5_tiny import GLM52_INDEXER_TYPES
-from test_glm5_gguf_engine import SETTINGS, model_differences
+from tests.models.glm5_runs import compare, generate, hf_reference, within_rerun
+from tests.models.glm5_tiny import GLM52_INDEXER_TYPES
+from tests.models.quantization import gguf_reference as gr
+from tests.models.quantization.test_glm5_gguf_engine import SETTINGS, model_differences
 
 FULL = [i for i, t in enumerate(GLM52_INDEXER_TYPES) if t == "full"]
 

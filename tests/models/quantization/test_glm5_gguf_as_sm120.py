@@ -21,9 +21,9 @@ import os
 import pytest
 import torch
 
-import gguf_reference as gr
-from glm5_runs import compare, generate, within_rerun
-from glm5_tiny import make_tiny_glm5
+from tests.models.glm5_runs import compare, generate, within_rerun
+from tests.models.glm5_tiny import make_tiny_glm5
+from tests.models.quantization import gguf_reference as gr
 
 
 # the H200's own paths and tiles, forced (no capability reported)

@@ -30,7 +30,7 @@ from pathlib import Path
 
 import pytest
 
-import gguf_reference as gr
+from tests.models.quantization import gguf_reference as gr
 
 pytestmark = pytest.mark.gpu
 

@@ -16,8 +16,8 @@ import json
 
 import pytest
 
-import gguf_reference as gr
-from glm5_runs import compare, generate, hf_reference, within_rerun
+from tests.models.glm5_runs import compare, generate, hf_reference, within_rerun
+from tests.models.quantization import gguf_reference as gr
 
 SETTINGS = {"attention_backend": "TRITON_MLA_SPARSE", "indexer": "triton", "dtype": "float16"}
 

@@ -28,10 +28,10 @@ from pathlib import Path
 
 import pytest
 
-import glm5_mtp_generate as mg
-import glm5_trained
-import gguf_reference as gr
-from glm5_runs import _run
+from tests.models import glm5_mtp_generate as mg
+from tests.models import glm5_trained
+from tests.models.glm5_runs import _run
+from tests.models.quantization import gguf_reference as gr
 
 SETTINGS = {"attention_backend": "TRITON_MLA_SPARSE", "indexer": "triton", "dtype": "float16"}
 DRAFT_TOKENS = (1, 2, 3, 4, 5)
@@ -41,7 +41,7 @@ def mtp_run(model, out: Path, num_speculative_tokens: int) -> dict:
     args = ["--model", str(model), "--num-speculative-tokens", str(num_speculative_tokens)]
     for k, v in SETTINGS.items():
         args += [f"--{k.replace('_', '-')}", v]
-    return _run("glm5_mtp_generate.py", out, args)
+    return _run("tests.models.glm5_mtp_generate", out, args)
 
 
 def first_parting(a: dict, b: dict):

@@ -16,7 +16,7 @@ import concurrent.futures
 import pytest
 import torch
 
-from glm5_runs import compare, generate, within_rerun
+from tests.models.glm5_runs import compare, generate, within_rerun
 
 SETTINGS = {"attention_backend": "TRITON_MLA_SPARSE", "indexer": "triton",
             "dtype": "bfloat16", "gpu_memory_utilization": "0.05"}

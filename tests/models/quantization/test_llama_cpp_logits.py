@@ -13,28 +13,27 @@ import subprocess
 import sys
 from pathlib import Path
 
-import gguf_reference as gr
+from tests.models.glm5_runs import compare
+from tests.models.quantization import gguf_reference as gr
 
 ROOT = Path(__file__).resolve().parents[3]
-sys.path.insert(0, str(ROOT / "tests" / "models"))
-from glm5_runs import compare  # noqa: E402
 
 BOUND = 0.5  # nats, mean |delta logprob| of the prompt tokens
 
 
-def _run(script, *args):
-    res = subprocess.run([sys.executable, str(script), *map(str, args)], capture_output=True,
-                         text=True, timeout=900)
+def _run(module, *args):
+    res = subprocess.run([sys.executable, "-m", module, *map(str, args)], cwd=ROOT,
+                         capture_output=True, text=True, timeout=900)
     assert res.returncode == 0, res.stderr[-3000:]
 
 
 def test_llama_cpp_cpu_logits_against_fp32(glm5_gguf, tmp_path):
     llama_cpp, model, bf16 = glm5_gguf
     lib = gr.llama_tool("llama").parent
-    _run(ROOT / "benchmarks" / "llama_cpp_logits.py", "--gguf", bf16, "--lib", lib,
+    _run("benchmarks.llama_cpp_logits", "--gguf", bf16, "--lib", lib,
          "--out", tmp_path / "llama.json", "--n-gpu-layers", "0", "--max-tokens", "2")
     ckpt = gr.dequantized_checkpoint(gr.gguf_module(llama_cpp), bf16, model, tmp_path / "deq")
-    _run(ROOT / "tests" / "models" / "glm5_hf_reference.py", "--model", ckpt, "--out",
+    _run("tests.models.glm5_hf_reference", "--model", ckpt, "--out",
          tmp_path / "ref.json", "--device", "cpu", "--max-tokens", "2")
     ref = json.loads((tmp_path / "ref.json").read_text())
     llama = json.loads((tmp_path / "llama.json").read_text())

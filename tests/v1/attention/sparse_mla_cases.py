@@ -1,8 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
 """Inputs, a float64 reference, launch counting and SASS reading for the sparse MLA
-kernel tests
-(imported as a top-level module: pytest puts this folder on sys.path, as does
-running a test file as a script)."""
+kernel tests."""
 
 import collections
 import dataclasses

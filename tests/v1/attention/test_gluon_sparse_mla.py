@@ -18,7 +18,8 @@ import sys
 
 import pytest
 import torch
-from sparse_mla_cases import (
+
+from tests.v1.attention.sparse_mla_cases import (
     HEAD,
     KV_LORA,
     ROPE,
@@ -29,7 +30,6 @@ from sparse_mla_cases import (
     reference,
     sparse_case,
 )
-
 from vllm.v1.attention.ops import sparse_mla_launch as sml
 from vllm.v1.attention.ops import triton_sparse_mla as tsm
 
@@ -80,7 +80,7 @@ def compile_for_sm90(partial: bool, kv_fp8: bool = False) -> dict:
 @pytest.mark.parametrize("kv_fp8", [False, True], ids=["bf16", "fp8"])
 @pytest.mark.parametrize("partial", [False, True])
 def test_compiles_for_sm90_as_producer_and_two_consumers(run_without_gpu, partial, kv_fp8):
-    got = run_without_gpu(__file__, int(partial), int(kv_fp8), timeout=900)
+    got = run_without_gpu(__name__, int(partial), int(kv_fp8), timeout=900)
     assert got["shared"] <= sml.HOPPER_SHARED_MEM
     # the consumers' and the producer's register budgets (the fp8 producer converts
     # rows); the query copies arrive on their barrier, and the 16-bit producer's row

@@ -17,7 +17,8 @@ import sys
 
 import pytest
 import torch
-from sparse_mla_cases import (
+
+from tests.v1.attention.sparse_mla_cases import (
     HEAD,
     KV_LORA,
     ROPE,
@@ -29,7 +30,6 @@ from sparse_mla_cases import (
     reference,
     sparse_case,
 )
-
 from vllm.v1.attention.ops import sparse_mla_launch as sml
 from vllm.v1.attention.ops import triton_sparse_mla as tsm
 
@@ -147,7 +147,7 @@ def compile_tile(arch: int, partial: bool, block_h: int) -> dict:
 @pytest.mark.parametrize("partial", [False, True])
 @pytest.mark.parametrize("block_h", [8, 16])
 def test_compiles_without_padded_dots(run_without_gpu, arch, partial, block_h):
-    got = run_without_gpu(__file__, arch, int(partial), block_h, timeout=900)
+    got = run_without_gpu(__name__, arch, int(partial), block_h, timeout=900)
     # within the 99 KiB of SM 8.6/8.9/12.x as well as Hopper's 227 (two programs an SM)
     assert got["shared"] <= 99 * 1024 and 2 * got["shared"] <= sml.HOPPER_SHARED_MEM
     assert got["spill_bytes"] == 0

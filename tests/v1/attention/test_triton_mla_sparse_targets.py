@@ -238,7 +238,7 @@ def inductor_source(kernel):
 def run_compiles(run_without_gpu, arch: int, binaries: list[dict] | None) -> list:
     """compile_shared_bytes (binaries given) or compile_indexer (None), run as this
     module's script."""
-    return run_without_gpu(__file__, arch, json.dumps(binaries), timeout=1200)
+    return run_without_gpu(__name__, arch, json.dumps(binaries), timeout=1200)
 
 
 @pytest.fixture(scope="module")

@@ -35,13 +35,13 @@ from pathlib import Path
 import pytest
 import torch
 
+import tests.v1.attention
+
 if not torch.cuda.is_available():
     pytest.skip("upstream's sparse MLA test needs a CUDA GPU", allow_module_level=True)
 
 ROOT = Path(__file__).resolve().parents[3]
 UPSTREAM_FILES = [
-    "tests/__init__.py",
-    "tests/v1/__init__.py",
     "tests/v1/attention/test_sparse_mla_backends.py",
     "tests/v1/attention/test_mla_backends.py",
     "tests/v1/attention/utils.py",
@@ -115,7 +115,9 @@ if os.environ.get("HF_HUB_OFFLINE") == "1" and "VLLM_OVERLAY_KEEP_HF_CACHE" not 
 
     hub_constants.HF_HUB_CACHE = os.environ["HF_HUB_CACHE"]
 
-sys.path.insert(0, str(upstream_root()))
+# Upstream's files import each other as tests.v1.attention.*, the package this file is in:
+# their folder joins it (no file name is in both).
+tests.v1.attention.__path__.append(str(upstream_root() / "tests" / "v1" / "attention"))
 from tests.v1.attention import test_sparse_mla_backends as upstream  # noqa: E402
 
 from vllm.v1.attention.backends.mla.triton_mla_sparse import (  # noqa: E402
