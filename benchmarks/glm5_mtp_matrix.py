@@ -149,7 +149,6 @@ def prepare(out: Path, models, sources=SOURCES) -> dict:
 def run_row(row: dict, model: Path, out: Path) -> dict:
     from tests.models.glm5_runs import _run
 
-    name = "-".join(map(str, row.values()))
     args = ["--model", str(model), "--num-speculative-tokens", str(row["n"]),
             "--speed-tokens", "0"]
     env = {**os.environ, **BI_ENV} if row["mode"] == "bi" else None
@@ -161,13 +160,29 @@ def run_row(row: dict, model: Path, out: Path) -> dict:
             args += [f"--{k.replace('_', '-')}", v]
         args += ["--eager"] if row["mode"] in ("eager", "bi") else []
     try:
-        res = _run("tests.models.glm5_mtp_generate", out / f"{name}.json", args, env=env)
+        res = _run("tests.models.glm5_mtp_generate", row_file(row, out), args, env=env)
     except AssertionError as e:
         return {**row, "error": str(e)[:600]}
+    return row_result(row, res)
+
+
+def row_file(row: dict, out: Path) -> Path:
+    return out / ("-".join(map(str, row.values())) + ".json")
+
+
+def row_result(row: dict, res: dict) -> dict:
     return {**row, **{k: res[k] for k in ("acceptance", "attention_backend",
                                           "target_attention_backend",
                                           "draft_attention_backend", "indexer_backend")},
             "outputs": res["outputs"]}
+
+
+def saved_row(row: dict, out: Path) -> dict:
+    """A row from the file a run left in OUT (--saved-rows); missing: did not run."""
+    path = row_file(row, out)
+    if not path.exists():
+        return {**row, "error": f"no {path.name}"}
+    return row_result(row, json.loads(path.read_text()))
 
 
 def main():
@@ -179,12 +194,17 @@ def main():
     p.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
     p.add_argument("--sources", nargs="+", choices=SOURCES, default=list(SOURCES))
     p.add_argument("--json", default=None)
+    p.add_argument("--saved-rows", action="store_true",
+                   help="run nothing: check the row files an earlier run (e.g. one stopped "
+                        "by a time limit) left in --out")
     args = p.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    todo = rows(args.models, args.modes, args.sources)
+    if args.saved_rows:
+        return report(check({key(r): saved_row(r, out) for r in todo}), args.json, out)
     files = prepare(out, args.models, args.sources)
     results = {}
-    todo = rows(args.models, args.modes, args.sources)
     with concurrent.futures.ThreadPoolExecutor(args.parallel) as pool:
         futures = [pool.submit(run_row, r, files[(r["model"], r["source"])], out)
                    for r in todo]
@@ -193,7 +213,11 @@ def main():
             results[key(r)] = r
             print("row " + json.dumps({k: v for k, v in r.items() if k != "outputs"}),
                   flush=True)
-    table = check({key(r): results[key(r)] for r in todo})
+    report(check({key(r): results[key(r)] for r in todo}), args.json, out)
+
+
+def report(table: list[dict], json_path: str | None, out: Path) -> None:
+    """The table (markdown) and its JSON; exits 1 when a row fails."""
     print("| model | source | mode | N | acceptance length | vs bf16 | first parting (gap) "
           "| draft backend | status |")
     print("|---|---|---|---:|---:|---:|---|---|---|")
@@ -201,14 +225,14 @@ def main():
         al = r.get("acceptance", {}).get("acceptance_length")
         vs = r.get("acceptance_vs_bf16")
         part = r.get("parting")
-        part = "-" if not r["n"] else ("none" if part is None else
+        part = "-" if not r["n"] or "error" in r else ("none" if part is None else
                                        f"prompt {part['prompt']} step {part['step']} "
                                        f"({part['gap']:.3f})")
         print(f"| {r['model']} | {r['source']} | {r['mode']} | {r['n']} | "
               f"{'-' if al is None else f'{al:.2f}'} | {'-' if vs is None else f'{vs:.3f}'} | "
               f"{part} | {r.get('draft_attention_backend') or '-'} | {r['status']} |")
     summary = [{k: v for k, v in r.items() if k != "outputs"} for r in table]
-    (Path(args.json) if args.json else out / "mtp-matrix.json").write_text(
+    (Path(json_path) if json_path else out / "mtp-matrix.json").write_text(
         json.dumps(summary, indent=1))
     sys.exit(0 if all(r["status"] == "pass" for r in table) else 1)
 

@@ -3,6 +3,8 @@
 checks: lossless greedy output up to a stated near-tie, acceptance against the bf16
 file's, TRITON_MLA_SPARSE for target and draft."""
 
+import json
+
 import pytest
 
 from benchmarks import glm5_mtp_matrix as matrix
@@ -89,3 +91,18 @@ def test_batch_invariant_rows_allow_no_parting():
     status = {r["source"]: r["status"] for r in matrix.check(results) if r["n"] == 1}
     assert status["bf16"] == "pass"
     assert status["Q4_K_M"] == "FAIL: parts at a gap of 0.020"
+
+
+def test_saved_rows(tmp_path):
+    """--saved-rows checks the row files a stopped run left: a row without its file did
+    not run, and a present row is read as the run returned it."""
+    head = {"attention_backend": "TRITON_MLA_SPARSE",
+            "target_attention_backend": "TRITON_MLA_SPARSE", "indexer_backend": "triton"}
+    base = dict(run([5, 6]), **head, draft_attention_backend=None)
+    spec = dict(run([5, 6], al=2.0), **head, draft_attention_backend="TRITON_MLA_SPARSE")
+    rows = [dict(model="glm5", source="bf16", mode="bi", n=n) for n in (0, 1, 2)]
+    for row, res in zip(rows, (base, spec)):
+        matrix.row_file(row, tmp_path).write_text(json.dumps(res))
+    table = matrix.check({matrix.key(r): matrix.saved_row(r, tmp_path) for r in rows})
+    assert [r["status"] for r in table] == ["pass", "pass", "FAIL: did not run"]
+    assert table[1]["acceptance"]["acceptance_length"] == 2.0
