@@ -73,14 +73,16 @@ def test_dense_one_kernel_under_batch_invariance(recorder, monkeypatch, qtype):
 
 @pytest.mark.parametrize("qtype", [T.Q8_0, T.Q4_K, T.IQ2_S])
 def test_dense_default_picks_by_token_count(recorder, monkeypatch, qtype):
-    """Without the mode the plugin's own choice is unchanged: MMVQ for few rows, then
-    MMQ (legacy and K-quants) or dequantize + GEMM (I-quants)."""
+    """Without the mode: MMVQ for few rows, then MMQ (legacy and K-quants) below
+    DEQUANT_GEMM_MIN_TOKENS and dequantize + GEMM from there on (I-quants: from past MMVQ)."""
+    from vllm_gguf_plugin.quantization.linear import DEQUANT_GEMM_MIN_TOKENS as big
+
     monkeypatch.setattr("vllm.envs.VLLM_BATCH_INVARIANT", False, raising=False)
-    for rows in TOKEN_COUNTS:
+    for rows in (1, 17, big - 1, big, 4 * big):
         _mul_mat(qtype, rows)
-    kernels = [name for name, _ in recorder.calls]
-    assert kernels[0] == "mmvq" and "triton" not in kernels
-    assert kernels[-1] == ("dequantize" if qtype == T.IQ2_S else "mmq")
+    mid = "dequantize" if qtype == T.IQ2_S else "mmq"
+    assert [name for name, _ in recorder.calls] == [
+        "mmvq", mid, mid, "dequantize", "dequantize"]
 
 
 def test_unquantized_weights_stay_a_plain_product(recorder, monkeypatch):
@@ -184,3 +186,29 @@ def test_experts_rows_alone_equal_batched(monkeypatch, types, default_varies):
     assert differs() == 0.0
     # the plugin's choice: the one-pair kernel alone, MMQ for 80 tokens (K/legacy quants)
     assert (default > 0.0) == default_varies
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("qtype", [T.Q8_0, T.Q4_K])
+def test_prefill_product_matches_dequantized_weights(monkeypatch, qtype):
+    """From DEQUANT_GEMM_MIN_TOKENS on, a quantized product is x times the weight as gguf-py
+    dequantizes it, and MMQ's result below it agrees within its int8 activations' error."""
+    import gguf
+    import numpy as np
+    from vllm_gguf_plugin.quantization.linear import (DEQUANT_GEMM_MIN_TOKENS,
+                                                      _fused_mul_mat_gguf)
+
+    monkeypatch.setattr("vllm.envs.VLLM_BATCH_INVARIANT", False, raising=False)
+    gen = np.random.default_rng(0)
+    block, size = gguf.GGML_QUANT_SIZES[qtype]
+    # random blocks, float16 scales kept small (bits 4-6 of every byte cleared): finite
+    packed = (gen.integers(0, 256, (512, 2048 // block * size), dtype=np.uint8) & 0x8F)
+    weight = torch.from_numpy(gguf.quants.dequantize(packed, qtype)).cuda()
+    x = torch.randn(DEQUANT_GEMM_MIN_TOKENS, 2048, device="cuda", dtype=torch.float16) / 45
+    ref = x.float() @ weight.T
+    w = torch.from_numpy(packed).cuda()
+    big = _fused_mul_mat_gguf(x, w, int(qtype)).float()
+    small = _fused_mul_mat_gguf(x[:DEQUANT_GEMM_MIN_TOKENS - 1], w, int(qtype)).float()
+    scale = ref.abs().max()
+    assert (big - ref).abs().max() / scale < 2e-3
+    assert (small - ref[:-1]).abs().max() / scale < 5e-2

@@ -33,6 +33,11 @@ from .utils import (
 )
 
 
+# overlay: from this many tokens on (a prefill), dequantize + 16-bit GEMM runs far faster than
+# the int8 MMQ kernel, whose time grows with every token (docs/results.md, "GGUF products")
+DEQUANT_GEMM_MIN_TOKENS = 256
+
+
 def _fused_mul_mat_gguf(
     x: torch.Tensor, qweight: torch.Tensor, qweight_type: int
 ) -> torch.Tensor:
@@ -49,7 +54,8 @@ def _fused_mul_mat_gguf(
         return batch_invariant.mul_mat(x, qweight, qweight_type)
     if x.shape[0] <= mmvq_safe and qweight_type in MMVQ_QUANT_TYPES:
         y = ops.ggml_mul_mat_vec_a8(qweight, x, qweight_type, qweight.shape[0])
-    elif qweight_type in MMQ_QUANT_TYPES:
+    # overlay: MMQ only below DEQUANT_GEMM_MIN_TOKENS
+    elif qweight_type in MMQ_QUANT_TYPES and x.shape[0] < DEQUANT_GEMM_MIN_TOKENS:
         y = ops.ggml_mul_mat_a8(qweight, x, qweight_type, qweight.shape[0])
     elif qweight_type in DEQUANT_TYPES:
         block_size, type_size = gguf.GGML_QUANT_SIZES[qweight_type]
