@@ -234,6 +234,8 @@ def test_fresh_venv_install(builds, tmp_path):
     assert Path(path).is_relative_to(venv)
     assert name == "TRITON_MLA_SPARSE" and prev == "True"
     assert loader == "vllm_gguf_plugin.loader" and "GlmDsaGGUFAdapter" in adapters.split("+")
+    # the checked default adapter takes every model, so it is the registry's last
+    assert adapters.split("+")[-1] == "CheckedGGUFWeightsAdapter"
 
 
 # --------------------------------------------------------------------------------------

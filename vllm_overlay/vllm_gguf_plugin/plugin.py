@@ -29,7 +29,10 @@ from .gguf_utils import is_local_gguf_quant  # overlay: glm-dsa config source
 from .loader import GGUFModelLoader
 from .quantization import DiffusionGGUFConfig, GGUFConfig
 from .weight_utils import download_gguf, resolve_local_gguf  # overlay: glm-dsa source
+from .weights_adapter import _ADAPTER_REGISTRY  # overlay: adapters registered
+from .weights_adapter.checked import CheckedGGUFWeightsAdapter  # overlay: default
 from .weights_adapter.diffusion.integration import _patch_diffusers_loader
+from .weights_adapter.glm_dsa import GlmDsaGGUFAdapter  # overlay: GLM-5 (glm-dsa)
 
 OOTGGUFConfig = GGUFConfig
 OOTGGUFModelLoader = GGUFModelLoader
@@ -185,6 +188,14 @@ def _patch_offline_model_path() -> None:
     arg_utils_module._gguf_model_path_patched = True
 
 
+# overlay: the glm-dsa adapter, then the checked default adapter, which takes every model
+# (so it comes last), in the plugin's adapter registry
+def _register_weights_adapters() -> None:
+    for adapter in (GlmDsaGGUFAdapter, CheckedGGUFWeightsAdapter):
+        if adapter not in _ADAPTER_REGISTRY:
+            _ADAPTER_REGISTRY.append(adapter)
+
+
 def _register_omni_diffusion_quantization() -> None:
     try:
         from vllm_omni.quantization import register_quantization_override
@@ -215,4 +226,5 @@ def register() -> None:
     _patch_speculator_probe()
     _patch_offline_model_path()  # overlay: repo_id:quant_type offline
     register_tokenizer_mode()  # overlay: a glm-dsa GGUF's tokenizer
+    _register_weights_adapters()  # overlay: GLM-5's and the checked default
     _patch_diffusers_loader()

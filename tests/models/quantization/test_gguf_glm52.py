@@ -158,8 +158,8 @@ def test_vllm_model_filled_from_q4_k_m(vllm_models):
 
 def test_quantized_glm5_fills_vllm_model(run_without_gpu, glm5_gguf, glm5_ggufs):
     """The indexer's wq_b is a ReplicatedLinear, whose v1 weight_loader takes no GGUF
-    blocks in vLLM 0.26 (it copies into the unquantized shape): the plugin's
-    params.py stores them itself, so quantized GLM-5 files fill the model, wq_b
+    blocks in vLLM 0.26 (it copies into the unquantized shape): the overlay's
+    GGUFReplicatedLinearMethod stores them itself, so quantized GLM-5 files fill the model, wq_b
     keeping its q8_0 blocks."""
     got, = run_without_gpu("tests.models.quantization.glm5_vllm_cpu", glm5_ggufs["q8_0"],
                            "--hf", glm5_gguf[1])

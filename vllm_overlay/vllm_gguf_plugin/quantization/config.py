@@ -72,6 +72,7 @@ class GGUFConfig(QuantizationConfig):
     ) -> "QuantizeMethodBase | None":
         from .fused_moe import GGUFMoEMethod
         from .linear import GGUFLinearMethod
+        from .replicated_linear import GGUFReplicatedLinearMethod  # overlay: ReplicatedLinear
         from .vocal_embeds import GGUFEmbeddingMethod
 
         if isinstance(layer, LinearBase):
@@ -79,6 +80,9 @@ class GGUFConfig(QuantizationConfig):
                 prefix, self.unquantized_modules, self.packed_modules_mapping
             ):
                 return UnquantizedLinearMethod()
+            # overlay: a layer without a v2 weight loader stores whole GGUF tensors itself
+            if not hasattr(layer, "weight_loader_v2"):
+                return GGUFReplicatedLinearMethod(self)
             return GGUFLinearMethod(self)
         if isinstance(layer, VocabParallelEmbedding):
             if is_layer_skipped_gguf(
