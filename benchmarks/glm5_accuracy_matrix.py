@@ -72,7 +72,12 @@ def status(res: dict, bound_: float | None) -> dict:
     return res
 
 
-def prepare(out: Path) -> dict:
+def checkpoint(out: Path, source: str) -> Path:
+    """Where prepare() writes the checkpoint of a GGUF source's dequantized weights."""
+    return out / f"deq-{source}"
+
+
+def prepare(out: Path, *, device: str = "cuda", max_tokens: int = 32) -> dict:
     """The tiny model, its GGUFs and the fp32 references; {source: (model, ref json)}."""
     from tests.models.glm5_runs import hf_reference
     from tests.models.glm5_tiny import make_tiny_glm5
@@ -90,8 +95,9 @@ def prepare(out: Path) -> dict:
     refs = {}
     for source, f in files.items():
         ckpt = model if source == "safetensors" else gr.dequantized_checkpoint(
-            gguf, f, model, out / f"deq-{source}")
-        refs[source] = hf_reference(ckpt, out / f"fp32-{source}.json")
+            gguf, f, model, checkpoint(out, source))
+        refs[source] = hf_reference(ckpt, out / f"fp32-{source}.json", device=device,
+                                    max_tokens=max_tokens)
     return {s: (files[s], refs[s]) for s in files}
 
 

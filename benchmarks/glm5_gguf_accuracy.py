@@ -3,6 +3,8 @@
 
     python -m benchmarks.glm5_gguf_accuracy --out DIR --llama-lib DIR [--bindings DIR]
         [--paths portable-fp16 portable-bf16 upstream-bf16] [--eager] [--json FILE]
+        [--rounding bfloat16 float16] [--device cuda] [--llama-gpu-layers N]
+        [--max-tokens 32]
 
 The tiny GLM-5 (tests/models/glm5_tiny.py) as llama.cpp writes it: bf16, q8_0
 (converter) and Q4_K_M (llama-quantize), made and referenced as
@@ -13,7 +15,13 @@ index_topk, then 32 greedy tokens):
 - the overlay: tests/models/glm5_generate.py (vLLM, CUDA graphs unless --eager) on each
   path of PATHS;
 - llama.cpp: benchmarks/llama_cpp_logits.py on libllama.so of `--llama-lib` (all layers
-  on the GPU, prompt in one batch).
+  on the GPU unless --llama-gpu-layers, prompt in one batch);
+- rounding alone: transformers on the same dequantized weights in each dtype of
+  `--rounding` (rows `transformers-bf16`, `transformers-fp16`), what any engine computing in
+  that dtype starts from, and in float32 with the indexer's q and k rounded to e4m3 as vLLM's
+  indexer stores them (`transformers-fp8-indexer`).
+With no `--paths` and `--device cpu --llama-gpu-layers 0` it runs without a GPU (llama.cpp's
+CPU build: its CPU kernels, not its CUDA ones).
 One metric, tests/models/glm5_runs.compare(): the mean |delta| of the prompt tokens'
 logprobs over the tokens both top-5 lists hold, the prompt token's own included (with its
 max, and the greedy agreement up to the first parting). The table gives each engine's
@@ -41,10 +49,17 @@ PATHS = {
 }
 
 
-def llama_cpp_run(gguf: Path, out: Path, lib: str, bindings: str | None) -> dict:
+# rounding alone: transformers' dtype, or float32 with vLLM's fp8 indexer q and k
+ROUNDING = {"bfloat16": "transformers-bf16", "float16": "transformers-fp16",
+            "fp8-indexer": "transformers-fp8-indexer"}
+
+
+def llama_cpp_run(gguf: Path, out: Path, lib: str, bindings: str | None,
+                  gpu_layers: int | None = None, max_tokens: int = 32) -> dict:
     cmd = [sys.executable, "-m", "benchmarks.llama_cpp_logits", "--gguf",
-           str(gguf), "--lib", lib, "--out", str(out),
-           *(["--bindings", bindings] if bindings else [])]
+           str(gguf), "--lib", lib, "--out", str(out), "--max-tokens", str(max_tokens),
+           *(["--bindings", bindings] if bindings else []),
+           *(["--n-gpu-layers", str(gpu_layers)] if gpu_layers is not None else [])]
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
     out.with_suffix(".log").write_text(res.stdout + res.stderr)
     if res.returncode != 0:
@@ -84,32 +99,47 @@ def main():
     p.add_argument("--llama-lib", required=True, help="the folder holding libllama.so")
     p.add_argument("--bindings", default=None,
                    help="the llama-cpp-python sdist folder (llama_cpp_logits.py --bindings)")
-    p.add_argument("--paths", nargs="+", choices=list(PATHS), default=list(PATHS))
+    p.add_argument("--paths", nargs="*", choices=list(PATHS), default=list(PATHS))
+    p.add_argument("--rounding", nargs="*", choices=list(ROUNDING), default=list(ROUNDING))
+    p.add_argument("--device", default="cuda", help="for transformers (references, rounding)")
+    p.add_argument("--llama-gpu-layers", type=int, default=None)
+    p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--eager", action="store_true")
     p.add_argument("--parallel", type=int, default=6)
     p.add_argument("--json", default=None)
     args = p.parse_args()
     from benchmarks import glm5_accuracy_matrix
-    from tests.models.glm5_runs import compare, generate
+    from tests.models.glm5_runs import compare, generate, hf_reference
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    sources = glm5_accuracy_matrix.prepare(out)  # {source: (file, fp32 reference)}
+    # {source: (file, fp32 reference)}
+    sources = glm5_accuracy_matrix.prepare(out, device=args.device, max_tokens=args.max_tokens)
 
     def overlay(source, path):
         f, ref = sources[source]
         res = generate(f, out / f"{source}-{path}.json", eager=args.eager,
-                       **PATHS[path])
+                       max_tokens=str(args.max_tokens), **PATHS[path])
         return {**compare(ref, res), "attention_backend": res.get("attention_backend"),
                 "indexer_backend": res["indexer_backend"], "dtype": res["dtype"]}
 
     def llama(source):
         f, ref = sources[source]
         return compare(ref, llama_cpp_run(f, out / f"{source}-llama.json", args.llama_lib,
-                                          args.bindings))
+                                          args.bindings, args.llama_gpu_layers,
+                                          args.max_tokens))
+
+    def rounding(source, dtype):
+        ckpt = glm5_accuracy_matrix.checkpoint(out, source)
+        fp8 = dtype == "fp8-indexer"
+        res = hf_reference(ckpt, out / f"{source}-{dtype}.json", device=args.device,
+                           dtype="float32" if fp8 else dtype, max_tokens=args.max_tokens,
+                           indexer_fp8=fp8)
+        return compare(sources[source][1], res)
 
     jobs = {(s, "llama.cpp"): (llama, (s,)) for s in SOURCES}
     jobs.update({(s, path): (overlay, (s, path)) for s in SOURCES for path in args.paths})
+    jobs.update({(s, ROUNDING[d]): (rounding, (s, d)) for s in SOURCES for d in args.rounding})
     results = {}
     with concurrent.futures.ThreadPoolExecutor(args.parallel) as pool:
         futures = {pool.submit(fn, *a): k for k, (fn, a) in jobs.items()}
@@ -121,11 +151,14 @@ def main():
                 results[k] = {"error": str(e)[-1500:]}  # the end holds the cause
             print("row " + json.dumps({"source": k[0], "engine": k[1], **results[k]}),
                   flush=True)
-    lines = rows_table(results, args.paths)
+    columns = [ROUNDING[d] for d in args.rounding] + args.paths
+    lines = rows_table(results, columns)
     print("\n".join(lines))
     report = [{"source": s, "engine": e, **r} for (s, e), r in sorted(results.items())]
     (Path(args.json) if args.json else out / "accuracy.json").write_text(
-        json.dumps({"rows": report, "eager": args.eager}, indent=1))
+        json.dumps({"rows": report, "eager": args.eager, "device": args.device,
+                    "llama_gpu_layers": args.llama_gpu_layers,
+                    "max_tokens": args.max_tokens}, indent=1))
 
 
 if __name__ == "__main__":

@@ -30,9 +30,12 @@ def generate(model, out, eager=True, env=None, **kw):
     return _run("tests.models.glm5_generate", out, args, env=env)
 
 
-def hf_reference(model_dir, out):
-    """transformers fp32 on the checkpoint dir."""
-    return _run("tests.models.glm5_hf_reference", out, ["--model", str(model_dir)])
+def hf_reference(model_dir, out, *, device="cuda", dtype="float32", max_tokens=32,
+                 indexer_fp8=False):
+    """transformers (fp32 unless `dtype`) on the checkpoint dir."""
+    return _run("tests.models.glm5_hf_reference", out,
+                ["--model", str(model_dir), "--device", device, "--dtype", dtype,
+                 "--max-tokens", str(max_tokens), *(["--indexer-fp8"] if indexer_fp8 else [])])
 
 
 def compare(a, b):

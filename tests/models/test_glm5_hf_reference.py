@@ -1,0 +1,76 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The transformers reference's fp8 indexer (tests/models/glm5_hf_reference.py
+--indexer-fp8): without the rounding it is transformers' own indexer, token for token;
+with it, every value is within e4m3's rounding of the float32 one and the selection
+moves on the tiny random GLM-5."""
+
+import pytest
+import torch
+
+from tests.models import glm5_hf_reference as ref
+from tests.models.glm5_tiny import TINY_GLM5
+
+
+@pytest.fixture
+def model():
+    from transformers import AutoModelForCausalLM, GlmMoeDsaConfig
+
+    cfg = {k: v for k, v in TINY_GLM5.items() if k not in ("architectures", "model_type")}
+    cfg["num_nextn_predict_layers"] = 0
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(GlmMoeDsaConfig(**cfg), dtype=torch.float32).eval()
+
+
+@pytest.fixture
+def indexer_cls(monkeypatch):
+    from transformers.models.glm_moe_dsa import modeling_glm_moe_dsa as m
+
+    monkeypatch.setattr(m.GlmMoeDsaIndexer, "forward", m.GlmMoeDsaIndexer.forward)
+    return m.GlmMoeDsaIndexer
+
+
+def selections(model, ids):
+    """Each layer's top-k indices for the prompt."""
+    got = []
+    hooks = [layer.self_attn.indexer.register_forward_hook(lambda _m, _i, o: got.append(o))
+             for layer in model.model.layers]
+    with torch.no_grad():
+        logits = model(ids).logits
+    for h in hooks:
+        h.remove()
+    return logits, got
+
+
+def test_e4m3_rows_rounding_bound():
+    x = torch.randn(64, 128) * torch.logspace(-3, 3, 64).unsqueeze(1)
+    y = ref.e4m3_rows(x)
+    scale = x.abs().amax(-1, keepdim=True) / 448.0
+    # 3 mantissa bits: half an ulp is 2^-4 of the value; e4m3's subnormal step is 2^-9
+    assert ((y - x).abs() <= x.abs() * 2**-4 + scale * 2**-10).all()
+    assert not torch.equal(x, y)
+    assert torch.equal(ref.e4m3_rows(y), y)  # on the grid already
+
+
+def test_fp8_indexer_is_transformers_indexer_without_rounding(model, indexer_cls, monkeypatch):
+    ids = torch.randint(3, TINY_GLM5["vocab_size"], (1, 300), generator=torch.Generator().manual_seed(1))
+    logits, picked = selections(model, ids)
+    monkeypatch.setattr(ref, "e4m3_rows", lambda x: x)
+    original = indexer_cls.forward
+    ref.use_fp8_indexer()
+    assert indexer_cls.forward is not original
+    logits2, picked2 = selections(model, ids)
+    assert all(torch.equal(a, b) for a, b in zip(picked, picked2))
+    torch.testing.assert_close(logits2, logits, rtol=1e-5, atol=1e-5)
+
+
+def test_fp8_indexer_moves_the_selection(model, indexer_cls):
+    ids = torch.randint(3, TINY_GLM5["vocab_size"], (1, 300), generator=torch.Generator().manual_seed(1))
+    _, picked = selections(model, ids)
+    ref.use_fp8_indexer()
+    _, picked2 = selections(model, ids)
+    # top-k sets of the queries that see more than top-k tokens (order aside): some
+    # differ, some are kept
+    k = TINY_GLM5["index_topk"]
+    same = [(torch.sort(a[:, k:], -1).values == torch.sort(b[:, k:], -1).values)
+            .all(-1).float().mean() for a, b in zip(picked, picked2)]
+    assert min(same) < 1.0 and max(same) > 0.0
