@@ -4,7 +4,7 @@
     python -m benchmarks.glm5_gguf_accuracy --out DIR --llama-lib DIR [--bindings DIR]
         [--paths portable-fp16 portable-bf16 upstream-bf16] [--eager] [--json FILE]
         [--rounding bfloat16 float16] [--device cuda] [--llama-gpu-layers N]
-        [--max-tokens 32]
+        [--max-tokens 32] [--llama-runner ctypes|c] [--llama-src DIR]
 
 The tiny GLM-5 (tests/models/glm5_tiny.py) as llama.cpp writes it: bf16, q8_0
 (converter) and Q4_K_M (llama-quantize), made and referenced as
@@ -55,9 +55,11 @@ ROUNDING = {"bfloat16": "transformers-bf16", "float16": "transformers-fp16",
 
 
 def llama_cpp_run(gguf: Path, out: Path, lib: str, bindings: str | None,
-                  gpu_layers: int | None = None, max_tokens: int = 32) -> dict:
+                  gpu_layers: int | None = None, max_tokens: int = 32,
+                  runner: str = "ctypes", llama_src: str | None = None) -> dict:
     cmd = [sys.executable, "-m", "benchmarks.llama_cpp_logits", "--gguf",
            str(gguf), "--lib", lib, "--out", str(out), "--max-tokens", str(max_tokens),
+           "--runner", runner, *(["--llama-src", llama_src] if llama_src else []),
            *(["--bindings", bindings] if bindings else []),
            *(["--n-gpu-layers", str(gpu_layers)] if gpu_layers is not None else [])]
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
@@ -104,6 +106,9 @@ def main():
     p.add_argument("--device", default="cuda", help="for transformers (references, rounding)")
     p.add_argument("--llama-gpu-layers", type=int, default=None)
     p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--llama-runner", choices=("ctypes", "c"), default="ctypes",
+                   help="llama_cpp_logits.py --runner")
+    p.add_argument("--llama-src", default=None, help="llama_cpp_logits.py --llama-src")
     p.add_argument("--eager", action="store_true")
     p.add_argument("--parallel", type=int, default=6)
     p.add_argument("--json", default=None)
@@ -127,7 +132,8 @@ def main():
         f, ref = sources[source]
         return compare(ref, llama_cpp_run(f, out / f"{source}-llama.json", args.llama_lib,
                                           args.bindings, args.llama_gpu_layers,
-                                          args.max_tokens))
+                                          args.max_tokens, args.llama_runner,
+                                          args.llama_src))
 
     def rounding(source, dtype):
         ckpt = glm5_accuracy_matrix.checkpoint(out, source)

@@ -3,13 +3,17 @@
 
     python -m benchmarks.llama_cpp_logits --gguf FILE.gguf --lib DIR --out OUT.json
         [--bindings DIR] [--max-tokens 32] [--n-gpu-layers 999] [--n-ubatch 512]
+        [--runner ctypes|c] [--llama-src DIR]
 
 DIR holds libllama.so (and its libggml*.so) of the pinned llama.cpp, e.g. a shared build
 of tools/gpu-host/build-llama-cpp-cuda.sh (SHARED=ON) or of the tests' CPU build. The
 bindings are llama-cpp-python's own ctypes module (`llama_cpp/llama_cpp.py` of the
 pinned sdist, which matches its vendored llama.cpp): `--bindings` names the sdist's
 folder, else it is extracted from build.py's cache. Only that module is loaded, not the
-package's high-level API (which needs more packages).
+package's high-level API (which needs more packages). `--runner c` instead compiles
+llama_cpp_logits_server.c (beside this file) against DIR's libllama.so and the headers of
+`--llama-src` (a llama.cpp source tree; else the pinned sdist's, from build.py's cache) and
+drives it over a pipe: the same calls, made from C (the CUDA library crashed under ctypes).
 
 For each prompt (glm5_generate.prompts: fixed random token ids): the whole prompt in one
 llama_decode with logits for every position, then `--max-tokens` greedy steps of one
@@ -24,6 +28,8 @@ import argparse
 import ctypes
 import importlib
 import json
+import shutil
+import subprocess
 import sys
 import tarfile
 import types
@@ -49,6 +55,93 @@ def bindings_dir(explicit: str | None) -> Path:
             tar.extractall(dest, members=members, filter="data")
         (dest / ".complete").touch()
     return dest / sdist.name.removesuffix(".tar.gz")
+
+
+def llama_headers(explicit: str | None) -> list[Path]:
+    """The include folders of llama.h and ggml.h: `explicit` (a llama.cpp source tree) or
+    the pinned sdist's vendored llama.cpp, extracted once into build.py's cache."""
+    if explicit:
+        root = Path(explicit)
+    else:
+        from tests.models.quantization import gguf_reference as gr
+        from tools import upstream
+
+        sdist = upstream.fetch(*gr.LLAMA_CPP_PYTHON)
+        name = sdist.name.removesuffix(".tar.gz")
+        dest = upstream.cache_dir() / f"headers-{name}"
+        prefix = f"{name}/vendor/llama.cpp/"
+        if not (dest / ".complete").exists():
+            with tarfile.open(sdist) as tar:
+                members = [m for m in tar.getmembers() if m.name.startswith(
+                    (prefix + "include/", prefix + "ggml/include/"))]
+                tar.extractall(dest, members=members, filter="data")
+            (dest / ".complete").touch()
+        root = dest / prefix
+    dirs = [root / "include", root / "ggml" / "include"]
+    if not (dirs[0] / "llama.h").exists():
+        raise FileNotFoundError(f"no include/llama.h under {root}")
+    return dirs
+
+
+def build_server(lib: Path, include: list[Path], out: Path) -> Path:
+    """llama_cpp_logits_server.c compiled against lib/libllama.so (found at run time
+    through its rpath)."""
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        raise RuntimeError("--runner c needs a C compiler (cc)")
+    src = Path(__file__).with_name("llama_cpp_logits_server.c")
+    cmd = [cc, "-O2", "-o", str(out), str(src), *(f"-I{d}" for d in include),
+           f"-L{lib}", "-lllama", f"-Wl,-rpath,{lib.resolve()}"]
+    res = subprocess.run(cmd, capture_output=True, text=True)
+    if res.returncode != 0:
+        raise RuntimeError(f"compiling {src.name} failed:\n{res.stderr[-3000:]}")
+    return out
+
+
+class ServerRunner:
+    """LlamaRunner's interface over llama_cpp_logits_server (its stdin/stdout); the
+    server's log (llama.cpp's) goes to this process's stderr."""
+
+    def __init__(self, server: Path, gguf: str, n_ctx: int, n_batch: int, n_ubatch: int,
+                 n_gpu_layers: int):
+        self.proc = subprocess.Popen(
+            [str(server), gguf, str(n_gpu_layers), str(n_ctx), str(n_batch), str(n_ubatch)],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+        self.vocab = self._i32()
+        self.n_batch = n_batch
+
+    def _read(self, n: int) -> bytes:
+        data = self.proc.stdout.read(n)
+        if len(data) != n:
+            rc = self.proc.wait()
+            raise RuntimeError(f"llama_cpp_logits_server stopped (exit status {rc})")
+        return data
+
+    def _i32(self) -> int:
+        return int(np.frombuffer(self._read(4), dtype=np.int32)[0])
+
+    def _send(self, line: str) -> None:
+        self.proc.stdin.write(line.encode() + b"\n")
+        self.proc.stdin.flush()
+
+    def clear(self):
+        self._send("c")
+        self._i32()
+
+    def logits(self, tokens: list[int], start: int) -> np.ndarray:
+        n = len(tokens)
+        if n > self.n_batch:
+            raise ValueError(f"{n} tokens in one batch, n_batch is {self.n_batch}")
+        self._send(f"d {start} {n} " + " ".join(map(str, tokens)))
+        if (rc := self._i32()) != 0:
+            raise RuntimeError(f"llama_decode returned {rc}")
+        return np.frombuffer(self._read(4 * n * self.vocab), dtype=np.float32).reshape(
+            n, self.vocab).copy()
+
+    def close(self):
+        if self.proc.poll() is None:
+            self._send("q")
+            self.proc.wait()
 
 
 def load_bindings(src: Path, lib: Path):
@@ -154,17 +247,24 @@ def main():
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--n-gpu-layers", type=int, default=999)
     p.add_argument("--n-ubatch", type=int, default=512)
+    p.add_argument("--runner", choices=("ctypes", "c"), default="ctypes")
+    p.add_argument("--llama-src", default=None, help="llama.cpp source tree (--runner c)")
     args = p.parse_args()
     import faulthandler
 
     faulthandler.enable()  # a crash inside libllama still names the call it happened in
     from tests.models.glm5_generate import prompts
 
-    L = load_bindings(bindings_dir(args.bindings), Path(args.lib))
     longest = max(map(len, prompts(1000)))
-    runner = LlamaRunner(L, args.gguf, n_ctx=longest + args.max_tokens + 64,
-                         n_batch=max(2048, longest), n_ubatch=args.n_ubatch,
-                         n_gpu_layers=args.n_gpu_layers)
+    sizes = dict(n_ctx=longest + args.max_tokens + 64, n_batch=max(2048, longest),
+                 n_ubatch=args.n_ubatch, n_gpu_layers=args.n_gpu_layers)
+    if args.runner == "c":
+        server = build_server(Path(args.lib), llama_headers(args.llama_src),
+                              Path(args.out).with_suffix(".server"))
+        runner = ServerRunner(server, args.gguf, **sizes)
+    else:
+        L = load_bindings(bindings_dir(args.bindings), Path(args.lib))
+        runner = LlamaRunner(L, args.gguf, **sizes)
     try:
         outputs = run(runner, prompts(runner.vocab), args.max_tokens)
     finally:

@@ -196,7 +196,8 @@ for stage in $stages; do
     llamaacc)
       timeout "${LLAMAACC_TIMEOUT:-540}" python3 -m benchmarks.glm5_gguf_accuracy \
         --out /tmp/llamaacc --llama-lib "${LLAMA_LIB:?LLAMA_LIB}" \
-        ${LLAMA_BINDINGS:+--bindings "$LLAMA_BINDINGS"} --json "$out/gguf-accuracy.json" 2>&1 \
+        ${LLAMA_BINDINGS:+--bindings "$LLAMA_BINDINGS"} --json "$out/gguf-accuracy.json" \
+        ${LLAMA_RUNNER:+--llama-runner "$LLAMA_RUNNER"} ${LLAMA_SRC:+--llama-src "$LLAMA_SRC"} 2>&1 \
         | tee "$out/gguf-accuracy.log" | grep -E "^\||Error" || rc=1 ;;
     *) echo "unknown stage $stage"; exit 2 ;;
   esac

@@ -45,3 +45,17 @@ def test_llama_cpp_cpu_logits_against_fp32(glm5_gguf, tmp_path):
     for o in llama["outputs"]:
         o["prompt_logprobs"] = [None] + o["prompt_logprobs"][2:] + [o["prompt_logprobs"][-1]]
     assert compare(ref, llama)["mean"] > 1.5 * BOUND
+
+
+def test_c_runner_gives_the_ctypes_runners_logits(glm5_gguf, tmp_path):
+    """--runner c (llama_cpp_logits_server.c over a pipe) makes the same calls as the
+    ctypes runner: the same logprobs and tokens, exactly."""
+    _, _, bf16 = glm5_gguf
+    lib = gr.llama_tool("llama").parent
+    runs = {}
+    for runner in ("ctypes", "c"):
+        out = tmp_path / f"{runner}.json"
+        _run("benchmarks.llama_cpp_logits", "--gguf", bf16, "--lib", lib, "--out", out,
+             "--n-gpu-layers", "0", "--max-tokens", "2", "--runner", runner)
+        runs[runner] = json.loads(out.read_text())["outputs"]
+    assert runs["c"] == runs["ctypes"]
