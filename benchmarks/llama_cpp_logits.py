@@ -31,7 +31,6 @@ import json
 import shutil
 import subprocess
 import sys
-import tarfile
 import types
 from pathlib import Path
 
@@ -46,15 +45,7 @@ def bindings_dir(explicit: str | None) -> Path:
     from tests.models.quantization import gguf_reference as gr
     from tools import upstream
 
-    sdist = upstream.fetch(*gr.LLAMA_CPP_PYTHON)
-    dest = upstream.cache_dir() / f"bindings-{sdist.name.removesuffix('.tar.gz')}"
-    prefix = f"{sdist.name.removesuffix('.tar.gz')}/llama_cpp/"
-    if not (dest / ".complete").exists():
-        with tarfile.open(sdist) as tar:
-            members = [m for m in tar.getmembers() if m.name.startswith(prefix)]
-            tar.extractall(dest, members=members, filter="data")
-        (dest / ".complete").touch()
-    return dest / sdist.name.removesuffix(".tar.gz")
+    return gr.extract_sdist(upstream.cache_dir() / f"bindings-{gr.SDIST_TOP}", "llama_cpp/")
 
 
 def llama_headers(explicit: str | None) -> list[Path]:
@@ -66,17 +57,9 @@ def llama_headers(explicit: str | None) -> list[Path]:
         from tests.models.quantization import gguf_reference as gr
         from tools import upstream
 
-        sdist = upstream.fetch(*gr.LLAMA_CPP_PYTHON)
-        name = sdist.name.removesuffix(".tar.gz")
-        dest = upstream.cache_dir() / f"headers-{name}"
-        prefix = f"{name}/vendor/llama.cpp/"
-        if not (dest / ".complete").exists():
-            with tarfile.open(sdist) as tar:
-                members = [m for m in tar.getmembers() if m.name.startswith(
-                    (prefix + "include/", prefix + "ggml/include/"))]
-                tar.extractall(dest, members=members, filter="data")
-            (dest / ".complete").touch()
-        root = dest / prefix
+        llama = "vendor/llama.cpp/"
+        root = gr.extract_sdist(upstream.cache_dir() / f"headers-{gr.SDIST_TOP}",
+                                llama + "include/", llama + "ggml/include/") / llama
     dirs = [root / "include", root / "ggml" / "include"]
     if not (dirs[0] / "llama.h").exists():
         raise FileNotFoundError(f"no include/llama.h under {root}")

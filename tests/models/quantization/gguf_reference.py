@@ -31,25 +31,33 @@ GLM_SPECIAL_TOKENS = ["<|endoftext|>", "[MASK]", "[gMASK]", "[sMASK]", "<sop>", 
                       "<|system|>", "<|user|>", "<|assistant|>", "<|observation|>"]
 
 
+SDIST_TOP = LLAMA_CPP_PYTHON[1].removesuffix(".tar.gz")  # the sdist's top folder
+
+
+def extract_sdist(into: Path, *paths: str) -> Path:
+    """The pinned llama-cpp-python sdist's members under `paths` (relative to its top
+    folder), extracted once into `into`; returns into / its top folder."""
+    from tools import upstream
+
+    dest = into / SDIST_TOP
+    if not (dest / ".complete").exists():
+        sdist = upstream.fetch(*LLAMA_CPP_PYTHON)
+        prefixes = tuple(f"{SDIST_TOP}/{p}" for p in paths)
+        with tarfile.open(sdist) as tar:
+            members = [m for m in tar.getmembers() if m.name.startswith(prefixes)]
+            tar.extractall(into, members=members, filter="data")
+        (dest / ".complete").touch()
+    return dest
+
+
 def llama_cpp_dir(cache: Path) -> Path:
     """The vendored llama.cpp tree (converter + gguf-py), extracted once into `cache`
     (or the tree VLLM_OVERLAY_LLAMA_CPP names, e.g. on the offline GPU host)."""
     if os.environ.get("VLLM_OVERLAY_LLAMA_CPP"):
         return Path(os.environ["VLLM_OVERLAY_LLAMA_CPP"])
-    from tools import upstream
-
-    sdist = upstream.fetch(*LLAMA_CPP_PYTHON)
-    dest = cache / sdist.name.removesuffix(".tar.gz")
-    marker = dest / ".complete"
-    if not marker.exists():
-        prefix = f"{dest.name}/vendor/llama.cpp/"
-        with tarfile.open(sdist) as tar:
-            members = [m for m in tar.getmembers() if m.name.startswith(prefix) and (
-                m.name.startswith(prefix + "gguf-py/") or m.name.startswith(prefix + "conversion/")
-                or m.name == prefix + "convert_hf_to_gguf.py")]
-            tar.extractall(cache, members=members, filter="data")
-        marker.touch()
-    return dest / "vendor" / "llama.cpp"
+    llama = "vendor/llama.cpp/"
+    return extract_sdist(cache, llama + "gguf-py/", llama + "conversion/",
+                         llama + "convert_hf_to_gguf.py") / llama
 
 
 # llama.cpp's tools the tests run, built together from the pinned sdist; `llama` is
@@ -72,8 +80,7 @@ def llama_tool(name: str) -> Path:
         return Path(os.environ[env])
     from tools import upstream
 
-    sdist = upstream.fetch(*LLAMA_CPP_PYTHON)
-    home = upstream.cache_dir() / f"llama-tools-shared-{sdist.name.removesuffix('.tar.gz')}"
+    home = upstream.cache_dir() / f"llama-tools-shared-{SDIST_TOP}"
     binary = home / "build" / "bin" / (f"lib{name}.so" if name == "llama" else name)
     if binary.exists():
         return binary
@@ -81,11 +88,7 @@ def llama_tool(name: str) -> Path:
         raise RuntimeError("building llama.cpp's tools needs cmake (and a C++ compiler)")
     work = home.with_name(f"{home.name}.partial-{os.getpid()}")
     shutil.rmtree(work, ignore_errors=True)
-    prefix = f"{sdist.name.removesuffix('.tar.gz')}/vendor/llama.cpp/"
-    with tarfile.open(sdist) as tar:
-        tar.extractall(work, members=[m for m in tar.getmembers() if m.name.startswith(prefix)],
-                       filter="data")
-    src = work / prefix
+    src = extract_sdist(work, "vendor/llama.cpp/") / "vendor" / "llama.cpp"
     flags = ["-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=OFF", "-DBUILD_SHARED_LIBS=ON",
              "-DCMAKE_BUILD_RPATH_USE_ORIGIN=ON",
              "-DLLAMA_CURL=OFF", "-DLLAMA_OPENSSL=OFF", "-DLLAMA_BUILD_TESTS=OFF",
@@ -97,7 +100,7 @@ def llama_tool(name: str) -> Path:
         res = subprocess.run(cmd, capture_output=True, text=True)
         if res.returncode != 0:
             raise RuntimeError(f"{' '.join(cmd[:3])} failed:\n{res.stdout[-3000:]}\n{res.stderr[-3000:]}")
-    shutil.rmtree(src)  # keep only the build
+    shutil.rmtree(work / SDIST_TOP)  # keep only the build
     try:
         work.rename(home)
     except OSError:  # another session finished first
