@@ -24,7 +24,10 @@ Paths (a path a type has no kernel for is left out):
   (CUDA ggml_moe_a8), `triton-bm<B>` (the plugin's Triton MoE kernel with BLOCK_M B
   tokens per tile; the plugin runs B = 4), `dequant` (all experts dequantized, then
   vLLM's fused_experts) and `fused16` (vLLM's fused_experts on weights dequantized
-  beforehand: the bound).
+  beforehand: the bound). `mmq` and `triton-bm<B>` run as the overlay runs them: in
+  expert groups whose bytes fit the kernels' 32-bit offsets
+  (vllm_gguf_plugin/quantization/moe_expert_groups.py; GLM-5's gate_up passes 2^31
+  bytes from Q3_K up).
 Each path's output is compared with float32 products of the dequantized weights (rel =
 max |error| / max |reference|) before it is timed; a path off by more than 5% is marked
 and not counted as fastest. Time: median GPU time of one call replayed in a CUDA graph
@@ -188,6 +191,7 @@ def moe_case(qtype: str, tokens, dtype=torch.float16, gen=None,
     from vllm_gguf_plugin import ops
     from vllm_gguf_plugin.quantization import fused_moe_gguf  # registers the op
     from vllm_gguf_plugin.quantization.utils import MMQ_QUANT_TYPES, MMVQ_QUANT_TYPES
+    from vllm_gguf_plugin.quantization.moe_expert_groups import moe_by_expert_group
     from vllm_gguf_plugin.triton.fused_moe.interface import TRITON_MOE_DISPATCH
 
     s = shape or MOE_SHAPE
@@ -224,10 +228,13 @@ def moe_case(qtype: str, tokens, dtype=torch.float16, gen=None,
             def run():
                 from vllm.model_executor.layers.fused_moe.fused_moe import moe_align_block_size
 
+                def kernel(*a):
+                    return _call_with_block_m(wrapper, bm, *a)
+
                 sid, eid, pad = moe_align_block_size(topk_ids, bm, e)
-                a = _call_with_block_m(wrapper, bm, x, w13, sid, eid, pad, 2 * i, top_k, m)
+                a = moe_by_expert_group(kernel, x, w13, sid, eid, pad, topk_ids, 2 * i, top_k, m)
                 a = _silu_and_mul(a)
-                b = _call_with_block_m(wrapper, bm, a, w2, sid, eid, pad, h, 1, m * top_k)
+                b = moe_by_expert_group(kernel, a, w2, sid, eid, pad, topk_ids, h, 1, m * top_k)
                 return (b.view(m, top_k, h) * topk_w.view(m, top_k, 1).to(b.dtype)).sum(1)
 
             return run
@@ -273,6 +280,7 @@ def _moe_reference(x, w13, w2, topk_w, topk_ids) -> torch.Tensor:
 def _cuda_moe(ops, kind, x, w13, w2, topk_w, topk_ids, t) -> torch.Tensor:
     """The plugin's two CUDA MoE paths, forced (its _fused_moe_gguf picks by M)."""
     from vllm.model_executor.layers.fused_moe.fused_moe import moe_align_block_size
+    from vllm_gguf_plugin.quantization.moe_expert_groups import moe_by_expert_group
 
     m, top_k = topk_ids.shape
     e, n2 = w13.shape[0], w13.shape[1]
@@ -283,9 +291,10 @@ def _cuda_moe(ops, kind, x, w13, w2, topk_w, topk_ids, t) -> torch.Tensor:
         b = ops.ggml_moe_a8_vec(a, w2, topk_ids, 1, t, h, m * top_k)
     else:
         sid, eid, pad = moe_align_block_size(topk_ids, ops.ggml_moe_get_block_size(t), e)
-        a = ops.ggml_moe_a8(x, w13, sid, eid, pad, t, n2, top_k, m)
+        a = moe_by_expert_group(ops.ggml_moe_a8, x, w13, sid, eid, pad, topk_ids, t, n2, top_k, m)
         a = _silu_and_mul(a)
-        b = ops.ggml_moe_a8(a, w2, sid, eid, pad, t, h, 1, m * top_k)
+        b = moe_by_expert_group(ops.ggml_moe_a8, a, w2, sid, eid, pad, topk_ids, t, h, 1,
+                                m * top_k)
     return (b.view(m, top_k, h).float() * topk_w.view(m, top_k, 1)).sum(1)
 
 

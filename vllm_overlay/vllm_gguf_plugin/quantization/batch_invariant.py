@@ -15,6 +15,7 @@ import torch
 from ..triton.fused_moe.interface import ggml_moe_a8_triton
 from ..triton.fused_moe.utils import get_triton_moe_block_m
 from ..triton.gemm.interface import ggml_mul_mat_a8_triton
+from .moe_expert_groups import moe_by_expert_group
 
 
 def mul_mat(x: torch.Tensor, qweight: torch.Tensor, qweight_type: int) -> torch.Tensor:
@@ -27,8 +28,8 @@ def _experts(x, w, topk_ids, qweight_type, top_k, tokens) -> torch.Tensor:
 
     sorted_ids, expert_ids, padded = moe_align_block_size(
         topk_ids, get_triton_moe_block_m(qweight_type), w.shape[0])
-    return ggml_moe_a8_triton(x, w, sorted_ids, expert_ids, padded, qweight_type,
-                              w.shape[1], top_k, tokens)
+    return moe_by_expert_group(ggml_moe_a8_triton, x, w, sorted_ids, expert_ids, padded,
+                               topk_ids, qweight_type, w.shape[1], top_k, tokens)
 
 
 def fused_moe(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,

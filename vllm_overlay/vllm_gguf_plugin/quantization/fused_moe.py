@@ -24,6 +24,7 @@ from vllm.utils.torch_utils import direct_register_custom_op
 
 from .. import ops
 from . import batch_invariant  # overlay: batch-invariant products
+from .moe_expert_groups import moe_by_expert_group  # overlay: experts past 2 GiB
 from .params import (
     GGUFUninitializedWeightParameter,
     GGUFUninitializedWeightTypeParameter,
@@ -73,24 +74,29 @@ def _fused_moe_gguf(
         sorted_token_ids, expert_ids, num_tokens_post_padded = moe_align_block_size(
             topk_ids, block_size, E
         )
-        out = ops.ggml_moe_a8(
+        # overlay: in expert groups whose offsets fit the kernel's 32 bits
+        out = moe_by_expert_group(
+            ops.ggml_moe_a8,
             x,
             w1,
             sorted_token_ids,
             expert_ids,
             num_tokens_post_padded,
+            topk_ids,  # overlay: the expert of each output row
             qweight_type,
             N,
             top_k,
             num_tokens,
         )
         out = act(out)
-        out = ops.ggml_moe_a8(
+        out = moe_by_expert_group(  # overlay: as above
+            ops.ggml_moe_a8,
             out,
             w2,
             sorted_token_ids,
             expert_ids,
             num_tokens_post_padded,
+            topk_ids,  # overlay: the expert of each output row
             qweight_type2,
             w2.shape[1],
             1,
