@@ -25,6 +25,7 @@ from vllm.utils.torch_utils import direct_register_custom_op
 from .. import ops
 from . import batch_invariant  # overlay: batch-invariant products
 from .moe_expert_groups import moe_by_expert_group  # overlay: experts past 2 GiB
+from . import moe_prefill  # overlay: long prefills dequantize the experts
 from .params import (
     GGUFUninitializedWeightParameter,
     GGUFUninitializedWeightTypeParameter,
@@ -32,6 +33,7 @@ from .params import (
     _gguf_moe_weight_type_loader,
 )
 from .utils import MMQ_QUANT_TYPES, MMVQ_QUANT_TYPES, logger
+from .utils import DEQUANT_TYPES  # overlay: as moe_prefill
 
 
 def _fused_moe_gguf(
@@ -59,6 +61,16 @@ def _fused_moe_gguf(
     if envs.VLLM_BATCH_INVARIANT:
         return batch_invariant.fused_moe(
             x, w1, w2, topk_weights, topk_ids, qweight_type, qweight_type2, act
+        )
+    # overlay: a long prefill dequantizes the experts and runs vLLM's 16-bit fused MoE
+    if (
+        x.shape[0] >= moe_prefill.DEQUANT_MOE_MIN_TOKENS
+        and qweight_type in DEQUANT_TYPES
+        and qweight_type2 in DEQUANT_TYPES
+    ):
+        return moe_prefill.dequant_fused_moe(
+            x, w1, w2, topk_weights, topk_ids, qweight_type, qweight_type2,
+            activation_enum,
         )
     out_hidden_states = torch.empty_like(x)
     if (

@@ -1,0 +1,164 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Routed GGUF experts of a long prefill (vllm_gguf_plugin.quantization.moe_prefill).
+
+From DEQUANT_MOE_MIN_TOKENS tokens on the experts are dequantized a group at a time and
+run through vLLM's 16-bit fused MoE, with an expert map per group, instead of the
+plugin's MMQ or one-pair kernels, whose time grows with every token.
+
+CPU: which path each token count takes, by quant type (the kernels are recorded, not
+run); the groups' outputs add up to the MoE of every expert at once, with gguf-py's
+dequantization and a float32 loop standing in for the CUDA ops and vLLM's fused
+experts. GPU: the plugin's MoE op from DEQUANT_MOE_MIN_TOKENS tokens on, in several
+groups, against float32 products of gguf-py's dequantization.
+"""
+
+from unittest.mock import patch
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as T
+
+
+def _silu_and_mul(a: torch.Tensor) -> torch.Tensor:
+    d = a.shape[-1] // 2
+    return torch.nn.functional.silu(a[..., :d]) * a[..., d:]
+
+
+def _moe_float32(x, w13, w2, topk_weights, topk_ids, expert_map=None) -> torch.Tensor:
+    """Token by token: each routed expert's SiLU-gated MLP in float32, weighted and
+    summed; an expert mapped to -1 contributes nothing."""
+    out = torch.zeros(x.shape[0], w2.shape[1])
+    for t in range(x.shape[0]):
+        for k, e in enumerate(topk_ids[t].tolist()):
+            e = int(expert_map[e]) if expert_map is not None else e
+            if e < 0:
+                continue
+            a = _silu_and_mul(x[t].float() @ w13[e].float().T)
+            out[t] += topk_weights[t, k].float() * (a @ w2[e].float().T)
+    return out
+
+
+def _gguf_dequantize(w, qtype, rows, cols, dtype):
+    import gguf
+
+    return torch.from_numpy(gguf.quants.dequantize(w.cpu().numpy(), qtype)
+                            .astype(np.float32)).view(rows, cols).to(w.device, dtype)
+
+
+def _random_blocks(qtype, rows, cols, seed):
+    from benchmarks.kernels.benchmark_gguf_ops import random_blocks
+
+    return random_blocks(qtype.name, rows, cols, torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("types,middle", [((T.Q4_K, T.Q6_K), "mmq"),
+                                          ((T.IQ2_S, T.IQ3_S), "vec")])
+def test_long_prefill_takes_dequantized_experts(monkeypatch, types, middle):
+    """Below DEQUANT_MOE_MIN_TOKENS the plugin's own choice (its one-pair kernel up to 64
+    tokens, MMQ beyond for K-quants, the one-pair kernel at every count for I-quants),
+    from there on dequant_fused_moe, whose result is returned."""
+    from vllm_gguf_plugin import ops
+    from vllm_gguf_plugin.quantization import fused_moe, moe_prefill
+
+    calls = []
+
+    def kernel(name, top_k_at):
+        def run(x, w, *args):  # (..., top_k, tokens) or (topk_ids, top_k, ..., tokens)
+            calls.append(name)
+            return torch.zeros(args[-1] * args[top_k_at], w.shape[1], dtype=x.dtype)
+        return run
+
+    def dequant(x, *args):
+        calls.append("dequant")
+        return torch.full_like(x, 7.0)
+
+    monkeypatch.setattr("vllm.envs.VLLM_BATCH_INVARIANT", False, raising=False)
+    monkeypatch.setattr(ops, "ggml_moe_a8", kernel("mmq", -2))
+    monkeypatch.setattr(ops, "ggml_moe_a8_vec", kernel("vec", 1))
+    monkeypatch.setattr(ops, "moe_sum", lambda out, hidden: hidden.copy_(out.sum(1)))
+    monkeypatch.setattr(moe_prefill, "dequant_fused_moe", dequant)
+    monkeypatch.setattr(fused_moe, "apply_moe_activation",
+                        lambda act, out, inp: out.copy_(_silu_and_mul(inp)))
+    big = moe_prefill.DEQUANT_MOE_MIN_TOKENS
+    align = "vllm.model_executor.layers.fused_moe.fused_moe.moe_align_block_size"
+    with patch(align, lambda ids, block, e: (torch.zeros(1), torch.zeros(1), torch.zeros(1))):
+        for rows in (1, 65, big - 1, big, 4 * big):
+            x = torch.zeros(rows, 32, dtype=torch.float16)
+            ids = torch.zeros(rows, 2, dtype=torch.int32)
+            out = fused_moe._fused_moe_gguf(
+                x, torch.zeros(4, 16, 8, dtype=torch.uint8),
+                torch.zeros(4, 32, 4, dtype=torch.uint8), torch.ones(rows, 2), ids,
+                int(types[0]), int(types[1]), "silu")
+            assert torch.equal(out, torch.full_like(x, 7.0)) == (rows >= big)
+    one_pair = ["vec", "vec"]  # each path runs both products
+    assert calls == one_pair + [middle] * 4 + ["dequant", "dequant"]
+
+
+@pytest.mark.parametrize("group_values,groups", [(1 << 28, 1), (3 * 512 * 256, 3)])
+def test_expert_groups_add_up_to_all_experts(monkeypatch, group_values, groups):
+    from vllm_gguf_plugin import ops
+    from vllm_gguf_plugin.quantization import moe_prefill
+    from vllm.model_executor.layers.fused_moe.activation import MoEActivation
+
+    e, h, i, top_k, m = 8, 256, 256, 3, 6
+    qtypes = (T.Q4_K, T.Q6_K)
+    w13 = _random_blocks(qtypes[0], e * 2 * i, h, 0).view(e, 2 * i, -1)
+    w2 = _random_blocks(qtypes[1], e * h, i, 1).view(e, h, -1)
+    gen = torch.Generator().manual_seed(2)
+    x = (torch.randn(m, h, generator=gen) * h ** -0.5).to(torch.float16)
+    topk_ids = torch.rand(m, e, generator=gen).topk(top_k, dim=1).indices.to(torch.int32)
+    topk_w = torch.rand(m, top_k, generator=gen).softmax(dim=1)
+
+    seen = []
+
+    def fused_experts(x, w1, w2, topk_weights, topk_ids, activation, global_num_experts,
+                      expert_map):
+        assert activation == MoEActivation.SILU and global_num_experts == e
+        seen.append(w1.shape[0])
+        return _moe_float32(x, w1, w2, topk_weights, topk_ids, expert_map).to(x.dtype)
+
+    monkeypatch.setattr(ops, "ggml_dequantize", _gguf_dequantize)
+    monkeypatch.setattr(moe_prefill, "fused_experts", fused_experts)
+    monkeypatch.setattr(moe_prefill, "DEQUANT_MOE_GROUP_VALUES", group_values)
+    out = moe_prefill.dequant_fused_moe(x, w13, w2, topk_w, topk_ids, int(qtypes[0]),
+                                        int(qtypes[1]), MoEActivation.SILU)
+    assert len(seen) == groups and sum(seen) == e
+    w13_16 = _gguf_dequantize(w13.reshape(e * 2 * i, -1), qtypes[0], e * 2 * i, h,
+                              torch.float32).view(e, 2 * i, h)
+    w2_16 = _gguf_dequantize(w2.reshape(e * h, -1), qtypes[1], e * h, i,
+                             torch.float32).view(e, h, i)
+    ref = _moe_float32(x, w13_16, w2_16, topk_w, topk_ids)
+    torch.testing.assert_close(out.float(), ref, rtol=0.01, atol=0.01 * ref.abs().max().item())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("types", [(T.Q4_K, T.Q6_K), (T.Q8_0, T.Q8_0), (T.IQ2_S, T.IQ3_S)])
+def test_long_prefill_matches_float32(monkeypatch, types):
+    """The plugin's MoE op at DEQUANT_MOE_MIN_TOKENS tokens, in 3 expert groups, against
+    float32 products of gguf-py's dequantization."""
+    from vllm_gguf_plugin.quantization import moe_prefill
+    from vllm_gguf_plugin.quantization.fused_moe import _fused_moe_gguf
+
+    e, h, i, top_k = 12, 512, 256, 4
+    m = moe_prefill.DEQUANT_MOE_MIN_TOKENS
+    monkeypatch.setattr("vllm.envs.VLLM_BATCH_INVARIANT", False, raising=False)
+    monkeypatch.setattr(moe_prefill, "DEQUANT_MOE_GROUP_VALUES", 4 * 2 * i * h)
+    w13 = _random_blocks(types[0], e * 2 * i, h, 0).cuda().view(e, 2 * i, -1)
+    w2 = _random_blocks(types[1], e * h, i, 1).cuda().view(e, h, -1)
+    x = (torch.randn(m, h, device="cuda") * h ** -0.5).to(torch.float16)
+    topk_ids = torch.rand(m, e, device="cuda").topk(top_k, dim=1).indices.to(torch.int32)
+    topk_w = torch.rand(m, top_k, device="cuda").softmax(dim=1)
+
+    out = _fused_moe_gguf(x, w13, w2, topk_w, topk_ids, int(types[0]), int(types[1]),
+                          "silu")
+    w13_32 = _gguf_dequantize(w13.reshape(e * 2 * i, -1), types[0], e * 2 * i, h,
+                              torch.float32).view(e, 2 * i, h)
+    w2_32 = _gguf_dequantize(w2.reshape(e * h, -1), types[1], e * h, i,
+                             torch.float32).view(e, h, i)
+    ref = torch.zeros(m, h, device="cuda")
+    for ex in range(e):
+        tok, slot = (topk_ids == ex).nonzero(as_tuple=True)
+        a = _silu_and_mul(x[tok].float() @ w13_32[ex].T)
+        ref.index_add_(0, tok, (a @ w2_32[ex].T) * topk_w[tok, slot, None])
+    torch.testing.assert_close(out.float(), ref, rtol=0.02, atol=0.02 * ref.abs().max().item())

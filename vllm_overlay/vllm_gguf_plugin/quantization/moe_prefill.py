@@ -1,0 +1,56 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Routed GGUF experts of a long prefill: dequantize, then vLLM's 16-bit fused MoE.
+
+The plugin runs its MMQ MoE kernel (K-quants and legacy quants, int8 activations) from
+65 tokens on and its one-pair kernel at every count for I-quants; the time of both grows
+with every token, while dequantizing the experts costs the same at any count
+(docs/results.md, "GGUF MoE at GLM-5's shapes"). From DEQUANT_MOE_MIN_TOKENS tokens on,
+the experts are dequantized a group at a time, at most DEQUANT_MOE_GROUP_VALUES 16-bit
+values of the gate_up stack per group so that the transient stays bounded, and each
+group runs vLLM's fused_experts with an expert map of its own experts; the groups'
+outputs add up to the whole.
+"""
+
+import gguf
+import torch
+from vllm.model_executor.layers.fused_moe.activation import MoEActivation
+from vllm.model_executor.layers.fused_moe.fused_moe import fused_experts
+
+from .. import ops
+
+DEQUANT_MOE_MIN_TOKENS = 1024
+DEQUANT_MOE_GROUP_VALUES = 1 << 28
+
+
+def dequantize_experts(w: torch.Tensor, qweight_type: int, first: int, end: int,
+                       dtype: torch.dtype) -> torch.Tensor:
+    """Experts [first, end) of a GGUF stack [experts, rows, bytes] as [n, rows, cols]."""
+    block, size = gguf.GGML_QUANT_SIZES[qweight_type]
+    n, rows, nbytes = end - first, w.shape[1], w.shape[2]
+    cols = nbytes // size * block
+    flat = ops.ggml_dequantize(w[first:end].reshape(n * rows, nbytes), qweight_type,
+                               n * rows, cols, dtype)
+    return flat.view(n, rows, cols)
+
+
+def dequant_fused_moe(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
+                      topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                      qweight_type: int, qweight_type2: int,
+                      activation: MoEActivation) -> torch.Tensor:
+    """The routed experts on dequantized weights, `DEQUANT_MOE_GROUP_VALUES` at a time."""
+    experts, rows = w1.shape[0], w1.shape[1]
+    size = max(1, DEQUANT_MOE_GROUP_VALUES // (rows * x.shape[1]))
+    out = None
+    for first in range(0, experts, size):
+        end = min(first + size, experts)
+        expert_map = None
+        if end - first < experts:
+            expert_map = torch.full((experts,), -1, dtype=torch.int32, device=x.device)
+            expert_map[first:end] = torch.arange(end - first, dtype=torch.int32,
+                                                 device=x.device)
+        y = fused_experts(x, dequantize_experts(w1, qweight_type, first, end, x.dtype),
+                          dequantize_experts(w2, qweight_type2, first, end, x.dtype),
+                          topk_weights, topk_ids, activation=activation,
+                          global_num_experts=experts, expert_map=expert_map)
+        out = y if out is None else out.add_(y)
+    return out
