@@ -192,6 +192,7 @@ def moe_case(qtype: str, tokens, dtype=torch.float16, gen=None,
     from vllm_gguf_plugin.quantization import fused_moe_gguf  # registers the op
     from vllm_gguf_plugin.quantization.utils import MMQ_QUANT_TYPES, MMVQ_QUANT_TYPES
     from vllm_gguf_plugin.quantization.moe_expert_groups import moe_by_expert_group
+    from vllm_gguf_plugin.quantization.moe_prefill import dequantize_experts
     from vllm_gguf_plugin.triton.fused_moe.interface import TRITON_MOE_DISPATCH
 
     s = shape or MOE_SHAPE
@@ -206,8 +207,7 @@ def moe_case(qtype: str, tokens, dtype=torch.float16, gen=None,
         step = max(1, 2**28 // (rows * cols))
         for j in range(0, e, step):
             n = min(step, e - j)
-            out[j:j + n] = ops.ggml_dequantize(w[j:j + n].reshape(n * rows, -1), t, n * rows,
-                                               cols, dtype).view(n, rows, cols)
+            out[j:j + n] = dequantize_experts(w, t, j, j + n, dtype)
         return out
 
     def deq():
