@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# SPDX-License-Identifier: Apache-2.0
+# The llama.cpp side of the comparison with llama.cpp, started by the first device call so
+# that it runs while the bundle's parts upload and the stages run:
+#   setsid bash tools/gpu-host/llama-side.sh KEEP SRC.tar.xz [glm5_llama_cpp_model args] \
+#     > /dev/null 2>&1 < /dev/null &
+# KEEP: a folder outside the checkout (every call syncs the checkout again); the tree this
+# needs is copied there first. SRC.tar.xz: tools/gpu-host/llama-cpp-source.sh's archive.
+# 1. build-llama-cpp-cuda.sh with SHARED=ON: llama-bench, llama-batched-bench,
+#    llama-imatrix and libllama.so (the llamaacc stage's LLAMA_LIB) in $LLAMA_OUT/bin
+#    (default /tmp/llama-cpp-cuda; LLAMA_SRC for the C runner is $LLAMA_OUT/src);
+# 2. beside it, benchmarks/glm5_llama_cpp_model.py (default args: --layers 2 --quants Q4_K_M
+#    IQ2_M --out /tmp/shaped --work-dir /dev/shm/shaped-work), whose importance matrix for
+#    IQ2_M waits for the build's llama-imatrix (KEEP/llama-imatrix).
+# Each ends its log with "rc=N": KEEP/build.log, KEEP/model.log. The .llama-cpp/ tree (the
+# converter and a llama-quantize) comes from VLLM_OVERLAY_LLAMA_CPP and
+# VLLM_OVERLAY_LLAMA_QUANTIZE, as for the GGUF stages. GGML_CUDA=OFF builds for the CPU.
+set -uo pipefail
+keep="$(mkdir -p "${1:?KEEP dir}" && cd "$1" && pwd)"; src="$(readlink -f "${2:?SRC.tar.xz}")"
+shift 2
+here="$(cd "$(dirname "$0")/../.." && pwd)"
+out="${LLAMA_OUT:-/tmp/llama-cpp-cuda}"
+[ $# -gt 0 ] || set -- --layers 2 --quants Q4_K_M IQ2_M --out /tmp/shaped \
+    --work-dir /dev/shm/shaped-work
+
+tree="$keep/tree"
+rm -rf "$tree" && mkdir -p "$tree"
+(cd "$here" && cp -r build.py upstream.lock tools benchmarks tests "$tree/")
+
+cat > "$keep/llama-imatrix" <<EOF
+#!/usr/bin/env bash
+# the build's llama-imatrix, once the build beside the model's conversion has finished
+while ! grep -q "^rc=" "$keep/build.log" 2>/dev/null; do sleep 5; done
+lib=""  # cuBLAS from the pip wheels, where build-llama-cpp-cuda.sh had to take it from there
+[ -e "$out/cublas/libcublas.so" ] && lib=":\$(dirname "\$(readlink -f "$out/cublas/libcublas.so")")"
+export LD_LIBRARY_PATH="$out/bin\$lib\${LD_LIBRARY_PATH:+:\$LD_LIBRARY_PATH}"
+exec "$out/bin/llama-imatrix" "\$@"
+EOF
+chmod +x "$keep/llama-imatrix"
+
+( SHARED=ON TARGETS="llama-bench llama-batched-bench llama-imatrix" \
+    bash "$tree/tools/gpu-host/build-llama-cpp-cuda.sh" "$src" "$out" > "$keep/build.log" 2>&1
+  echo "rc=$?" >> "$keep/build.log" ) &
+(cd "$tree" && PYTHONUNBUFFERED=1 python3 -m benchmarks.glm5_llama_cpp_model \
+    --llama-imatrix "$keep/llama-imatrix" "$@" > "$keep/model.log" 2>&1
+  echo "rc=$?" >> "$keep/model.log")
+wait
