@@ -2,7 +2,8 @@
 """Accuracy on the same GGUF: the overlay and llama.cpp against transformers fp32.
 
     python -m benchmarks.glm5_gguf_accuracy --out DIR --llama-lib DIR [--bindings DIR]
-        [--paths portable-fp16 portable-bf16 upstream-bf16] [--eager] [--json FILE]
+        [--paths portable-fp16 portable-bf16 upstream-bf16 portable-fp16-bi] [--eager]
+        [--json FILE]
         [--rounding bfloat16 float16] [--device cuda] [--llama-gpu-layers N]
         [--max-tokens 32] [--llama-runner ctypes|c] [--llama-src DIR]
 
@@ -13,7 +14,9 @@ each file's weights dequantized by gguf-py). Both engines run the same prompts
 (tests/models/glm5_generate.py: token ids, 300-1000 tokens, longer than the model's
 index_topk, then 32 greedy tokens):
 - the overlay: tests/models/glm5_generate.py (vLLM, CUDA graphs unless --eager) on each
-  path of PATHS;
+  path of PATHS (`portable-fp16-bi`: under VLLM_BATCH_INVARIANT=1, every GGUF product on
+  16-bit activations, where `portable-fp16`'s kernels quantize activations to int8 for dense
+  products below 256 tokens and experts below 1024);
 - llama.cpp: benchmarks/llama_cpp_logits.py on libllama.so of `--llama-lib` (all layers
   on the GPU unless --llama-gpu-layers, prompt in one batch);
 - rounding alone: transformers on the same dequantized weights in each dtype of
@@ -32,6 +35,7 @@ quantized files).
 import argparse
 import concurrent.futures
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -46,7 +50,17 @@ PATHS = {
                       "dtype": "bfloat16"},
     # vLLM's own choice on the GPU it runs on (FlashMLA/FA sparse + DeepGEMM on the H200)
     "upstream-bf16": {"dtype": "bfloat16"},
+    # SM120's path with every GGUF product on 16-bit activations (batch-invariant mode's
+    # Triton kernels), where the plugin's MMVQ/MMQ kernels quantize activations to int8
+    "portable-fp16-bi": {"attention_backend": "TRITON_MLA_SPARSE", "indexer": "triton",
+                         "dtype": "float16"},
 }
+PATH_ENV = {"portable-fp16-bi": {"VLLM_BATCH_INVARIANT": "1"}}
+
+
+def path_env(path: str) -> dict | None:
+    """The environment of a path's engine process (None: this process's own)."""
+    return {**os.environ, **PATH_ENV[path]} if path in PATH_ENV else None
 
 
 # rounding alone: transformers' dtype, or float32 with vLLM's fp8 indexer q and k
@@ -124,7 +138,7 @@ def main():
     def overlay(source, path):
         f, ref = sources[source]
         res = generate(f, out / f"{source}-{path}.json", eager=args.eager,
-                       max_tokens=str(args.max_tokens), **PATHS[path])
+                       env=path_env(path), max_tokens=str(args.max_tokens), **PATHS[path])
         return {**compare(ref, res), "attention_backend": res.get("attention_backend"),
                 "indexer_backend": res["indexer_backend"], "dtype": res["dtype"]}
 

@@ -12,6 +12,17 @@ def test_paths_name_the_sm120_path_and_upstreams():
     assert set(acc.SOURCES) == {"gguf-bf16", "gguf-q8_0", "gguf-Q4_K_M"}
 
 
+def test_batch_invariant_path_differs_only_in_its_environment(monkeypatch):
+    """`portable-fp16-bi` is `portable-fp16` with VLLM_BATCH_INVARIANT=1 added to the
+    engine's environment (the rest of it kept); the other paths inherit this process's."""
+    monkeypatch.setenv("VLLM_OVERLAY_SOMETHING", "kept")
+    monkeypatch.delenv("VLLM_BATCH_INVARIANT", raising=False)
+    assert acc.PATHS["portable-fp16-bi"] == acc.PATHS["portable-fp16"]
+    env = acc.path_env("portable-fp16-bi")
+    assert env["VLLM_BATCH_INVARIANT"] == "1" and env["VLLM_OVERLAY_SOMETHING"] == "kept"
+    assert all(acc.path_env(p) is None for p in acc.PATHS if p != "portable-fp16-bi")
+
+
 def test_table():
     r = {"mean": 0.5, "max": 3.0, "greedy_agreement": 0.75}
     results = {("gguf-bf16", "llama.cpp"): {"mean": 0.25, "max": 2.0, "greedy_agreement": 1.0},
