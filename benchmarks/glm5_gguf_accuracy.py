@@ -178,7 +178,7 @@ def main():
     (Path(args.json) if args.json else out / "accuracy.json").write_text(
         json.dumps({"rows": report, "eager": args.eager, "device": args.device,
                     "llama_gpu_layers": args.llama_gpu_layers,
-                    "max_tokens": args.max_tokens}, indent=1))
+                    "max_tokens": args.max_tokens}, indent=1) + "\n")
 
 
 if __name__ == "__main__":
