@@ -19,22 +19,19 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as T
 
-
-def _silu_and_mul(a: torch.Tensor) -> torch.Tensor:
-    d = a.shape[-1] // 2
-    return torch.nn.functional.silu(a[..., :d]) * a[..., d:]
+from benchmarks.kernels import benchmark_gguf_ops as bench
 
 
-def _moe_float32(x, w13, w2, topk_weights, topk_ids, expert_map=None) -> torch.Tensor:
-    """Token by token: each routed expert's SiLU-gated MLP in float32, weighted and
-    summed; an expert mapped to -1 contributes nothing."""
+def _moe_mapped(x, w13, w2, topk_weights, topk_ids, expert_map) -> torch.Tensor:
+    """vLLM's fused_experts with an expert map (None: every expert), in float32 token by
+    token: the experts the map sends to -1 contribute nothing."""
     out = torch.zeros(x.shape[0], w2.shape[1])
     for t in range(x.shape[0]):
         for k, e in enumerate(topk_ids[t].tolist()):
             e = int(expert_map[e]) if expert_map is not None else e
             if e < 0:
                 continue
-            a = _silu_and_mul(x[t].float() @ w13[e].float().T)
+            a = bench._silu_and_mul(x[t].float() @ w13[e].float().T)
             out[t] += topk_weights[t, k].float() * (a @ w2[e].float().T)
     return out
 
@@ -47,9 +44,7 @@ def _gguf_dequantize(w, qtype, rows, cols, dtype):
 
 
 def _random_blocks(qtype, rows, cols, seed):
-    from benchmarks.kernels.benchmark_gguf_ops import random_blocks
-
-    return random_blocks(qtype.name, rows, cols, torch.Generator().manual_seed(seed))
+    return bench.random_blocks(qtype.name, rows, cols, torch.Generator().manual_seed(seed))
 
 
 @pytest.mark.parametrize("types,middle", [((T.Q4_K, T.Q6_K), "mmq"),
@@ -79,7 +74,7 @@ def test_long_prefill_takes_dequantized_experts(monkeypatch, types, middle):
     monkeypatch.setattr(ops, "moe_sum", lambda out, hidden: hidden.copy_(out.sum(1)))
     monkeypatch.setattr(moe_prefill, "dequant_fused_moe", dequant)
     monkeypatch.setattr(fused_moe, "apply_moe_activation",
-                        lambda act, out, inp: out.copy_(_silu_and_mul(inp)))
+                        lambda act, out, inp: out.copy_(bench._silu_and_mul(inp)))
     big = moe_prefill.DEQUANT_MOE_MIN_TOKENS
     align = "vllm.model_executor.layers.fused_moe.fused_moe.moe_align_block_size"
     with patch(align, lambda ids, block, e: (torch.zeros(1), torch.zeros(1), torch.zeros(1))):
@@ -116,7 +111,7 @@ def test_expert_groups_add_up_to_all_experts(monkeypatch, group_values, groups):
                       expert_map):
         assert activation == MoEActivation.SILU and global_num_experts == e
         seen.append(w1.shape[0])
-        return _moe_float32(x, w1, w2, topk_weights, topk_ids, expert_map).to(x.dtype)
+        return _moe_mapped(x, w1, w2, topk_weights, topk_ids, expert_map).to(x.dtype)
 
     monkeypatch.setattr(ops, "ggml_dequantize", _gguf_dequantize)
     monkeypatch.setattr(moe_prefill, "fused_experts", fused_experts)
@@ -128,7 +123,7 @@ def test_expert_groups_add_up_to_all_experts(monkeypatch, group_values, groups):
                               torch.float32).view(e, 2 * i, h)
     w2_16 = _gguf_dequantize(w2.reshape(e * h, -1), qtypes[1], e * h, i,
                              torch.float32).view(e, h, i)
-    ref = _moe_float32(x, w13_16, w2_16, topk_w, topk_ids)
+    ref = bench._moe_reference(x, w13_16, w2_16, topk_w, topk_ids)
     torch.testing.assert_close(out.float(), ref, rtol=0.01, atol=0.01 * ref.abs().max().item())
 
 
@@ -156,9 +151,5 @@ def test_long_prefill_matches_float32(monkeypatch, types):
                               torch.float32).view(e, 2 * i, h)
     w2_32 = _gguf_dequantize(w2.reshape(e * h, -1), types[1], e * h, i,
                              torch.float32).view(e, h, i)
-    ref = torch.zeros(m, h, device="cuda")
-    for ex in range(e):
-        tok, slot = (topk_ids == ex).nonzero(as_tuple=True)
-        a = _silu_and_mul(x[tok].float() @ w13_32[ex].T)
-        ref.index_add_(0, tok, (a @ w2_32[ex].T) * topk_w[tok, slot, None])
+    ref = bench._moe_reference(x, w13_32, w2_32, topk_w, topk_ids)
     torch.testing.assert_close(out.float(), ref, rtol=0.02, atol=0.02 * ref.abs().max().item())
