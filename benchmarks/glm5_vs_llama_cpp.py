@@ -5,6 +5,7 @@
         [--llama-batched-bench BIN2] [--json out.json] [--md out.md] [--paths portable upstream sm120]
         [--prompts 512 8192] [--depths 0 8192] [--batches 1 8 32] [--gen 128] [--profile]
         [--llama-profile NCU]
+    python -m benchmarks.glm5_vs_llama_cpp --per-layer SHALLOW.json DEEP.json [--md out.md]
 
 FILE is a GLM-5-shaped GGUF from benchmarks/glm5_llama_cpp_model.py; BIN is
 llama-bench from tools/gpu-host/build-llama-cpp-cuda.sh (CUDA, the pinned sdist).
@@ -28,16 +29,27 @@ llama-bench from tools/gpu-host/build-llama-cpp-cuda.sh (CUDA, the pinned sdist)
   speed_tg is the aggregate tokens/s.
 The issue's targets (ratios in the report, overlay / llama.cpp): decode at batch 1 >= 1x
 llama.cpp's tg; aggregate decode at batch 32 >= 3x llama-batched-bench's at 32; prefill
->= 1x llama.cpp's pp; each at the same prompt length or depth. `--profile` profiles 16
-decode steps (batch 1, the deepest depth) and one prefill of the shortest prompt per path
-(torch.profiler) and reports the GPU-time shares of MoE, the other quantized products,
-16-bit GEMMs, attention and the indexer by kernel name (the kernel table is kept to check
-the classification). `--llama-profile NCU` does the same for llama.cpp with Nsight Compute
-(kernel durations, warm caches, clocks left alone) over llama-bench: a tg run (one
-warm-up token and 8 decoded at depth 0) and a pp run of the shortest prompt.
+>= 1x llama.cpp's pp; each at the same prompt length or depth. `--profile` profiles, after
+the timed rows, 17 steps at batch 1 and the shallowest depth (a 1-token prompt at depth 0:
+every step decodes one token) and one prefill of the shortest prompt per path, through
+vLLM's own torch profiler (`profiler_config`, so the engine keeps its separate process, as
+in the timed rows) and reports GPU time per step and its shares: MoE, the other quantized
+products, 16-bit GEMMs, attention and the indexer by kernel name (the kernel table is kept
+to check the classification). `--llama-profile NCU` does the same for llama.cpp with Nsight
+Compute (kernel durations, warm caches, clocks left alone) over llama-bench: a tg run (one
+warm-up token and 8 decoded at depth 0: 9 steps) and a pp run of the shortest prompt.
+
+Per layer (`--per-layer SHALLOW.json DEEP.json`): llama.cpp runs the last layer's FFN
+only for the tokens whose logits are asked for (src/models/glm-dsa.cpp, `inp_out_ids`),
+so in a prefill its last layer's MoE sees one token where vLLM's sees them all; on a
+2-layer file (dense + MoE) that skips llama.cpp's only MoE layer. Two reports of files
+that differ by MoE layers (glm5_llama_cpp_model.py --layers 2 and 3) give each engine's
+time per added MoE layer (DEEP - SHALLOW, per layer), which that skip and the fixed costs
+of a step (the 154880-row head, sampling, scheduling) leave out.
 """
 
 import argparse
+import gzip
 import importlib.util
 import json
 import os
@@ -58,6 +70,7 @@ PATHS = {
                       "VLLM_TEST_REPORT_SHARED_MEM": "101376"}},
 }
 TARGETS = {"decode_b1": 1.0, "decode_b32_aggregate": 3.0, "prefill": 1.0}
+LLAMA_PROFILE_GEN = 8  # tokens decoded in llama.cpp's profiled tg run
 
 
 # ---------------------------------------------------------------------------------------------
@@ -155,10 +168,12 @@ def batched_figures(rows: list[dict]) -> dict:
 
 def ncu_kernels(text: str) -> list[tuple[str, float]]:
     """(kernel name, microseconds) per launch from `ncu --csv` output with the metric
-    gpu__time_duration.sum (its unit column: nsecond, usecond, msecond or second)."""
+    gpu__time_duration.sum (its unit column: nsecond, usecond, msecond or second, or
+    ns, us, ms, s as ncu 2025 writes them)."""
     import csv
 
-    scale = {"nsecond": 1e-3, "usecond": 1.0, "msecond": 1e3, "second": 1e6}
+    scale = {"nsecond": 1e-3, "usecond": 1.0, "msecond": 1e3, "second": 1e6,
+             "ns": 1e-3, "us": 1.0, "ms": 1e3, "s": 1e6}
     lines = [line for line in text.splitlines() if line.startswith('"')]
     out = []
     for row in csv.DictReader(lines):
@@ -183,8 +198,9 @@ def llama_profiles(ncu: str, binary: str, gguf: str, prompt: int, extra=()) -> d
     command, its kernels (summed by name, top 40), shares by class and total GPU us."""
     import tempfile
 
-    runs = {"decode": ["-p", "0", "-n", "8", "-d", "0"],
+    runs = {"decode": ["-p", "0", "-n", str(LLAMA_PROFILE_GEN), "-d", "0"],
             "prefill": ["-p", str(prompt), "-n", "0", "-ub", "512"]}
+    steps = {"decode": LLAMA_PROFILE_GEN + 1, "prefill": 1}  # llama-bench warms up one token
     out = {}
     for kind, bench_args in runs.items():
         with tempfile.NamedTemporaryFile(suffix=".csv") as log:
@@ -197,8 +213,33 @@ def llama_profiles(ncu: str, binary: str, gguf: str, prompt: int, extra=()) -> d
                 continue
             kernels = ncu_kernels(Path(log.name).read_text())
         out[kind] = {"command": " ".join(cmd), "launches": len(kernels),
-                     "kernels": summed(kernels)[:40], "shares": kernel_shares(kernels),
-                     "gpu_us": sum(t for _, t in kernels)}
+                     **profile_summary(kernels, steps[kind])}
+    return out
+
+
+def profile_summary(kernels: list[tuple[str, float]], steps: int) -> dict:
+    """Kernels summed by name (top 40), shares by class, total GPU us and GPU us per
+    step, from (kernel name, us) per launch over `steps` forward passes."""
+    total = sum(t for _, t in kernels)
+    return {"kernels": summed(kernels)[:40], "shares": kernel_shares(kernels),
+            "gpu_us": total, "steps": steps, "gpu_us_per_step": total / steps}
+
+
+def trace_kernels(trace_dir: Path, before: set) -> list[tuple[str, float]]:
+    """(kernel name, us) per GPU activity (kernels, copies, sets) from the torch profiler
+    traces that appeared in trace_dir since `before` (vLLM's profiler_config writes one
+    `*.pt.trace.json[.gz]` per stop_profile)."""
+    new = sorted(set(trace_dir.glob("*.pt.trace.json*")) - before)
+    if not new:
+        raise RuntimeError(f"no new profiler trace in {trace_dir}")
+    out = []
+    for f in new:
+        with (gzip.open(f, "rt") if f.suffix == ".gz" else open(f)) as fh:
+            events = json.load(fh).get("traceEvents", [])
+        out += [(e["name"], float(e["dur"])) for e in events
+                if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset") and "dur" in e]
+    if not out:
+        raise RuntimeError(f"no GPU activity in {', '.join(map(str, new))}")
     return out
 
 
@@ -275,20 +316,24 @@ def markdown(results: dict) -> str:
                       f">= {r['target']:g}x: {'met' if r['meets_target'] else 'not met'}")
             lines.append(f"| {case} | {r['vllm_tok_s']:.1f} | {r['llama_tok_s']:.1f} | "
                          f"{r['ratio']:.2f} | {target} |")
-        if res.get("profile_shares"):
-            lines.append(f"\nGPU time of one decode step (batch 1): "
-                         f"{_shares(res['profile_shares'])}")
+        if res.get("profile_decode"):
+            pd = res["profile_decode"]
+            lines.append(f"\nGPU time of a decode step (batch 1, depth {pd['depth']}), "
+                         f"{pd['gpu_us_per_step']:.0f} us: {_shares(pd['shares'])}")
         if res.get("profile_prefill"):
             pf = res["profile_prefill"]
             lines.append(f"GPU time of a {pf['prompt']}-token prefill, "
                          f"{pf['gpu_us'] / 1e3:.1f} ms: {_shares(pf['shares'])}")
+        if res.get("profile_error"):
+            lines.append(f"\nprofile failed: {res['profile_error'][-300:]}")
         lines.append("")
     for kind, prof in results.get("llama_cpp", {}).get("profiles", {}).items():
         if "error" in prof:
             lines.append(f"llama.cpp {kind} profile: failed, see the JSON report")
         else:
-            lines.append(f"llama.cpp {kind} (ncu, {prof['launches']} launches, "
-                         f"{prof['gpu_us'] / 1e3:.1f} ms): {_shares(prof['shares'])}")
+            lines.append(f"llama.cpp {kind} (ncu, {prof['launches']} launches over "
+                         f"{prof['steps']} steps, {prof['gpu_us_per_step']:.0f} us a step): "
+                         f"{_shares(prof['shares'])}")
     return "\n".join(lines)
 
 
@@ -327,8 +372,6 @@ def worker(args) -> None:
     if settings["env"] and importlib.util.find_spec("vllm_report_capability") is None:
         sys.exit("pip install --no-deps tests/plugins/vllm_report_capability first")
     os.environ["VLLM_SPARSE_INDEXER_LOGITS"] = settings["indexer"]
-    if args.profile:
-        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     from benchmarks import glm5_throughput as throughput  # decode_step_s, timed_generate
     from vllm import LLM
     from vllm_gguf_plugin.gguf_model import config_from_gguf
@@ -336,12 +379,17 @@ def worker(args) -> None:
     decode_step_s = throughput.decode_step_s
     vocab = config_from_gguf(args.gguf).vocab_size
     longest = max([*args.prompts, *args.depths, 1])
+    traces = Path(args.out).with_suffix(".traces")
+    profiler = ({"profiler": "torch", "torch_profiler_dir": str(traces),
+                 "torch_profiler_with_stack": False,
+                 "torch_profiler_dump_cuda_time_total": False} if args.profile else None)
     llm = LLM(model=args.gguf, skip_tokenizer_init=True, dtype=settings["dtype"],
               max_model_len=longest + args.gen + 64, block_size=64,
               enable_prefix_caching=True, disable_log_stats=False,
               max_num_seqs=max(args.batches), max_num_batched_tokens=max(longest, 8192) + 64,
               seed=0, gpu_memory_utilization=0.85,
-              attention_config={"backend": settings["backend"]} if settings["backend"] else None)
+              attention_config={"backend": settings["backend"]} if settings["backend"] else None,
+              profiler_config=profiler)
 
     def run(n, batch, max_tokens, seed):
         return throughput.timed_generate(llm, n, batch, max_tokens, seed, vocab)
@@ -365,28 +413,110 @@ def worker(args) -> None:
                          "step_ms": 1e3 * step, "tok_s": batch / step, "wall_s": wall,
                          "cached_prompt_tokens": sum(o.num_cached_tokens or 0 for o in outs),
                          "prompt_tokens": batch * n})
-    result = {"rows": rows, "engine_in_process": bool(args.profile)}
+    result = {"rows": rows}
     if args.profile:
-        from torch.profiler import ProfilerActivity, profile
-
-        def profiled(fn) -> list[tuple[str, float]]:
-            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        def profiled(fn, steps) -> dict:
+            traces.mkdir(exist_ok=True)
+            before = set(traces.glob("*"))
+            llm.start_profile()
+            try:
                 fn()
-            kernels = [(e.key, e.device_time_total) for e in prof.key_averages()
-                       if e.device_time_total > 0]
-            return sorted(kernels, key=lambda k: -k[1])
+            finally:
+                llm.stop_profile()
+            return profile_summary(trace_kernels(traces, before), steps)
 
-        depth = max(args.depths)
-        run(max(depth, 1), 1, 1, 999)
-        kernels = profiled(lambda: run(max(depth, 1), 1, 1 + 16, 999))
-        result["profile_kernels"] = kernels[:40]
-        result["profile_shares"] = kernel_shares(kernels)
-        prompt = min(args.prompts)
-        kernels = profiled(lambda: run(prompt, 1, 1, 1999))  # a new prompt: a whole prefill
-        result["profile_prefill"] = {"prompt": prompt, "kernels": kernels[:40],
-                                     "shares": kernel_shares(kernels),
-                                     "gpu_us": sum(t for _, t in kernels)}
+        # depth 0: a 1-token prompt, so that every profiled step decodes one token
+        n = max(min(args.depths), 1)
+        run(n, 1, 1, 999)  # the prompt into the prefix cache
+        try:
+            result["profile_decode"] = {"depth": min(args.depths),
+                                        **profiled(lambda: run(n, 1, 17, 999), 17)}
+            prompt = min(args.prompts)
+            result["profile_prefill"] = {"prompt": prompt,  # a new prompt: a whole prefill
+                                         **profiled(lambda: run(prompt, 1, 1, 1999), 1)}
+        except Exception as e:  # noqa: BLE001 - the timed rows stand without a profile
+            result["profile_error"] = repr(e)[-2000:]
     Path(args.out).write_text(json.dumps(result))
+
+
+# ---------------------------------------------------------------------------------------------
+# per layer: two reports of files that differ by MoE layers
+# ---------------------------------------------------------------------------------------------
+def gguf_layers(path: str) -> int:
+    """The file's layers without MTP blocks: `<arch>.block_count` less
+    `<arch>.nextn_predict_layers` (gguf-py's reader: metadata only)."""
+    from gguf import GGUFReader
+
+    fields = GGUFReader(path).fields
+
+    def value(suffix):
+        for name, field in fields.items():
+            if name.endswith(suffix):
+                return int(field.parts[field.data[0]][0])
+        return None
+
+    blocks = value(".block_count")
+    if blocks is None:
+        raise ValueError(f"{path}: no block_count in its metadata")
+    return blocks - (value(".nextn_predict_layers") or 0)
+
+
+def case_ms(figures: dict, aggregate: dict | None = None) -> dict:
+    """{case: ms} from one engine's tok/s figures (JSON keys are strings): a prefill's
+    time, PROMPT / tok/s; a decode step's, BATCH / tok/s (aggregate tok/s). The overlay's
+    decode figures are {depth: {batch: tok/s}}, llama.cpp's {depth: tok/s} (batch 1) with
+    its batched-bench aggregates {depth: {batch: tok/s}} in `aggregate`."""
+    out = {}
+    for prompt, tok_s in figures.get("prefill", {}).items():
+        out[f"prefill {prompt}"] = 1e3 * int(prompt) / tok_s
+    decode = {d: (v if isinstance(v, dict) else {"1": v})
+              for d, v in figures.get("decode", {}).items()}
+    for depth, per_batch in (aggregate or {}).items():
+        decode.setdefault(depth, {}).update(per_batch)
+    for depth, per_batch in decode.items():
+        for batch, tok_s in per_batch.items():
+            out[f"decode batch {batch} at depth {depth}"] = 1e3 * int(batch) / tok_s
+    return out
+
+
+def per_layer(shallow: dict, deep: dict) -> dict:
+    """Each engine's ms per added layer, (DEEP - SHALLOW) / added layers, for every case
+    both reports measured on both engines, and ratio = llama.cpp's ms / the overlay's
+    (> 1: the overlay is faster, as the tok/s ratios read)."""
+    for r in (shallow, deep):
+        if "layers" not in r or "llama_cpp" not in r:
+            raise ValueError("--per-layer needs reports with layers and llama.cpp's figures")
+    added = deep["layers"] - shallow["layers"]
+    if added <= 0:
+        raise ValueError(f"DEEP has {deep['layers']} layers, SHALLOW {shallow['layers']}")
+
+    def llama(r):
+        return case_ms(r["llama_cpp"]["figures"], r["llama_cpp"]["figures"].get("aggregate"))
+
+    def diff(a, b):
+        return {c: (b[c] - a[c]) / added for c in a if c in b}
+
+    theirs = diff(llama(shallow), llama(deep))
+    out = {"layers": [shallow["layers"], deep["layers"]], "llama_cpp_ms": theirs, "paths": {}}
+    for path, res in deep["paths"].items():
+        if "figures" not in res or "figures" not in shallow["paths"].get(path, {}):
+            continue
+        ours = diff(case_ms(shallow["paths"][path]["figures"]), case_ms(res["figures"]))
+        out["paths"][path] = {c: {"ms": ms, "llama_ms": theirs[c], "ratio": theirs[c] / ms}
+                              for c, ms in ours.items() if c in theirs}
+    return out
+
+
+def per_layer_markdown(result: dict) -> str:
+    shallow, deep = result["layers"]
+    lines = [f"Per added layer ({shallow} -> {deep} layers; ms per layer)", ""]
+    for path, cases in result["paths"].items():
+        lines += [f"**{path}**", "", "| case | llama.cpp ms | overlay ms | overlay / llama.cpp |",
+                  "|---|---:|---:|---:|"]
+        lines += [f"| {c} | {v['llama_ms']:.3f} | {v['ms']:.3f} | {v['ratio']:.2f} |"
+                  for c, v in cases.items()]
+        lines.append("")
+    return "\n".join(lines)
 
 
 def backend_lines(log: str) -> list[str]:
@@ -397,7 +527,9 @@ def backend_lines(log: str) -> list[str]:
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--gguf", required=True)
+    p.add_argument("--gguf")
+    p.add_argument("--per-layer", nargs=2, metavar=("SHALLOW", "DEEP"),
+                   help="two reports of files that differ by MoE layers: per-layer figures")
     p.add_argument("--llama-bench", default=None, help="llama-bench (omit: overlay only)")
     p.add_argument("--llama-batched-bench", default=None,
                    help="llama-batched-bench (omit: no aggregate decode of llama.cpp)")
@@ -419,14 +551,25 @@ def main(argv=None):
     args = p.parse_args(argv)
     if args.path:
         return worker(args)
-    report = {"args": vars(args), "gguf_bytes": Path(args.gguf).stat().st_size, "paths": {},
-              "complete": False}
+    if args.per_layer:
+        result = per_layer(*(json.loads(Path(f).read_text()) for f in args.per_layer))
+        text = per_layer_markdown(result)
+        print(text)
+        if args.json:
+            Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
+        if args.md:
+            Path(args.md).write_text(text + "\n")
+        return result
+    if not args.gguf:
+        p.error("--gguf is required")
+    report = {"args": vars(args), "gguf_bytes": Path(args.gguf).stat().st_size,
+              "layers": gguf_layers(args.gguf), "paths": {}, "complete": False}
     llama = {"prefill": {}, "decode": {}}
 
     def save():
         # after every part, so that a run stopped by a time limit still reports what it measured
         if args.json:
-            Path(args.json).write_text(json.dumps(report, indent=1, default=str))
+            Path(args.json).write_text(json.dumps(report, indent=1, default=str) + "\n")
     if args.llama_bench:
         rows, cmds = run_llama_bench(args)
         llama = llama_figures(rows)

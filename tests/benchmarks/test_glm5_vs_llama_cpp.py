@@ -245,6 +245,14 @@ def test_ratios_against_targets():
     assert "| decode batch 32 at depth 8192 | 400.0 | 130.0 | 3.08 | >= 3x: met |" in md
     assert "| prefill 8192 | 1750.0 | 3500.0 | 0.50 | >= 1x: not met |" in md
     assert "**upstream**: failed" in md
+    shares = bench.kernel_shares([("moe_vec_q", 1.0)])
+    md = bench.markdown({"paths": {"portable": {
+        "settings": "x", "ratios": [], "profile_decode": {
+            "depth": 0, "gpu_us_per_step": 1660.4, "shares": shares}}},
+        "llama_cpp": {"profiles": {"decode": {"launches": 1035, "steps": 9,
+                                              "gpu_us_per_step": 1031.7, "shares": shares}}}})
+    assert "GPU time of a decode step (batch 1, depth 0), 1660 us: indexer 0%" in md
+    assert "llama.cpp decode (ncu, 1035 launches over 9 steps, 1032 us a step)" in md
     # cases only one side measured are left out
     only_depth0 = bench.vllm_figures(rows[2:3])
     assert bench.ratios({"prefill": {}, "decode": {8192: 100.0}}, only_depth0) == []
@@ -285,9 +293,116 @@ def test_ncu_csv():
         '"1","42","llama-bench","h","rms_norm_f32","1","7","(32, 1, 1)","(1, 1, 1)","0",'
         '"9.0","Command line profiler metrics","gpu__time_duration.sum","nsecond","1,500"',
         '"2","42","llama-bench","h","mul_mat_vec_q","1","7","(32, 1, 1)","(1, 1, 1)","0",'
-        '"9.0","Command line profiler metrics","gpu__time_duration.sum","msecond","0.01"'])
+        '"9.0","Command line profiler metrics","gpu__time_duration.sum","msecond","0.01"',
+        # ncu 2025 (the H200 host's) writes the short unit names
+        '"3","42","llama-bench","h","rms_norm_f32","1","7","(32, 1, 1)","(1, 1, 1)","0",'
+        '"9.0","Command line profiler metrics","gpu__time_duration.sum","ns","2,500"'])
     kernels = bench.ncu_kernels(text)
-    assert kernels == [("mul_mat_vec_q", 12.5), ("rms_norm_f32", 1.5), ("mul_mat_vec_q", 10.0)]
-    assert bench.summed(kernels) == [("mul_mat_vec_q", 22.5), ("rms_norm_f32", 1.5)]
+    assert kernels == [("mul_mat_vec_q", 12.5), ("rms_norm_f32", 1.5), ("mul_mat_vec_q", 10.0),
+                       ("rms_norm_f32", 2.5)]
+    assert bench.summed(kernels) == [("mul_mat_vec_q", 22.5), ("rms_norm_f32", 4.0)]
+    summary = bench.profile_summary(kernels, steps=2)
+    assert summary["gpu_us"] == pytest.approx(26.5)
+    assert summary["gpu_us_per_step"] == pytest.approx(13.25)
+    assert summary["shares"]["quantized"] == pytest.approx(22.5 / 26.5)
     with pytest.raises(ValueError, match="no gpu__time_duration"):
         bench.ncu_kernels("==PROF== nothing")
+
+
+def test_trace_kernels(tmp_path):
+    """GPU activities from the torch profiler traces vLLM's profiler_config writes, only
+    those that appeared since the call's start: kernels, copies and sets, no CPU ops."""
+    import gzip
+
+    def trace(name, events):
+        with gzip.open(tmp_path / name, "wt") as f:
+            json.dump({"traceEvents": events}, f)
+
+    trace("rank0.1.pt.trace.json.gz", [{"cat": "kernel", "name": "old", "dur": 5.0}])
+    before = set(tmp_path.glob("*"))
+    trace("rank0.2.pt.trace.json.gz", [
+        {"cat": "kernel", "name": "moe_vec_q", "dur": 7.5},
+        {"cat": "cpu_op", "name": "aten::mm", "dur": 90.0},
+        {"cat": "gpu_memcpy", "name": "Memcpy HtoD (Pinned -> Device)", "dur": 1.0},
+        {"cat": "kernel", "name": "moe_vec_q", "dur": 2.5},
+        {"cat": "ac2g", "name": "flow"}])
+    assert bench.trace_kernels(tmp_path, before) == [
+        ("moe_vec_q", 7.5), ("Memcpy HtoD (Pinned -> Device)", 1.0), ("moe_vec_q", 2.5)]
+    with pytest.raises(RuntimeError, match="no new profiler trace"):
+        bench.trace_kernels(tmp_path, set(tmp_path.glob("*")))
+
+
+def test_gguf_layers(tmp_path):
+    """Layers of a GGUF without its MTP blocks, from the metadata."""
+    import gguf
+    import numpy as np
+
+    def write(path, blocks, nextn):
+        w = gguf.GGUFWriter(str(path), "glm-dsa")
+        w.add_block_count(blocks)
+        if nextn is not None:
+            w.add_uint32("glm-dsa.nextn_predict_layers", nextn)
+        w.add_tensor("token_embd.weight", np.zeros((4, 8), dtype=np.float32))
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_tensors_to_file()
+        w.close()
+        return str(path)
+
+    assert bench.gguf_layers(write(tmp_path / "a.gguf", 3, None)) == 3
+    assert bench.gguf_layers(write(tmp_path / "b.gguf", 4, 1)) == 3
+
+
+def _report(layers, llama_ms, ours_ms):
+    """A report as main() writes it (JSON keys as strings), from step times in ms."""
+    def tok_s(case, ms):
+        n = int(case.split()[1]) if case.startswith("prefill") else int(case.split()[2])
+        return 1e3 * n / ms
+    llama = {"prefill": {}, "decode": {}, "aggregate": {}}
+    ours = {"prefill": {}, "decode": {}}
+    for case, ms in llama_ms.items():
+        words = case.split()
+        if words[0] == "prefill":
+            llama["prefill"][words[1]] = tok_s(case, ms)
+        elif words[2] == "1":
+            llama["decode"][words[-1]] = tok_s(case, ms)
+        else:
+            llama["aggregate"].setdefault(words[-1], {})[words[2]] = tok_s(case, ms)
+    for case, ms in ours_ms.items():
+        words = case.split()
+        if words[0] == "prefill":
+            ours["prefill"][words[1]] = tok_s(case, ms)
+        else:
+            ours["decode"].setdefault(words[-1], {})[words[2]] = tok_s(case, ms)
+    return json.loads(json.dumps({"layers": layers, "llama_cpp": {"figures": llama},
+                                  "paths": {"portable": {"figures": ours},
+                                            "upstream": {"error": "boom"}}}))
+
+
+def test_per_layer():
+    """Time per added layer on each engine: llama.cpp's fixed costs and its last layer's
+    skipped MoE (the same in both files) drop out of the difference."""
+    shallow = _report(2, {"prefill 512": 10.0, "decode batch 1 at depth 0": 1.0,
+                          "decode batch 32 at depth 0": 8.0},
+                      {"prefill 512": 20.0, "decode batch 1 at depth 0": 2.0,
+                       "decode batch 32 at depth 0": 10.0, "decode batch 8 at depth 0": 3.0})
+    deep = _report(4, {"prefill 512": 18.0, "decode batch 1 at depth 0": 1.5,
+                       "decode batch 32 at depth 0": 12.0},
+                   {"prefill 512": 26.0, "decode batch 1 at depth 0": 2.4,
+                    "decode batch 32 at depth 0": 12.0, "decode batch 8 at depth 0": 3.2})
+    got = bench.per_layer(shallow, deep)
+    assert got["layers"] == [2, 4]
+    assert got["llama_cpp_ms"] == pytest.approx({"prefill 512": 4.0,
+                                                  "decode batch 1 at depth 0": 0.25,
+                                                  "decode batch 32 at depth 0": 2.0})
+    ours = got["paths"]["portable"]
+    assert set(got["paths"]) == {"portable"}  # a failed path has no figures
+    assert ours["prefill 512"]["ms"] == pytest.approx(3.0)
+    assert ours["prefill 512"]["ratio"] == pytest.approx(4.0 / 3.0)
+    assert ours["decode batch 1 at depth 0"]["ratio"] == pytest.approx(0.25 / 0.2)
+    assert ours["decode batch 32 at depth 0"]["ratio"] == pytest.approx(2.0)
+    assert "decode batch 8 at depth 0" not in ours  # llama.cpp did not measure it
+    md = bench.per_layer_markdown(got)
+    assert "| prefill 512 | 4.000 | 3.000 | 1.33 |" in md
+    with pytest.raises(ValueError, match="layers"):
+        bench.per_layer(deep, shallow)
