@@ -2,17 +2,22 @@
 # SPDX-License-Identifier: Apache-2.0
 # The llama.cpp side of the comparison with llama.cpp, started by the first device call so
 # that it runs while the bundle's parts upload and the stages run:
-#   setsid bash tools/gpu-host/llama-side.sh KEEP SRC.tar.xz [glm5_llama_cpp_model args] \
+#   setsid bash tools/gpu-host/llama-side.sh KEEP SRC.tar.xz [MODEL ARGS [-- MODEL ARGS ...]] \
 #     > /dev/null 2>&1 < /dev/null &
 # KEEP: a folder outside the checkout (every call syncs the checkout again); the tree this
 # needs is copied there first. SRC.tar.xz: tools/gpu-host/llama-cpp-source.sh's archive.
 # 1. build-llama-cpp-cuda.sh with SHARED=ON: llama-bench, llama-batched-bench,
 #    llama-imatrix and libllama.so (the llamaacc stage's LLAMA_LIB) in $LLAMA_OUT/bin
 #    (default /tmp/llama-cpp-cuda; LLAMA_SRC for the C runner is $LLAMA_OUT/src);
-# 2. beside it, benchmarks/glm5_llama_cpp_model.py (default args: --layers 2 --quants Q4_K_M
-#    IQ2_M --out /tmp/shaped --work-dir /dev/shm/shaped-work), whose importance matrix for
-#    IQ2_M waits for the build's llama-imatrix (KEEP/llama-imatrix).
-# Each ends its log with "rc=N": KEEP/build.log, KEEP/model.log. The .llama-cpp/ tree (the
+# 2. beside it, benchmarks/glm5_llama_cpp_model.py once per set of MODEL ARGS (sets split
+#    by --), one after the other; default: the 2-layer file (--layers 2 --quants Q4_K_M
+#    --out /tmp/shaped), then the 3-layer one (--layers 3 --quants Q4_K_M --intermediate
+#    q8_0 --out /tmp/shaped3: its bf16 intermediate would not fit the 64 GB disk beside the
+#    first), the two files of benchmarks/glm5_vs_llama_cpp.py --per-layer; each
+#    checkpoint in /dev/shm. An importance matrix (IQ2_M) waits for the build's
+#    llama-imatrix (KEEP/llama-imatrix).
+# Each ends its log with "rc=N": KEEP/build.log, KEEP/model.log (after every set, its
+# "set K rc=N" line). The .llama-cpp/ tree (the
 # converter and a llama-quantize) comes from VLLM_OVERLAY_LLAMA_CPP and
 # VLLM_OVERLAY_LLAMA_QUANTIZE, as for the GGUF stages. GGML_CUDA=OFF builds for the CPU.
 set -uo pipefail
@@ -20,8 +25,9 @@ keep="$(mkdir -p "${1:?KEEP dir}" && cd "$1" && pwd)"; src="$(readlink -f "${2:?
 shift 2
 here="$(cd "$(dirname "$0")/../.." && pwd)"
 out="${LLAMA_OUT:-/tmp/llama-cpp-cuda}"
-[ $# -gt 0 ] || set -- --layers 2 --quants Q4_K_M IQ2_M --out /tmp/shaped \
-    --work-dir /dev/shm/shaped-work
+[ $# -gt 0 ] || set -- --layers 2 --quants Q4_K_M --out /tmp/shaped \
+    --work-dir /dev/shm/shaped-work -- --layers 3 --quants Q4_K_M --intermediate q8_0 \
+    --out /tmp/shaped3 --work-dir /dev/shm/shaped-work3
 
 tree="$keep/tree"
 rm -rf "$tree" && mkdir -p "$tree"
@@ -41,7 +47,17 @@ chmod +x "$keep/llama-imatrix"
 ( SHARED=ON TARGETS="llama-bench llama-batched-bench llama-imatrix" \
     bash "$tree/tools/gpu-host/build-llama-cpp-cuda.sh" "$src" "$out" > "$keep/build.log" 2>&1
   echo "rc=$?" >> "$keep/build.log" ) &
-(cd "$tree" && PYTHONUNBUFFERED=1 python3 -m benchmarks.glm5_llama_cpp_model \
-    --llama-imatrix "$keep/llama-imatrix" "$@" > "$keep/model.log" 2>&1
-  echo "rc=$?" >> "$keep/model.log")
+models() {  # each set of model args in turn; rc: the first failure's
+  local rc=0 k=0 one=()
+  for a in "$@" --; do
+    if [ "$a" != "--" ]; then one+=("$a"); continue; fi
+    k=$((k + 1))
+    (cd "$tree" && PYTHONUNBUFFERED=1 python3 -m benchmarks.glm5_llama_cpp_model \
+        --llama-imatrix "$keep/llama-imatrix" "${one[@]}")
+    r=$?; echo "set $k rc=$r"; [ $rc -ne 0 ] || rc=$r; one=()
+  done
+  return $rc
+}
+: > "$keep/model.log"
+(models "$@" >> "$keep/model.log" 2>&1; echo "rc=$?" >> "$keep/model.log")
 wait
