@@ -2,7 +2,7 @@
 """The transformers fp32 reference for glm5_generate.py's prompts and output format.
 
     python -m tests.models.glm5_hf_reference --model DIR --out OUT.json [--device cuda]
-        [--dtype float32] [--max-tokens 32] [--indexer-fp8]
+        [--dtype float32] [--max-tokens 32] [--indexer-fp8 [qk|q|k]]
 
 transformers' `GlmMoeDsaForCausalLM` (with its DSA indexer) in float32 computes,
 for the same fixed prompts, the top-5 prompt logprobs (plus the prompt token's
@@ -12,7 +12,8 @@ model itself is involved. In `--dtype` bfloat16 or float16 the same model gives 
 rounding to that dtype alone costs against float32 (logprobs taken in float32). With
 `--indexer-fp8` the indexer's queries and keys are rounded to float8_e4m3 (one scale per
 head row, absmax / 448) before its dot products, as vLLM's indexer quantizes them for its
-fp8 key cache and logits kernels; everything else stays in `--dtype`.
+fp8 key cache and logits kernels (`--indexer-fp8 k` or `q`: only the keys or only the
+queries, to tell which rounding costs what); everything else stays in `--dtype`.
 """
 
 import argparse
@@ -37,8 +38,9 @@ def e4m3_rows(x: torch.Tensor) -> torch.Tensor:
     return (x / scale).to(torch.float8_e4m3fn).float() * scale
 
 
-def use_fp8_indexer() -> None:
-    """GlmMoeDsaIndexer with its q and k rounded to e4m3 after RoPE (vLLM's indexer)."""
+def use_fp8_indexer(which: str = "qk") -> None:
+    """GlmMoeDsaIndexer with its q and k (or those of `which`) rounded to e4m3 after RoPE,
+    as vLLM's indexer rounds both."""
     from transformers.models.glm_moe_dsa import modeling_glm_moe_dsa as m
 
     def forward(self, hidden_states, q_resid, position_embeddings, attention_mask,
@@ -53,7 +55,11 @@ def use_fp8_indexer() -> None:
         k = torch.cat([k_rot, k[..., rope:]], dim=-1).squeeze(2)
         if past_key_values is not None:
             k = past_key_values.update_indexer(k, self.layer_idx)
-        q, k = e4m3_rows(q.float()), e4m3_rows(k.float())
+        q, k = q.float(), k.float()
+        if "q" in which:
+            q = e4m3_rows(q)
+        if "k" in which:
+            k = e4m3_rows(k)
         scores = torch.relu(q @ k.transpose(-1, -2).unsqueeze(1) * self.softmax_scale)
         w = self.weights_proj(hidden_states.to(self.weights_proj.weight.dtype)).float()
         index = (w * self.n_heads**-0.5).unsqueeze(-2) @ scores  # [b, s, 1, t]
@@ -75,10 +81,10 @@ def main():
     p.add_argument("--device", default="cuda")
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32")
-    p.add_argument("--indexer-fp8", action="store_true")
+    p.add_argument("--indexer-fp8", nargs="?", const="qk", choices=("qk", "q", "k"))
     args = p.parse_args()
     if args.indexer_fp8:
-        use_fp8_indexer()
+        use_fp8_indexer(args.indexer_fp8)
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=getattr(torch, args.dtype)).to(args.device)

@@ -74,3 +74,24 @@ def test_fp8_indexer_moves_the_selection(model, indexer_cls):
     same = [(torch.sort(a[:, k:], -1).values == torch.sort(b[:, k:], -1).values)
             .all(-1).float().mean() for a, b in zip(picked, picked2)]
     assert min(same) < 1.0 and max(same) > 0.0
+
+
+@pytest.mark.parametrize("which", ["q", "k"])
+def test_fp8_indexer_rounds_only_what_it_is_told(model, indexer_cls, monkeypatch, which):
+    """`--indexer-fp8 q` / `k`: only the queries or only the keys go through e4m3."""
+    seen = []
+
+    def spy(x):
+        seen.append(x.shape)
+        return x
+    monkeypatch.setattr(ref, "e4m3_rows", spy)
+    ids = torch.randint(3, TINY_GLM5["vocab_size"], (1, 40), generator=torch.Generator().manual_seed(2))
+    ref.use_fp8_indexer(which)
+    selections(model, ids)
+    heads = TINY_GLM5["index_n_heads"]
+    assert seen and all((len(s) == 4 and s[2] == heads) == (which == "q") for s in seen)
+    seen.clear()
+    ref.use_fp8_indexer("qk")
+    selections(model, ids)
+    dims = [len(s) for s in seen]
+    assert dims.count(4) == dims.count(3) > 0  # each call rounds q and k
