@@ -47,6 +47,17 @@ def _random_blocks(qtype, rows, cols, seed):
     return bench.random_blocks(qtype.name, rows, cols, torch.Generator().manual_seed(seed))
 
 
+def _float32_moe(x, w13, w2, types, topk_weights, topk_ids) -> torch.Tensor:
+    """The benchmark's float32 MoE reference on gguf-py's dequantization of both stacks."""
+    e, rows, _ = w13.shape
+    h, i = w2.shape[1], rows // 2
+    w13_32 = _gguf_dequantize(w13.reshape(e * rows, -1), types[0], e * rows, h,
+                              torch.float32).view(e, rows, h)
+    w2_32 = _gguf_dequantize(w2.reshape(e * h, -1), types[1], e * h, i,
+                             torch.float32).view(e, h, i)
+    return bench._moe_reference(x, w13_32, w2_32, topk_weights, topk_ids)
+
+
 @pytest.mark.parametrize("types,middle", [((T.Q4_K, T.Q6_K), "mmq"),
                                           ((T.IQ2_S, T.IQ3_S), "vec")])
 def test_long_prefill_takes_dequantized_experts(monkeypatch, types, middle):
@@ -119,11 +130,7 @@ def test_expert_groups_add_up_to_all_experts(monkeypatch, group_values, groups):
     out = moe_prefill.dequant_fused_moe(x, w13, w2, topk_w, topk_ids, int(qtypes[0]),
                                         int(qtypes[1]), MoEActivation.SILU)
     assert len(seen) == groups and sum(seen) == e
-    w13_16 = _gguf_dequantize(w13.reshape(e * 2 * i, -1), qtypes[0], e * 2 * i, h,
-                              torch.float32).view(e, 2 * i, h)
-    w2_16 = _gguf_dequantize(w2.reshape(e * h, -1), qtypes[1], e * h, i,
-                             torch.float32).view(e, h, i)
-    ref = bench._moe_reference(x, w13_16, w2_16, topk_w, topk_ids)
+    ref = _float32_moe(x, w13, w2, qtypes, topk_w, topk_ids)
     torch.testing.assert_close(out.float(), ref, rtol=0.01, atol=0.01 * ref.abs().max().item())
 
 
@@ -147,9 +154,5 @@ def test_long_prefill_matches_float32(monkeypatch, types):
 
     out = _fused_moe_gguf(x, w13, w2, topk_w, topk_ids, int(types[0]), int(types[1]),
                           "silu")
-    w13_32 = _gguf_dequantize(w13.reshape(e * 2 * i, -1), types[0], e * 2 * i, h,
-                              torch.float32).view(e, 2 * i, h)
-    w2_32 = _gguf_dequantize(w2.reshape(e * h, -1), types[1], e * h, i,
-                             torch.float32).view(e, h, i)
-    ref = bench._moe_reference(x, w13_32, w2_32, topk_w, topk_ids)
+    ref = _float32_moe(x, w13, w2, types, topk_w, topk_ids)
     torch.testing.assert_close(out.float(), ref, rtol=0.02, atol=0.02 * ref.abs().max().item())
