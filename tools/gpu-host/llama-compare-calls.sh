@@ -1,0 +1,123 @@
+#!/usr/bin/env bash
+# SPDX-License-Identifier: Apache-2.0
+# The comparison with llama.cpp on the GPU host in a few device calls (docs/gpu-host.md, step 4),
+# as the seventh run made it. Here, once:
+#   python build.py wheel; the bundle (the command at the top of gpu-checks.sh, into .bundle);
+#   bash tools/gpu-host/llama-compare-calls.sh prepare
+#     .llama-src/llama-cpp-src.tar.xz (llama-cpp-source.sh) and .llama-bin/llama-cpp.tar.xz (the
+#     converter tree and a CPU llama-quantize with its libraries, from gguf_reference.py).
+# Then one device call each, back to back (the machine goes 30 s after a call returns):
+#   first       carry .bundle/part-05 .bundle/SHA256SUMS .bundle/install.sh .llama-src .llama-bin:
+#               unpacks them outside the checkout, starts llama-side.sh (CUDA build; the 2- and
+#               3-layer Q4_K_M files)
+#   part N      carry .bundle/part-0N, for N in 0 1 2 3 4
+#   stages      install; the MoE kernel benchmark (MOE_TYPES, MOE_TOKENS, MOE_S seconds) while
+#               llama.cpp builds; then the accuracy stage (ACC_PATHS, ACC_ROUND), detached so that
+#               the call's end does not cut it
+#   compare 2L  (then compare 3L) waits for the accuracy stage and the file, runs
+#               glm5_vs_llama_cpp.py (PATHS_VS, REPS) with both sides profiled, and --per-layer
+#               once both reports exist
+# Reports go to the device tool's $OUT; CALL_S bounds a call (default 585 s).
+set -uo pipefail
+here="$(cd "$(dirname "$0")/../.." && pwd)"
+keep=/tmp/keep
+cd "$here"
+
+env_() {  # the trees `first` unpacked, and the installed bundle
+  export VLLM_OVERLAY_LLAMA_CPP=/tmp/llama-cpp VLLM_OVERLAY_LLAMA_QUANTIZE=/tmp/llama-cpp/bin/llama-quantize
+  export VLLM_OVERLAY_LLAMA_IMATRIX=$keep/llama/llama-imatrix
+  export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 VLLM_NO_USAGE_STATS=1 \
+    DO_NOT_TRACK=1 TVM_FFI_DISABLE_TORCH_C_DLPACK=1 VLLM_USE_FLASHINFER_SAMPLER=0
+  # shellcheck disable=SC1091
+  [ -f /tmp/site/env.sh ] && source /tmp/site/env.sh
+  return 0
+}
+where() {  # one line on the llama.cpp side's progress
+  echo "== $(date +%T) build: $(tail -1 $keep/llama/build.log 2>/dev/null)" \
+    "| files: $(grep -E 'rc=' $keep/llama/model.log 2>/dev/null | tr '\n' ' ')"
+  ls -la /tmp/shaped /tmp/shaped3 2>/dev/null | grep gguf; df -h /tmp /dev/shm | tail -2
+}
+out="${OUT:-/tmp/out}"
+call_s="${CALL_S:-585}"
+
+case "${1:?prepare|first|part N|stages|compare 2L|3L}" in
+  prepare)
+    mkdir -p .llama-src .llama-bin
+    bash tools/gpu-host/llama-cpp-source.sh .llama-src/llama-cpp-src.tar.xz || exit 1
+    tree="$(mktemp -d)"
+    python3 - "$tree" <<'EOF' || exit 1
+import shutil, sys
+from pathlib import Path
+from tests.models.quantization import gguf_reference as g
+tree = Path(sys.argv[1])
+shutil.copytree(g.llama_cpp_dir(tree / "src"), tree / "llama-cpp")
+bins = g.llama_quantize().parent
+(tree / "llama-cpp" / "bin").mkdir()
+for f in [bins / "llama-quantize", *bins.glob("lib*.so*")]:
+    shutil.copy2(f, tree / "llama-cpp" / "bin", follow_symlinks=False)
+EOF
+    tar -cJf .llama-bin/llama-cpp.tar.xz.partial -C "$tree/llama-cpp" . \
+      && mv .llama-bin/llama-cpp.tar.xz.partial .llama-bin/llama-cpp.tar.xz
+    rm -rf "$tree"
+    ls -la .llama-src .llama-bin ;;
+  first)
+    mkdir -p /tmp/parts $keep/llama /tmp/llama-cpp
+    cp .bundle/part-05 .bundle/SHA256SUMS .bundle/install.sh /tmp/parts/ || exit 1
+    tar -xJf .llama-bin/llama-cpp.tar.xz -C /tmp/llama-cpp || exit 1
+    cp .llama-src/llama-cpp-src.tar.xz $keep/ || exit 1
+    env_
+    nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
+    /tmp/llama-cpp/bin/llama-quantize --help 2>&1 | head -1
+    setsid bash tools/gpu-host/llama-side.sh $keep/llama $keep/llama-cpp-src.tar.xz \
+      > /dev/null 2>&1 < /dev/null &
+    sleep 10; where ;;
+  part)
+    cp ".bundle/part-0${2:?part number}" /tmp/parts/ && ls /tmp/parts && where ;;
+  stages)
+    env_; where
+    bash tools/gpu-host/gpu-checks.sh /tmp/parts $keep/checks install > $keep/install.log 2>&1 \
+      || { tail -20 $keep/install.log; exit 1; }
+    env_; mkdir -p "$out/moe" $keep/acc
+    # shellcheck disable=SC2086
+    timeout "${MOE_S:-200}" python3 -m benchmarks.kernels.benchmark_gguf_ops --ops moe \
+      --types ${MOE_TYPES:-Q8_0 IQ3_S} --tokens ${MOE_TOKENS:-32 512 1024 2048} \
+      --json "$out/moe/gguf-ops-moe.json" --md "$out/moe/gguf-ops-moe.md" > "$out/moe/log" 2>&1
+    echo "moe rc=$?"; grep -E '^\||^\{"op"' "$out/moe/log" | cut -c1-400
+    while ! grep -q "^rc=" $keep/llama/build.log; do sleep 5; done; where
+    cat > $keep/acc/run.sh <<EOF
+timeout 900 python3 -m benchmarks.glm5_gguf_accuracy --out /tmp/llamaacc \\
+  --llama-lib /tmp/llama-cpp-cuda/bin --llama-runner c --llama-src /tmp/llama-cpp-cuda/src \\
+  --paths ${ACC_PATHS:-upstream-bf16 portable-fp16 portable-bf16} --rounding ${ACC_ROUND:-fp8-indexer} \\
+  --json $keep/acc/gguf-accuracy.json > $keep/acc/log 2>&1
+echo "rc=\$?" > $keep/acc/done
+EOF
+    setsid bash $keep/acc/run.sh > /dev/null 2>&1 < /dev/null &
+    while [ ! -f $keep/acc/done ] && [ $SECONDS -lt "$call_s" ]; do sleep 5; done
+    cat $keep/acc/done 2>/dev/null; grep -E '^\|' $keep/acc/log
+    mkdir -p "$out/acc"; cp $keep/acc/* "$out/acc/" 2>/dev/null; where ;;
+  compare)
+    which="${2:?2L|3L}"; env_; where
+    if [ -d $keep/acc ]; then  # benchmarks run alone on the GPU
+      while [ ! -f $keep/acc/done ]; do sleep 5; done
+      mkdir -p "$out/acc"; cp $keep/acc/* "$out/acc/"; grep -E '^\|' $keep/acc/log
+    fi
+    case "$which" in 2L) dir=/tmp/shaped n=1 ;; 3L) dir=/tmp/shaped3 n=2 ;;
+      *) echo "compare 2L or 3L" >&2; exit 2 ;; esac
+    while ! grep -q "^set $n rc=" $keep/llama/model.log; do sleep 5; done
+    grep "rc=" $keep/llama/model.log
+    f="$(ls $dir/*Q4_K_M*.gguf | head -1)"; mkdir -p $keep/vs "$out/vs"
+    # shellcheck disable=SC2086
+    timeout $((call_s - SECONDS)) python3 -m benchmarks.glm5_vs_llama_cpp --gguf "$f" \
+      --llama-bench /tmp/llama-cpp-cuda/bin/llama-bench \
+      --llama-batched-bench /tmp/llama-cpp-cuda/bin/llama-batched-bench \
+      --paths ${PATHS_VS:-portable} --reps "${REPS:-2}" --profile \
+      --llama-profile "${NCU:-/usr/local/cuda/bin/ncu}" \
+      --json $keep/vs/$which.json --md $keep/vs/$which.md > $keep/vs/$which.log 2>&1
+    echo "compare rc=$?"; cp $keep/vs/$which.* "$out/vs/"
+    cat $keep/vs/$which.md 2>/dev/null || tail -30 $keep/vs/$which.log
+    if [ -f $keep/vs/2L.json ] && [ -f $keep/vs/3L.json ]; then
+      python3 -m benchmarks.glm5_vs_llama_cpp --per-layer $keep/vs/2L.json $keep/vs/3L.json \
+        --json "$out/vs/per-layer.json" --md $keep/vs/per-layer.md && cat $keep/vs/per-layer.md
+    fi ;;
+  *) echo "unknown call $1" >&2; exit 2 ;;
+esac
