@@ -2,7 +2,7 @@
 """The transformers fp32 reference for glm5_generate.py's prompts and output format.
 
     python -m tests.models.glm5_hf_reference --model DIR --out OUT.json [--device cuda]
-        [--dtype float32] [--max-tokens 32] [--indexer-fp8 [qk|q|k]]
+        [--dtype float32] [--max-tokens 32] [--indexer-fp8 [qk|q|k]] [--fp16-residual-scale]
 
 transformers' `GlmMoeDsaForCausalLM` (with its DSA indexer) in float32 computes,
 for the same fixed prompts, the top-5 prompt logprobs (plus the prompt token's
@@ -13,7 +13,10 @@ rounding to that dtype alone costs against float32 (logprobs taken in float32). 
 `--indexer-fp8` the indexer's queries and keys are rounded to float8_e4m3 (one scale per
 head row, absmax / 448) before its dot products, as vLLM's indexer quantizes them for its
 fp8 key cache and logits kernels (`--indexer-fp8 k` or `q`: only the keys or only the
-queries, to tell which rounding costs what); everything else stays in `--dtype`.
+queries, to tell which rounding costs what); everything else stays in `--dtype`. With
+`--fp16-residual-scale` the decoder's RMSNorms see the residual stream as vLLM's DeepSeek
+layers carry it in float16 (divided by routed_scaling_factor, against overflow): the same as
+their eps times routed_scaling_factor squared.
 """
 
 import argparse
@@ -73,6 +76,19 @@ def use_fp8_indexer(which: str = "qk") -> None:
     m.GlmMoeDsaIndexer.forward = forward
 
 
+def use_fp16_residual_scale(model) -> None:
+    """vLLM's DeepseekV2DecoderLayer in float16 divides the attention output and, in layer 0,
+    the residual by routed_scaling_factor (its MoE and MLP outputs follow), so from layer 0's
+    attention on every RMSNorm of the residual stream sees it divided by that factor: for an
+    RMSNorm, the same as eps times the factor squared. Layer 0's input norm sees the
+    embeddings as they are."""
+    rsf = model.config.routed_scaling_factor
+    layers = model.model.layers
+    for norm in ([layer.post_attention_layernorm for layer in layers]
+                 + [layer.input_layernorm for layer in layers[1:]] + [model.model.norm]):
+        norm.variance_epsilon *= rsf**2
+
+
 @torch.no_grad()
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -82,6 +98,7 @@ def main():
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32")
     p.add_argument("--indexer-fp8", nargs="?", const="qk", choices=("qk", "q", "k"))
+    p.add_argument("--fp16-residual-scale", action="store_true")
     args = p.parse_args()
     if args.indexer_fp8:
         use_fp8_indexer(args.indexer_fp8)
@@ -89,6 +106,8 @@ def main():
 
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=getattr(torch, args.dtype)).to(args.device)
     model.eval()
+    if args.fp16_residual_scale:
+        use_fp16_residual_scale(model)
     outputs = []
     for ids in prompts(model.config.vocab_size):
         x = torch.tensor([ids], device=args.device)

@@ -2,7 +2,8 @@
 """The transformers reference's fp8 indexer (tests/models/glm5_hf_reference.py
 --indexer-fp8): without the rounding it is transformers' own indexer, token for token;
 with it, every value is within e4m3's rounding of the float32 one and the selection
-moves on the tiny random GLM-5."""
+moves on the tiny random GLM-5. Its --fp16-residual-scale: the layers as vLLM runs
+them in float16."""
 
 import pytest
 import torch
@@ -95,3 +96,50 @@ def test_fp8_indexer_rounds_only_what_it_is_told(model, indexer_cls, monkeypatch
     selections(model, ids)
     dims = [len(s) for s in seen]
     assert dims.count(4) == dims.count(3) > 0  # each call rounds q and k
+
+
+def vllm_fp16_layer_forward(self, hidden_states, attention_mask=None, position_ids=None,
+                            past_key_values=None, use_cache=False, position_embeddings=None,
+                            prev_topk_indices=None, **kwargs):
+    """GlmMoeDsaDecoderLayer as vLLM's DeepseekV2DecoderLayer runs it in float16: the
+    attention output, layer 0's residual and the MLP/MoE output divided by
+    routed_scaling_factor, so the residual stream is carried divided by it."""
+    s = self.self_attn.config.routed_scaling_factor
+    residual = hidden_states
+    h, _, topk = self.self_attn(
+        hidden_states=self.input_layernorm(hidden_states), attention_mask=attention_mask,
+        position_ids=position_ids, past_key_values=past_key_values, use_cache=use_cache,
+        position_embeddings=position_embeddings, prev_topk_indices=prev_topk_indices, **kwargs)
+    if self.self_attn.layer_idx == 0:
+        residual = residual / s
+    hidden_states = residual + h / s
+    return hidden_states + self.mlp(self.post_attention_layernorm(hidden_states)) / s, topk
+
+
+def test_fp16_residual_scale_is_vllms_scaled_stream(model, monkeypatch):
+    """--fp16-residual-scale (eps x s^2 on the stream's norms) gives the logits of the
+    layers run as vLLM runs them in float16 (the stream divided by s); dividing those
+    norms' eps by s^2 there instead (the plugin's fp16_residual_scale.py) gives the
+    model's own; and on this model the scaled stream is not the model."""
+    from transformers.models.glm_moe_dsa import modeling_glm_moe_dsa as m
+
+    ids = torch.randint(3, TINY_GLM5["vocab_size"], (1, 40), generator=torch.Generator().manual_seed(3))
+    s = model.config.routed_scaling_factor
+    stream_norms = ([layer.post_attention_layernorm for layer in model.model.layers]
+                    + [layer.input_layernorm for layer in model.model.layers[1:]]
+                    + [model.model.norm])
+    with torch.no_grad():
+        plain = model(ids).logits
+        monkeypatch.setattr(m.GlmMoeDsaDecoderLayer, "forward", vllm_fp16_layer_forward)
+        scaled = model(ids).logits
+        for norm in stream_norms:
+            norm.variance_epsilon /= s**2
+        matched = model(ids).logits
+        for norm in stream_norms:
+            norm.variance_epsilon *= s**2
+        monkeypatch.undo()
+        ref.use_fp16_residual_scale(model)
+        flag = model(ids).logits
+    torch.testing.assert_close(flag, scaled, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(matched, plain, rtol=1e-4, atol=1e-4)
+    assert (scaled - plain).abs().max() > 1e-3  # 10x the tolerance above

@@ -10,15 +10,21 @@ What the engine would pick from the device is stubbed; nothing is run:
 - sparse MLA layers take the TRITON_MLA_SPARSE backend class (constructed, not
   run) and no dense-MHA prefill backend (sparse MLA's fallback when none fits);
 - unquantized MoE layers take the Triton backend, without selecting its kernel.
-Then the loader's own steps (vllm_gguf_plugin.loader.GGUFModelLoader.load_model):
-the adapter's load spec, the model, load_weights, the adapter's check that every
-parameter was filled; process_weights_after_loading, which prepares kernels, is
-left out.
+Then the loader itself (vllm_gguf_plugin.loader.GGUFModelLoader.load_model): the
+adapter's load spec, the model, load_weights, the adapter's check that every
+parameter was filled, the RMSNorm eps of a float16 model's scaled residual stream
+(fp16_residual_scale.py); process_weights_after_loading, which prepares kernels, is
+replaced by nothing.
 
 Prints JSON on its last line, a list with one entry per file: {"params": {name:
-[dtype, shape]}, "indexer_layers": [...], "errors": {name: relative error}}, the
-errors of the parameters held unquantized against the HF checkpoint given by
---hf, in vLLM's fused layout (None: no such HF tensor or another shape).
+[dtype, shape]}, "indexer_layers": [...], "errors": {name: relative error},
+"norm_eps": {name: eps of each RMSNorm}, "scaled_norms": {name: [error, error with
+the file's eps]}}, the errors of the parameters held unquantized against the HF
+checkpoint given by --hf, in vLLM's fused layout (None: no such HF tensor or another
+shape); "scaled_norms" (float16 only): each RMSNorm whose eps changed, run in float32
+on a residual stream divided by routed_scaling_factor as vLLM's float16 layers carry
+it, against the same norm on the undivided stream with the file's eps (max abs error
+over max abs value), and the same with the file's eps on the divided stream.
 """
 
 import argparse
@@ -65,28 +71,24 @@ def init_single_process() -> None:
         initialize_model_parallel(1, 1)
 
 
-def build(gguf_file: str):
+def build(gguf_file: str, dtype: str = "bfloat16"):
     """The vLLM model of `gguf_file` (nothing but the file), filled by the loader."""
     from vllm.config import DeviceConfig, LoadConfig, VllmConfig, set_current_vllm_config
     from vllm.engine.arg_utils import EngineArgs
-    from vllm.model_executor.model_loader.utils import initialize_model
-    from vllm.utils.torch_utils import set_default_torch_dtype
-    from vllm_gguf_plugin.loader import GGUFModelLoader
+
+    import vllm_gguf_plugin.loader as gguf_loader
 
     model_config = EngineArgs(model=gguf_file, max_model_len=2048, skip_tokenizer_init=True,
-                              dtype="bfloat16").create_model_config()
+                              dtype=dtype).create_model_config()
     config = VllmConfig(model_config=model_config, load_config=LoadConfig(load_format="gguf"),
                         device_config=DeviceConfig(device="cpu"))
-    with set_current_vllm_config(config):
-        loader = GGUFModelLoader(config.load_config)
-        adapter = loader._prepare_adapter(model_config)
-        config.quant_config.unquantized_modules.extend(adapter.load_spec.unquantized_modules)
-        with set_default_torch_dtype(model_config.dtype):
-            with torch.device("cpu"):
-                model = initialize_model(vllm_config=config)
-            loaded = model.load_weights(adapter.prepare_weights(model_config))
-        adapter.check_loaded(model, loaded)
-    return model
+    prepare_kernels = gguf_loader.process_weights_after_loading
+    gguf_loader.process_weights_after_loading = lambda *args, **kwargs: None
+    try:
+        with set_current_vllm_config(config):
+            return gguf_loader.GGUFModelLoader(config.load_config).load_model(config, model_config)
+    finally:
+        gguf_loader.process_weights_after_loading = prepare_kernels
 
 
 def hf_value(hf: dict[str, torch.Tensor], name: str, n_experts: int) -> torch.Tensor | None:
@@ -120,6 +122,7 @@ def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("gguf", nargs="+")
     p.add_argument("--hf", default=None, help="HF checkpoint to compare the parameters with")
+    p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16"))
     args = p.parse_args()
     from vllm.plugins import load_general_plugins
 
@@ -131,7 +134,7 @@ def main():
         from safetensors.torch import load_file
 
         hf = {k: v.float() for k, v in load_file(Path(args.hf) / "model.safetensors").items()}
-    print(json.dumps([summary(build(f), hf) for f in args.gguf]))
+    print(json.dumps([summary(build(f, args.dtype), hf) for f in args.gguf]))
 
 
 def summary(model, hf: dict[str, torch.Tensor] | None) -> dict:
@@ -152,7 +155,41 @@ def summary(model, hf: dict[str, torch.Tensor] | None) -> dict:
         "params": {n: describe(t) for n, t in params.items()},
         "indexer_layers": sorted({int(n.split(".")[2]) for n in params if ".indexer." in n}),
         "errors": errors,
+        "norm_eps": {n: m.variance_epsilon for n, m in rms_norms(model)},
+        "scaled_norms": scaled_norms(model),
     }
+
+
+def rms_norms(model):
+    from vllm.model_executor.layers.layernorm import RMSNorm
+
+    return [(n, m) for n, m in model.named_modules() if isinstance(m, RMSNorm)]
+
+
+@torch.no_grad()
+def scaled_norms(model) -> dict:
+    """{name: [error, error with the file's eps]} for each RMSNorm whose eps is not the
+    file's: on a stream of mean square near eps, where eps matters."""
+    eps, scale = model.config.rms_norm_eps, model.config.routed_scaling_factor
+    gen = torch.Generator().manual_seed(0)
+    out = {}
+    for name, norm in rms_norms(model):
+        if norm.variance_epsilon == eps:
+            continue
+        matched = norm.variance_epsilon
+        x, r = (torch.randn(4, norm.hidden_size, generator=gen) * eps**0.5 for _ in range(2))
+
+        def run(div):  # the fused add + norm may work in place: fresh inputs each time
+            return norm.forward_native(x / div, r / div)[0].float()
+
+        norm.variance_epsilon = eps
+        ref, unmatched = run(1.0), run(scale)
+        norm.variance_epsilon = matched
+        got = run(scale)
+        peak = ref.abs().max()
+        out[name] = [float((got - ref).abs().max() / peak),
+                     float((unmatched - ref).abs().max() / peak)]
+    return out
 
 
 if __name__ == "__main__":

@@ -1,0 +1,49 @@
+# SPDX-License-Identifier: Apache-2.0
+"""In float16 vLLM's DeepSeek decoder layers carry the residual stream divided by
+routed_scaling_factor s (against float16 overflow), so every RMSNorm of that stream sees
+eps x s^2 relative to it; a GGUF runs float16 by default from SM 10.0 on. The plugin's
+loader divides those norms' eps by s^2 (vllm_gguf_plugin/fp16_residual_scale.py). Checked
+on vLLM's GlmMoeDsaForCausalLM built on the CPU from the tiny GLM-5's Q4_K_M file, the
+way the loader fills it (glm5_vllm_cpu.py): which norms change, by how much, and what
+vLLM's own RMSNorm then computes on a stream divided by s, against the same norm with the
+file's eps on the undivided stream."""
+
+import pytest
+
+from vllm_gguf_plugin.gguf_model import config_from_gguf
+
+
+@pytest.fixture(scope="module")
+def built(run_without_gpu, glm5_ggufs) -> dict:
+    path = glm5_ggufs["Q4_K_M"]
+    return {dtype: run_without_gpu("tests.models.quantization.glm5_vllm_cpu", path,
+                                   "--dtype", dtype)[0]
+            for dtype in ("float16", "bfloat16")} | {"config": config_from_gguf(path)}
+
+
+def test_fp16_stream_norms_take_eps_over_scale_squared(built):
+    config = built["config"]
+    eps, s = config.rms_norm_eps, config.routed_scaling_factor
+    assert s != 1.0
+    got = built["float16"]["norm_eps"]
+    layers = range(config.num_hidden_layers)
+    stream = ({f"model.layers.{i}.post_attention_layernorm" for i in layers}
+              | {f"model.layers.{i}.input_layernorm" for i in layers if i > 0}
+              | {"model.norm"})
+    assert stream <= set(got)
+    changed = {name for name, e in got.items() if e != eps}
+    assert changed == stream  # layer 0's input norm and the attention's own norms keep eps
+    assert all(got[name] == pytest.approx(eps / s**2, rel=1e-12) for name in stream)
+    assert set(built["bfloat16"]["norm_eps"]) == set(got)
+    assert all(e == eps for e in built["bfloat16"]["norm_eps"].values())
+
+
+def test_fp16_stream_norms_compute_the_models_norm(built):
+    """On a stream of mean square near eps: within float rounding of the undivided
+    stream's norm; with the file's eps on the divided stream, far from it."""
+    scaled = built["float16"]["scaled_norms"]
+    assert len(scaled) == 2 * built["config"].num_hidden_layers
+    for name, (matched, unmatched) in scaled.items():
+        assert matched < 2e-3, name
+        assert unmatched > 0.1, name
+    assert built["bfloat16"]["scaled_norms"] == {}

@@ -1,0 +1,60 @@
+# SPDX-License-Identifier: Apache-2.0
+"""RMSNorm eps for DeepSeek-style decoder stacks that run in float16.
+
+In float16, vLLM's DeepseekV2DecoderLayer divides the attention output (and, in layer
+0, the residual) by `routed_scaling_factor`, and its MLP and MoE outputs come out divided
+the same way, so that the residual stream cannot overflow float16. From layer 0's
+attention on, every RMSNorm of that stream then sees its input divided by the factor s:
+
+    (x / s) / sqrt(mean((x / s)^2) + eps) = x / sqrt(mean(x^2) + s^2 * eps)
+
+which is the norm of the unscaled stream with eps times s^2 (6.25 for GLM-5's 2.5): a
+different function wherever mean(x^2) is not far above eps. Dividing those norms' eps by
+s^2 makes the scaled stream's norms exactly the model's. A GGUF runs float16 by default
+on compute capability >= 10.0 (plugin.py), so its loader applies this to the target model.
+An MTP draft's block is left as it is: it scales its attention output but not its
+residual, which no eps can make up for.
+"""
+
+import torch
+import torch.nn as nn
+
+
+def match_fp16_residual_scale(model: nn.Module, dtype: torch.dtype) -> int:
+    """Divide the eps of the RMSNorms that see the scaled residual stream by
+    routed_scaling_factor^2 in every DeepseekV2Model of `model` run in float16.
+    Returns how many norms changed; nothing changes for other dtypes."""
+    from vllm.model_executor.layers.layernorm import RMSNorm
+    from vllm.model_executor.models.deepseek_v2 import (
+        DeepseekAttention,
+        DeepseekV2DecoderLayer,
+        DeepseekV2Model,
+    )
+
+    if dtype != torch.float16:
+        return 0
+    changed = 0
+    for stack in model.modules():
+        if not isinstance(stack, DeepseekV2Model) or getattr(stack, "_fp16_eps_matched", False):
+            continue
+        scale = None
+        for layer in stack.layers:
+            # layers of other pipeline ranks are placeholders
+            if not isinstance(layer, DeepseekV2DecoderLayer):
+                continue
+            if isinstance(layer.self_attn, DeepseekAttention):
+                continue  # vLLM does not scale these layers
+            scale = layer.routed_scaling_factor
+            if scale == 1.0:
+                continue
+            norms = [layer.post_attention_layernorm]
+            if layer.layer_idx != 0:  # layer 0's input norm sees the embeddings as they are
+                norms.append(layer.input_layernorm)
+            for norm in norms:
+                norm.variance_epsilon /= scale**2
+                changed += 1
+        if scale not in (None, 1.0) and isinstance(stack.norm, RMSNorm):
+            stack.norm.variance_epsilon /= scale**2
+            changed += 1
+        stack._fp16_eps_matched = True
+    return changed
