@@ -20,10 +20,10 @@ import torch
 import torch.nn as nn
 
 
-def match_fp16_residual_scale(model: nn.Module, dtype: torch.dtype) -> int:
+def match_fp16_residual_scale(model: nn.Module, dtype: torch.dtype) -> None:
     """Divide the eps of the RMSNorms that see the scaled residual stream by
-    routed_scaling_factor^2 in every DeepseekV2Model of `model` run in float16.
-    Returns how many norms changed; nothing changes for other dtypes."""
+    routed_scaling_factor^2 in every DeepseekV2Model of `model` run in float16 (once,
+    after loading); nothing changes for other dtypes."""
     from vllm.model_executor.layers.layernorm import RMSNorm
     from vllm.model_executor.models.deepseek_v2 import (
         DeepseekAttention,
@@ -32,10 +32,9 @@ def match_fp16_residual_scale(model: nn.Module, dtype: torch.dtype) -> int:
     )
 
     if dtype != torch.float16:
-        return 0
-    changed = 0
+        return
     for stack in model.modules():
-        if not isinstance(stack, DeepseekV2Model) or getattr(stack, "_fp16_eps_matched", False):
+        if not isinstance(stack, DeepseekV2Model):
             continue
         scale = None
         for layer in stack.layers:
@@ -52,9 +51,5 @@ def match_fp16_residual_scale(model: nn.Module, dtype: torch.dtype) -> int:
                 norms.append(layer.input_layernorm)
             for norm in norms:
                 norm.variance_epsilon /= scale**2
-                changed += 1
         if scale not in (None, 1.0) and isinstance(stack.norm, RMSNorm):
             stack.norm.variance_epsilon /= scale**2
-            changed += 1
-        stack._fp16_eps_matched = True
-    return changed
