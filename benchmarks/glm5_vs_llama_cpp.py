@@ -442,25 +442,6 @@ def worker(args) -> None:
 # ---------------------------------------------------------------------------------------------
 # per layer: two reports of files that differ by MoE layers
 # ---------------------------------------------------------------------------------------------
-def gguf_layers(path: str) -> int:
-    """The file's layers without MTP blocks: `<arch>.block_count` less
-    `<arch>.nextn_predict_layers` (gguf-py's reader: metadata only)."""
-    from gguf import GGUFReader
-
-    fields = GGUFReader(path).fields
-
-    def value(suffix):
-        for name, field in fields.items():
-            if name.endswith(suffix):
-                return int(field.parts[field.data[0]][0])
-        return None
-
-    blocks = value(".block_count")
-    if blocks is None:
-        raise ValueError(f"{path}: no block_count in its metadata")
-    return blocks - (value(".nextn_predict_layers") or 0)
-
-
 def case_ms(figures: dict, aggregate: dict | None = None) -> dict:
     """{case: ms} from one engine's tok/s figures (JSON keys are strings): a prefill's
     time, PROMPT / tok/s; a decode step's, BATCH / tok/s (aggregate tok/s). The overlay's
@@ -562,8 +543,11 @@ def main(argv=None):
         return result
     if not args.gguf:
         p.error("--gguf is required")
+    from vllm_gguf_plugin.gguf_model import config_from_gguf
+
     report = {"args": vars(args), "gguf_bytes": Path(args.gguf).stat().st_size,
-              "layers": gguf_layers(args.gguf), "paths": {}, "complete": False}
+              "layers": config_from_gguf(args.gguf).num_hidden_layers,  # MTP blocks aside
+              "paths": {}, "complete": False}
     llama = {"prefill": {}, "decode": {}}
 
     def save():

@@ -332,27 +332,6 @@ def test_trace_kernels(tmp_path):
         bench.trace_kernels(tmp_path, set(tmp_path.glob("*")))
 
 
-def test_gguf_layers(tmp_path):
-    """Layers of a GGUF without its MTP blocks, from the metadata."""
-    import gguf
-    import numpy as np
-
-    def write(path, blocks, nextn):
-        w = gguf.GGUFWriter(str(path), "glm-dsa")
-        w.add_block_count(blocks)
-        if nextn is not None:
-            w.add_uint32("glm-dsa.nextn_predict_layers", nextn)
-        w.add_tensor("token_embd.weight", np.zeros((4, 8), dtype=np.float32))
-        w.write_header_to_file()
-        w.write_kv_data_to_file()
-        w.write_tensors_to_file()
-        w.close()
-        return str(path)
-
-    assert bench.gguf_layers(write(tmp_path / "a.gguf", 3, None)) == 3
-    assert bench.gguf_layers(write(tmp_path / "b.gguf", 4, 1)) == 3
-
-
 def _report(layers, llama_ms, ours_ms):
     """A report as main() writes it (JSON keys as strings), from step times in ms."""
     def tok_s(case, ms):
