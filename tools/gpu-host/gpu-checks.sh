@@ -21,7 +21,8 @@
 # (benchmarks/kernels/benchmark_gguf_ops.py; GGUF_OPS_ARGS), gguftests (the GPU tests of the
 # GGUF kernels: batch invariance and the benchmark's paths), llamaacc
 # (benchmarks/glm5_gguf_accuracy.py: the overlay and llama.cpp against transformers fp32 on
-# the tiny GLM-5's GGUFs; LLAMA_LIB: the folder of a CUDA libllama.so). Logs and JSON go
+# the tiny GLM-5's GGUFs; LLAMA_LIB: the folder of a CUDA libllama.so; LLAMAACC_ARGS: more
+# of its arguments, e.g. --paths and --rounding). Logs and JSON go
 # to OUT_DIR. Split the stages over calls when one
 # call's time limit is short: /tmp/site stays while the machine does. The device tool
 # brings back only a few files: point OUT_DIR at a /tmp folder and copy the JSON
@@ -198,7 +199,8 @@ for stage in $stages; do
       timeout "${LLAMAACC_TIMEOUT:-540}" python3 -m benchmarks.glm5_gguf_accuracy \
         --out /tmp/llamaacc --llama-lib "${LLAMA_LIB:?LLAMA_LIB}" \
         ${LLAMA_BINDINGS:+--bindings "$LLAMA_BINDINGS"} --json "$out/gguf-accuracy.json" \
-        ${LLAMA_RUNNER:+--llama-runner "$LLAMA_RUNNER"} ${LLAMA_SRC:+--llama-src "$LLAMA_SRC"} 2>&1 \
+        ${LLAMA_RUNNER:+--llama-runner "$LLAMA_RUNNER"} ${LLAMA_SRC:+--llama-src "$LLAMA_SRC"} \
+        ${LLAMAACC_ARGS:-} 2>&1 \
         | tee "$out/gguf-accuracy.log" | grep -E "^\||Error" || rc=1 ;;
     *) echo "unknown stage $stage"; exit 2 ;;
   esac

@@ -11,9 +11,9 @@
 #               unpacks them outside the checkout, starts llama-side.sh (CUDA build; the 2- and
 #               3-layer Q4_K_M files)
 #   part N      carry .bundle/part-0N, for N in 0 1 2 3 4
-#   stages      install; the MoE kernel benchmark (MOE_TYPES, MOE_TOKENS, MOE_S seconds) while
-#               llama.cpp builds; then the accuracy stage (ACC_PATHS, ACC_ROUND), detached so that
-#               the call's end does not cut it
+#   stages      gpu-checks.sh's stages: install; ggufops, the MoE kernel benchmark (MOE_TYPES,
+#               MOE_TOKENS, MOE_S seconds) while llama.cpp builds; then llamaacc, the accuracy
+#               stage (ACC_PATHS, ACC_ROUND), detached so that the call's end does not cut it
 #   compare 2L  (then compare 3L) waits for the accuracy stage and the file, runs
 #               glm5_vs_llama_cpp.py (PATHS_VS, REPS) with both sides profiled, and --per-layer
 #               once both reports exist
@@ -78,17 +78,15 @@ EOF
     bash tools/gpu-host/gpu-checks.sh /tmp/parts $keep/checks install > $keep/install.log 2>&1 \
       || { tail -20 $keep/install.log; exit 1; }
     env_; mkdir -p "$out/moe" $keep/acc
-    # shellcheck disable=SC2086
-    timeout "${MOE_S:-200}" python3 -m benchmarks.kernels.benchmark_gguf_ops --ops moe \
-      --types ${MOE_TYPES:-Q8_0 IQ3_S} --tokens ${MOE_TOKENS:-32 512 1024 2048} \
-      --json "$out/moe/gguf-ops-moe.json" --md "$out/moe/gguf-ops-moe.md" > "$out/moe/log" 2>&1
-    echo "moe rc=$?"; grep -E '^\||^\{"op"' "$out/moe/log" | cut -c1-400
+    GGUF_OPS_TIMEOUT="${MOE_S:-200}" GGUF_OPS_ARGS="--ops moe --types ${MOE_TYPES:-Q8_0 IQ3_S} \
+--tokens ${MOE_TOKENS:-32 512 1024 2048}" bash tools/gpu-host/gpu-checks.sh /tmp/parts "$out/moe" ggufops
+    echo "moe rc=$?"
     while ! grep -q "^rc=" $keep/llama/build.log; do sleep 5; done; where
     cat > $keep/acc/run.sh <<EOF
-timeout 900 python3 -m benchmarks.glm5_gguf_accuracy --out /tmp/llamaacc \\
-  --llama-lib /tmp/llama-cpp-cuda/bin --llama-runner c --llama-src /tmp/llama-cpp-cuda/src \\
-  --paths ${ACC_PATHS:-upstream-bf16 portable-fp16 portable-bf16} --rounding ${ACC_ROUND:-fp8-indexer} \\
-  --json $keep/acc/gguf-accuracy.json > $keep/acc/log 2>&1
+LLAMA_LIB=/tmp/llama-cpp-cuda/bin LLAMA_RUNNER=c LLAMA_SRC=/tmp/llama-cpp-cuda/src \\
+LLAMAACC_TIMEOUT=900 LLAMAACC_ARGS="--paths ${ACC_PATHS:-upstream-bf16 portable-fp16 portable-bf16} \\
+--rounding ${ACC_ROUND:-fp8-indexer}" bash $here/tools/gpu-host/gpu-checks.sh /tmp/parts $keep/acc \\
+  llamaacc > $keep/acc/log 2>&1
 echo "rc=\$?" > $keep/acc/done
 EOF
     setsid bash $keep/acc/run.sh > /dev/null 2>&1 < /dev/null &
