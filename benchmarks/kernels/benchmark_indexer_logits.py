@@ -18,12 +18,15 @@ Each Triton kernel runs with fp8 dots where the GPU has them (SM89+) and with
 16-bit dots (upcast=True: what SM80/86 run, forced here) on the same inputs; the
 16-bit/fp8 column is their time ratio, checked against the SM80/86 targets (decode
 within 1.3x of the fp8-dot path, prefill within 2.5x). Both paths' logits are
-compared on every case's inputs before timing.
+compared on every case's inputs before timing. With DISABLE_MMA_V3=1 in the
+environment Triton compiles the dots as mma.sync, as it does on SM80/86/89/120 (no
+wgmma there); the report records it.
 """
 
 import argparse
 import json
 import math
+import os
 
 import torch
 from triton.testing import do_bench
@@ -174,12 +177,14 @@ def main():
         for batch in (1, 8, 64, 256):
             rows.append(with_ratios(decode_case(batch, ctx, dg, 65536 + 64, dots)))
             torch.cuda.empty_cache()
+    mma = "mma.sync (DISABLE_MMA_V3=1)" if os.environ.get("DISABLE_MMA_V3") == "1" else "default"
     print(f"device: {torch.cuda.get_device_name(0)}; DeepGEMM: {'yes' if dg else 'no'}; "
-          f"dots: {', '.join(dots)}")
+          f"dots: {', '.join(dots)}; Triton's tensor-core instructions: {mma}")
     print("\n".join(table(rows)))
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"device": torch.cuda.get_device_name(0), "dots": dots, "rows": rows},
+            json.dump({"device": torch.cuda.get_device_name(0), "dots": dots, "mma": mma,
+                       "rows": rows},
                       f, indent=1)
 
 

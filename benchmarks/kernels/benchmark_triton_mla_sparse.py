@@ -22,6 +22,11 @@ whether the KV loads were pipelined. `--ops-file PATH` takes the gather kernel
 from a copy of `triton_sparse_mla.py` (to try a kernel change on the GPU host
 without building a wheel). `--q-dtype fp16` runs fp16 queries (what a GGUF model
 runs on SM >= 10.0, SM120 included; FlashMLA is bf16 only and is left out then).
+`--as-gpu sm80|sm86|sm89|sm120` times the launches the table gives that GPU (its
+capability and shared memory, this GPU's SMs, as `vllm_report_capability` reports
+them to the engine), with Triton's dots as mma.sync (`DISABLE_MMA_V3=1`: that GPU has
+no wgmma) and without FlashMLA; a sweep candidate over that GPU's shared memory is
+reported as not fitting.
 Bytes counted: T x topk x 576 x bytes per element of the KV cache,
 i.e. each selected latent row read once. The device's copy bandwidth
 (read + write) is measured in the same run. Index sets rotate so that repeated
@@ -36,6 +41,7 @@ import itertools
 import json
 import math
 import multiprocessing
+import os
 import re
 
 import torch
@@ -49,6 +55,18 @@ from benchmarks.kernels.cuda_graph_timing import graph_us
 
 KV_LORA, HEAD = 512, 576
 Q_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+# --as-gpu: capability (major * 10 + minor) and opt-in shared memory per block
+AS_GPUS = {"sm80": (80, 163 * 1024), "sm86": (86, 99 * 1024), "sm89": (89, 99 * 1024),
+           "sm120": (120, 99 * 1024)}
+
+
+def bench_device(as_gpu: str | None = None) -> sml.SparseMLADevice:
+    """The GPU whose launches run: this one, or `as_gpu`'s limits with this one's SMs."""
+    device = sml.sparse_mla_device(torch.device("cuda"))
+    if as_gpu is None:
+        return device
+    capability, shared_mem = AS_GPUS[as_gpu]
+    return dataclasses.replace(device, capability=capability, shared_mem=shared_mem)
 
 
 def copy_bandwidth(gib: float = 2.0) -> float:
@@ -91,10 +109,10 @@ def as_json(launch: sml.SparseMLALaunch) -> dict:
     return {**dataclasses.asdict(launch), "tile": launch.tile.value}
 
 
-def table_launches(num_tokens: int, num_heads: int, topk: int, kv: str, q_dtype: str):
-    """The table's launch on this GPU, and its launch without the Gluon tiles (the
+def table_launches(num_tokens: int, num_heads: int, topk: int, kv: str, q_dtype: str,
+                   device: sml.SparseMLADevice):
+    """The table's launch on `device`, and its launch without the Gluon tiles (the
     Triton tile that runs where those cannot)."""
-    device = sml.sparse_mla_device(torch.device("cuda"))
     kv_dtype = torch.float8_e4m3fn if kv == "fp8" else Q_DTYPES[q_dtype]
     return [sml.sparse_mla_launch(d, num_tokens, num_heads, HEAD, KV_LORA, topk,
                                   Q_DTYPES[q_dtype], kv_dtype)
@@ -207,14 +225,14 @@ def _compile_jobs(ops_file: str | None, jobs: list) -> int:
     return done
 
 
-def warm_compile_cache(cases, topk, sweep, ops_file, workers: int,
-                       q_dtype: str = "bf16") -> None:
+def warm_compile_cache(cases, topk, sweep, ops_file, workers: int, q_dtype: str,
+                       device: sml.SparseMLADevice) -> None:
     """Compile every binary the run will time in `workers` processes at once (Triton
     compiles one kernel at a time per process; the sweep needs dozens)."""
     jobs = {}
     for t, h, kv in cases:
         # a Gluon tile's row also times the Triton tile it falls back to
-        cfg, triton_cfg = table_launches(t, h, topk, kv, q_dtype)
+        cfg, triton_cfg = table_launches(t, h, topk, kv, q_dtype, device)
         for c in [cfg, triton_cfg, *(sweep_configs(triton_cfg, kv) if sweep else [])]:
             jobs.setdefault(compile_key(c, kv, q_dtype), (c, kv, h, topk, q_dtype))
     jobs = list(jobs.values())
@@ -226,7 +244,7 @@ def warm_compile_cache(cases, topk, sweep, ops_file, workers: int,
 
 
 def bench_case(num_tokens, num_heads, kv, topk, pool, l2_bytes, flashmla, sweep, ops,
-               compiled, q_dtype="bf16"):
+               compiled, q_dtype, device: sml.SparseMLADevice):
     dev = "cuda"
     # a 16-bit cache has the queries' dtype, as in the engine
     kv_dtype = torch.float8_e4m3fn if kv == "fp8" else Q_DTYPES[q_dtype]
@@ -246,16 +264,16 @@ def bench_case(num_tokens, num_heads, kv, topk, pool, l2_bytes, flashmla, sweep,
 
     # Hopper's Gluon tiles (warp-specialized; 8/16-head fp8), and the Triton tile (the
     # table's launch where they cannot run) timed next to them
-    cfg, triton_cfg = table_launches(num_tokens, num_heads, topk, kv, q_dtype)
+    cfg, triton_cfg = table_launches(num_tokens, num_heads, topk, kv, q_dtype, device)
     key = compile_key(triton_cfg, kv, q_dtype)
     compiled.record(key, gather(sets[0], triton_cfg))
-    t_gather = graph_us([gather(s) for s in sets])
+    t_gather = graph_us([gather(s, cfg) for s in sets])
     gluon = cfg.tile in sml.GLUON_TILES
     t_triton = graph_us([gather(s, triton_cfg) for s in sets]) if gluon else None
     it = {"i": 0}
 
     def eager():
-        gather(sets[it["i"] % len(sets)])()
+        gather(sets[it["i"] % len(sets)], cfg)()
         it["i"] += 1
 
     t_eager = do_bench(eager, warmup=10, rep=100, return_mode="median") * 1e3
@@ -268,6 +286,8 @@ def bench_case(num_tokens, num_heads, kv, topk, pool, l2_bytes, flashmla, sweep,
         "gather_us": t_gather, "gather_eager_us": t_eager, "triton_tile_us": t_triton,
         "gather_TBps": bytes_read / (t_gather * 1e-6) / 1e12,
         "bytes": bytes_read, "index_sets": len(sets),
+        # the table's Triton tile within the shared memory of the GPU it is for
+        "fits_shared_mem": compiled.get(key).get("shared_bytes", 0) <= device.shared_mem,
     }
     if sweep:
         best = (t_gather, cfg)
@@ -276,6 +296,10 @@ def bench_case(num_tokens, num_heads, kv, topk, pool, l2_bytes, flashmla, sweep,
             alt_key = compile_key(alt, kv, q_dtype)
             try:
                 compiled.record(alt_key, gather(sets[0], alt))
+                shared = compiled.get(alt_key).get("shared_bytes", 0)
+                if shared > device.shared_mem:  # runs here, not on the GPU run as
+                    raise RuntimeError(f"needs {shared} B of shared memory, "
+                                       f"the GPU has {device.shared_mem}")
                 t = graph_us([gather(s, alt) for s in sets[:8]])
             except Exception as e:  # e.g. out of shared memory for a combination
                 tried.append({"config": as_json(alt),
@@ -319,7 +343,13 @@ def main():
                         help="compile all binaries first in this many processes")
     parser.add_argument("--ops-file", default=None,
                         help="take the gather kernel from this copy of triton_sparse_mla.py")
+    parser.add_argument("--as-gpu", choices=sorted(AS_GPUS), default=None,
+                        help="time the launches of this GPU, dots as mma.sync")
     args = parser.parse_args()
+    if args.as_gpu:
+        # before the first compile (the compile workers inherit it); Triton keys its cache on it
+        os.environ["DISABLE_MMA_V3"] = "1"
+    device = bench_device(args.as_gpu)
     ops = load_ops(args.ops_file)
     compiled = CompiledStats(ops._sparse_mla_kernel)
 
@@ -333,11 +363,13 @@ def main():
         flashmla = flashmla if ok else None
     except ImportError as e:
         flashmla, reason = None, str(e)
+    if args.as_gpu:
+        flashmla, reason = None, f"left out as on {args.as_gpu}"
     if args.compile_workers:
         cases = [(t, h, kv) for kv in args.kv for h in args.heads for t in args.tokens]
         try:
             warm_compile_cache(cases, args.topk, args.sweep, args.ops_file,
-                               args.compile_workers, args.q_dtype)
+                               args.compile_workers, args.q_dtype, device)
         except Exception as e:  # noqa: BLE001 (only slower: each run then compiles)
             print(f"compile warm-up failed ({type(e).__name__}: {e}); compiling as the "
                   "rows run", flush=True)
@@ -347,7 +379,7 @@ def main():
         for h in args.heads:
             for t in args.tokens:
                 rows.append(bench_case(t, h, kv, args.topk, args.pool, l2, flashmla,
-                                       args.sweep, ops, compiled, args.q_dtype))
+                                       args.sweep, ops, compiled, args.q_dtype, device))
                 torch.cuda.empty_cache()
     wide = {(r["tokens"], r["heads"]): r for r in rows if r["kv"] != "fp8"}  # 16-bit caches
     for r in rows:
@@ -355,6 +387,9 @@ def main():
         if r["kv"] == "fp8" and (r["tokens"], r["heads"]) in wide:
             r["fp8_time_vs_16bit"] = r["gather_us"] / wide[(r["tokens"], r["heads"])]["gather_us"]
 
+    if args.as_gpu:
+        print(f"launches as on {args.as_gpu}: capability {device.capability}, "
+              f"{device.shared_mem} B shared memory ({device.kind.value}), dots as mma.sync")
     print(f"device: {props.name} ({sms} SMs), copy bandwidth {bw / 1e12:.2f} TB/s "
           f"(read+write), FlashMLA sparse: {'yes' if flashmla else reason}")
     print(f"topk {args.topk}, KV pool {args.pool} tokens, {args.q_dtype} queries, "
@@ -396,6 +431,10 @@ def main():
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"device": props.name, "sms": sms, "copy_bw_Bps": bw,
+                       "as_gpu": args.as_gpu and {
+                           "name": args.as_gpu, "capability": device.capability,
+                           "shared_mem": device.shared_mem, "kind": device.kind.value,
+                           "DISABLE_MMA_V3": os.environ.get("DISABLE_MMA_V3")},
                        "q_dtype": args.q_dtype,
                        "topk": args.topk, "pool_tokens": args.pool,
                        "ops_file": args.ops_file or ops.__file__, "rows": rows}, f, indent=1)

@@ -11,7 +11,8 @@
 # gguf (the tiny GLM-5 from llama.cpp GGUFs in the engine; needs
 # .llama-cpp/ carried: the converter tree and a llama-quantize binary, see
 # tests/models/quantization/gguf_reference.py), mla (the sparse MLA kernel tests only), sweep
-# (launch-parameter sweep of the gather kernel), bisect (tests/models/quantization/gguf_bisect.py),
+# (launch-parameter sweep of the gather kernel), benchas (the kernel benchmarks as on
+# SM80/86/120: their launches, Triton's dots as mma.sync), bisect (tests/models/quantization/gguf_bisect.py),
 # sm120 (the engine from a GGUF with the capability reported as 12.0), fp8kv (the same with an
 # fp8 KV cache, 64, 16 and 8 heads), throughput
 # (benchmarks/glm5_throughput.py), matrix (benchmarks/glm5_accuracy_matrix.py), serve
@@ -128,6 +129,22 @@ for stage in $stages; do
         2>&1 | tee "$out/bench-mla.log" | tail -34 || rc=1
       timeout 300 python3 -m benchmarks.kernels.benchmark_indexer_logits \
         --json "$out/bench-indexer.json" 2>&1 | tee "$out/bench-indexer.log" | tail -14 || rc=1 ;;
+    benchas)
+      # the sparse MLA launches of SM80, SM86 (bf16) and SM120 (fp16 queries, a 16-bit
+      # and an fp8 cache, with the sweep) timed here, their dots as mma.sync; then the
+      # indexer's fp8- and 16-bit-dot kernels with mma.sync dots (BENCHAS_ARGS: shapes)
+      for gpu in sm80 sm86; do
+        timeout "${BENCHAS_TIMEOUT:-240}" python3 -m benchmarks.kernels.benchmark_triton_mla_sparse \
+          --as-gpu $gpu --kv bf16 --compile-workers 8 ${BENCHAS_ARGS:---tokens 1 8 64 4096 --heads 16 32 64} \
+          --json "$out/bench-mla-$gpu.json" 2>&1 | tee "$out/bench-mla-$gpu.log" | grep -E "^\||^launches" || rc=1
+      done
+      timeout "${BENCHAS_TIMEOUT:-240}" python3 -m benchmarks.kernels.benchmark_triton_mla_sparse \
+        --as-gpu sm120 --q-dtype fp16 --kv fp16 fp8 --sweep --compile-workers 12 \
+        ${BENCHAS_ARGS:---tokens 1 64 4096 --heads 16 64} --json "$out/bench-mla-sm120.json" 2>&1 \
+        | tee "$out/bench-mla-sm120.log" | grep -E "^\||^launches|best" || rc=1
+      DISABLE_MMA_V3=1 timeout 300 python3 -m benchmarks.kernels.benchmark_indexer_logits \
+        --json "$out/bench-indexer-mma-sync.json" 2>&1 | tee "$out/bench-indexer-mma-sync.log" \
+        | tail -14 || rc=1 ;;
     sweep)
       # the shapes short of the kernel issue's targets (bf16 at 64 heads, fp8 KV),
       # 32 heads (GLM-5 at TP2) and 8 heads (the 16-head tile)
