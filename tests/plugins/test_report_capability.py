@@ -5,6 +5,7 @@ shared memory, and what vLLM and the overlay's kernels decide from them is SM120
 (CPU, no driver)."""
 
 import functools
+import os
 
 import pytest
 
@@ -35,9 +36,17 @@ def test_reports_the_capability(cuda_platform, monkeypatch):
     monkeypatch.setattr(type(cuda_platform), "get_max_shared_memory_per_block",
                         classmethod(lambda cls, device_id=0: 101376))
     monkeypatch.delenv(hook.SHARED_MEM_ENV, raising=False)
+    for name in ("DISABLE_MMA_V3", "DISABLE_MMA_V5"):
+        monkeypatch.setenv(name, "")  # (so that the teardown restores what was before)
+        monkeypatch.delenv(name)
+    monkeypatch.setenv(hook.ENV, "9.0")
+    hook.register()
+    assert "DISABLE_MMA_V3" not in os.environ  # Hopper's own dots
     monkeypatch.setenv(hook.ENV, "12.0")
     hook.register()
     assert cuda_platform.get_device_capability().to_int() == 120
+    # Triton compiles mma.sync dots, as for SM120 (no wgmma, no tcgen05 there)
+    assert os.environ["DISABLE_MMA_V3"] == os.environ["DISABLE_MMA_V5"] == "1"
     # the sparse MLA launch table's view (a cache of its own for this test)
     monkeypatch.setattr(sml, "cuda_device", functools.cache(sml.cuda_device.__wrapped__))
     assert sml.cuda_device(0).capability == 120

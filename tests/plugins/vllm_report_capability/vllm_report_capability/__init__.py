@@ -11,6 +11,10 @@ fp16 default on SM>=100, ...) is decided as on that GPU, while the kernels run o
 the real one. VLLM_TEST_REPORT_SHARED_MEM does the same for the platform's
 `get_max_shared_memory_per_block`, the opt-in shared memory per block (bytes) by
 which the overlay's kernels pick their launch parameters (SM120: 99 KiB = 101376).
+A reported capability of 8.x or 12.x (tensor cores through mma.sync only) also sets
+DISABLE_MMA_V3=1 and DISABLE_MMA_V5=1, so that Triton compiles every kernel's dots as
+it does for those GPUs instead of as Hopper's wgmma or SM100's tcgen05 dots (the tiles'
+shared memory then matches theirs too; Triton keys its cache on both variables).
 Both patch the platform, the one place vLLM and the overlay read them from. Used to
 run the engine "as on SM120" on an H200; never install it in production. Without the
 variables it changes nothing.
@@ -42,6 +46,8 @@ def register() -> None:
         major, _, minor = capability.partition(".")
         reported = DeviceCapability(major=int(major), minor=int(minor or 0))
         cls.get_device_capability = classmethod(lambda c, device_id=0: reported)
+        if reported.major in (8, 12):
+            os.environ["DISABLE_MMA_V3"] = os.environ["DISABLE_MMA_V5"] = "1"
     if shared_mem:
         nbytes = int(shared_mem)
         cls.get_max_shared_memory_per_block = classmethod(lambda c, device_id=0: nbytes)
