@@ -3,7 +3,8 @@
 count, against the 16-bit tensor-core bound, same weights.
 
     python -m benchmarks.kernels.benchmark_gguf_ops [--json out.json] [--md out.md]
-        [--types Q4_K Q6_K Q8_0 IQ2_S] [--tokens 1 8 64 512 8192] [--ops dense moe]
+        [--types Q4_K Q6_K Q8_0 IQ2_S Q4_K/Q6_K] [--tokens 1 8 64 512 8192] [--ops dense moe]
+        [--triton-block-m 4 16 64]
 
 Why: the overlay's prefill of a GGUF runs 3-4x slower than llama.cpp's on the same file
 (docs/results.md, "Against llama.cpp"); this finds which products hold that time and
@@ -13,7 +14,9 @@ Ops (GLM-5 at TP 1, float16 activations):
 - dense: x [M, K] times a quantized [N, K] weight, for GLM-5's larger linear layers
   (DENSE_SHAPES);
 - moe: 256 routed experts of 2048, hidden 6144, top-8 (uniform random routing), both
-  products and the activation (gate_up [256, 4096, 6144], down [256, 6144, 2048]).
+  products and the activation (gate_up [256, 4096, 6144], down [256, 6144, 2048]); a
+  type A/B quantizes gate_up as A and down as B (Q4_K/Q6_K: half of a Q4_K_M file's
+  MoE layers, whose down projections llama.cpp keeps at Q6_K).
 Paths (a path a type has no kernel for is left out):
 - dense: `plugin` (the plugin's own choice by M, torch.ops.vllm._fused_mul_mat_gguf),
   `mmvq` (CUDA, int8 activations, a row at a time), `mmq` (CUDA, int8 activations,
@@ -82,15 +85,22 @@ def dense_flop_bytes(m: int, n: int, k: int, qtype: str) -> tuple[int, int]:
     return 2 * m * n * k, n * k // block * size + 2 * m * (n + k)
 
 
+def moe_types(qtype: str) -> tuple[str, str]:
+    """The gate_up and down types of a MoE case's type ("Q4_K", or "Q4_K/Q6_K")."""
+    gate_up, _, down = qtype.partition("/")
+    return gate_up, down or gate_up
+
+
 def moe_flop_bytes(m: int, qtype: str, shape=None) -> tuple[int, int]:
     """flop of both products; bytes of the experts M tokens can hit (all once M * top_k
     reaches the expert count) plus activations."""
     import gguf
 
     s = shape or MOE_SHAPE
-    block, size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[qtype]]
+    (b1, s1), (b2, s2) = (gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[t]]
+                          for t in moe_types(qtype))
     e, h, i, k = s["experts"], s["hidden"], s["intermediate"], s["top_k"]
-    per_expert = (2 * i * h + h * i) // block * size
+    per_expert = 2 * i * h // b1 * s1 + h * i // b2 * s2
     hit = min(e, m * k)
     return 2 * m * k * 3 * h * i, hit * per_expert + 2 * m * h * 2
 
@@ -197,11 +207,12 @@ def moe_case(qtype: str, tokens, dtype=torch.float16, gen=None,
 
     s = shape or MOE_SHAPE
     e, h, i, top_k = s["experts"], s["hidden"], s["intermediate"], s["top_k"]
-    t = int(gguf.GGMLQuantizationType[qtype])
-    w13 = random_blocks(qtype, e * 2 * i, h, gen).cuda().view(e, 2 * i, -1)
-    w2 = random_blocks(qtype, e * h, i, gen).cuda().view(e, h, -1)
+    q1, q2 = moe_types(qtype)
+    t1, t2 = (int(gguf.GGMLQuantizationType[q]) for q in (q1, q2))
+    w13 = random_blocks(q1, e * 2 * i, h, gen).cuda().view(e, 2 * i, -1)
+    w2 = random_blocks(q2, e * h, i, gen).cuda().view(e, h, -1)
 
-    def experts16(w, rows, cols):
+    def experts16(w, t, rows, cols):
         # a few experts per call: the plugin's op refuses one output of 3 G values (GLM-5's down)
         out = torch.empty(e, rows, cols, device="cuda", dtype=dtype)
         step = max(1, 2**28 // (rows * cols))
@@ -211,7 +222,7 @@ def moe_case(qtype: str, tokens, dtype=torch.float16, gen=None,
         return out
 
     def deq():
-        return experts16(w13, 2 * i, h), experts16(w2, h, i)
+        return experts16(w13, t1, 2 * i, h), experts16(w2, t2, h, i)
 
     w13_16, w2_16 = deq()
     silu = MoEActivation.SILU
@@ -223,28 +234,29 @@ def moe_case(qtype: str, tokens, dtype=torch.float16, gen=None,
         ref = _moe_reference(x, w13_16, w2_16, topk_w, topk_ids)
 
         def triton_path(bm):
-            wrapper = TRITON_MOE_DISPATCH[t]
+            def kernel(wrapper):
+                return lambda *a: _call_with_block_m(wrapper, bm, *a)
 
             def run():
                 from vllm.model_executor.layers.fused_moe.fused_moe import moe_align_block_size
 
-                def kernel(*a):
-                    return _call_with_block_m(wrapper, bm, *a)
-
                 sid, eid, pad = moe_align_block_size(topk_ids, bm, e)
-                a = moe_by_expert_group(kernel, x, w13, sid, eid, pad, topk_ids, 2 * i, top_k, m)
+                a = moe_by_expert_group(kernel(TRITON_MOE_DISPATCH[t1]), x, w13, sid, eid, pad,
+                                        topk_ids, 2 * i, top_k, m)
                 a = _silu_and_mul(a)
-                b = moe_by_expert_group(kernel, a, w2, sid, eid, pad, topk_ids, h, 1, m * top_k)
+                b = moe_by_expert_group(kernel(TRITON_MOE_DISPATCH[t2]), a, w2, sid, eid, pad,
+                                        topk_ids, h, 1, m * top_k)
                 return (b.view(m, top_k, h) * topk_w.view(m, top_k, 1).to(b.dtype)).sum(1)
 
             return run
 
-        paths = {"plugin": lambda: fused_moe_gguf(x, w13, w2, topk_w, topk_ids, t, t, "silu")}
-        if t in MMVQ_QUANT_TYPES and m <= VEC_MAX_TOKENS:
-            paths["vec"] = lambda: _cuda_moe(ops, "vec", x, w13, w2, topk_w, topk_ids, t)
-        if t in MMQ_QUANT_TYPES:
-            paths["mmq"] = lambda: _cuda_moe(ops, "mmq", x, w13, w2, topk_w, topk_ids, t)
-        if t in TRITON_MOE_DISPATCH:
+        paths = {"plugin": lambda: fused_moe_gguf(x, w13, w2, topk_w, topk_ids, t1, t2, "silu")}
+        both = {t1, t2}
+        if both <= MMVQ_QUANT_TYPES and m <= VEC_MAX_TOKENS:
+            paths["vec"] = lambda: _cuda_moe(ops, "vec", x, w13, w2, topk_w, topk_ids, t1, t2)
+        if both <= MMQ_QUANT_TYPES:
+            paths["mmq"] = lambda: _cuda_moe(ops, "mmq", x, w13, w2, topk_w, topk_ids, t1, t2)
+        if both <= TRITON_MOE_DISPATCH.keys():
             for bm in triton_block_m:
                 paths[f"triton-bm{bm}"] = triton_path(bm)
         paths["dequant"] = lambda: fused_experts(x, *deq(), topk_w, topk_ids, activation=silu)
@@ -277,7 +289,7 @@ def _moe_reference(x, w13, w2, topk_w, topk_ids) -> torch.Tensor:
     return out
 
 
-def _cuda_moe(ops, kind, x, w13, w2, topk_w, topk_ids, t) -> torch.Tensor:
+def _cuda_moe(ops, kind, x, w13, w2, topk_w, topk_ids, t1, t2) -> torch.Tensor:
     """The plugin's two CUDA MoE paths, forced (its _fused_moe_gguf picks by M)."""
     from vllm.model_executor.layers.fused_moe.fused_moe import moe_align_block_size
     from vllm_gguf_plugin.quantization.moe_expert_groups import moe_by_expert_group
@@ -286,14 +298,15 @@ def _cuda_moe(ops, kind, x, w13, w2, topk_w, topk_ids, t) -> torch.Tensor:
     e, n2 = w13.shape[0], w13.shape[1]
     h = w2.shape[1]
     if kind == "vec":
-        a = ops.ggml_moe_a8_vec(x, w13, topk_ids, top_k, t, n2, m)
+        a = ops.ggml_moe_a8_vec(x, w13, topk_ids, top_k, t1, n2, m)
         a = _silu_and_mul(a)
-        b = ops.ggml_moe_a8_vec(a, w2, topk_ids, 1, t, h, m * top_k)
-    else:
-        sid, eid, pad = moe_align_block_size(topk_ids, ops.ggml_moe_get_block_size(t), e)
-        a = moe_by_expert_group(ops.ggml_moe_a8, x, w13, sid, eid, pad, topk_ids, t, n2, top_k, m)
+        b = ops.ggml_moe_a8_vec(a, w2, topk_ids, 1, t2, h, m * top_k)
+    else:  # (one alignment for both, by gate_up's type, as the plugin aligns them)
+        sid, eid, pad = moe_align_block_size(topk_ids, ops.ggml_moe_get_block_size(t1), e)
+        a = moe_by_expert_group(ops.ggml_moe_a8, x, w13, sid, eid, pad, topk_ids, t1, n2, top_k,
+                                m)
         a = _silu_and_mul(a)
-        b = moe_by_expert_group(ops.ggml_moe_a8, a, w2, sid, eid, pad, topk_ids, t, h, 1,
+        b = moe_by_expert_group(ops.ggml_moe_a8, a, w2, sid, eid, pad, topk_ids, t2, h, 1,
                                 m * top_k)
     return (b.view(m, top_k, h).float() * topk_w.view(m, top_k, 1)).sum(1)
 
@@ -341,16 +354,18 @@ def main():
     p.add_argument("--ops", nargs="+", choices=["dense", "moe"], default=["dense", "moe"])
     p.add_argument("--dense", nargs="+", choices=list(DENSE_SHAPES), default=list(DENSE_SHAPES))
     p.add_argument("--dtype", choices=["float16", "bfloat16"], default="float16")
+    p.add_argument("--triton-block-m", type=int, nargs="+", default=list(TRITON_MOE_BLOCK_M),
+                   help="token rows a tile of the plugin's Triton MoE kernel, one path each")
     args = p.parse_args()
     dtype = getattr(torch, args.dtype)
     gen = torch.Generator().manual_seed(0)
     rows = []
     for qtype in args.types:
-        if "dense" in args.ops:
+        if "dense" in args.ops and "/" not in qtype:
             for name in args.dense:
                 rows += dense_case(qtype, name, args.tokens, dtype, gen)
         if "moe" in args.ops:
-            rows += moe_case(qtype, args.tokens, dtype, gen)
+            rows += moe_case(qtype, args.tokens, dtype, gen, tuple(args.triton_block_m))
     lines = table(rows)
     print("\n".join(lines))
     if args.md:

@@ -43,6 +43,12 @@ def test_flop_and_bytes():
     assert nbytes == 2 * per_expert + 2 * 256 * 2  # one token hits top_k experts
     _, nbytes = bench.moe_flop_bytes(64, "Q4_K", shape)
     assert nbytes == 8 * per_expert + 2 * 64 * 256 * 2  # every expert, once
+    # gate_up at Q4_K, down at Q6_K (210 bytes per 256 values)
+    assert bench.moe_types("Q4_K/Q6_K") == ("Q4_K", "Q6_K")
+    assert bench.moe_types("Q8_0") == ("Q8_0", "Q8_0")
+    mixed = 2 * 256 * 128 // 256 * 144 + 256 * 128 // 256 * 210
+    assert bench.moe_flop_bytes(64, "Q4_K/Q6_K", shape) == (flop * 64,
+                                                              8 * mixed + 2 * 64 * 256 * 2)
 
 
 def test_fastest_skips_wrong_paths_and_bounds():
@@ -70,10 +76,11 @@ def test_table():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K", "Q8_0", "IQ2_S"])
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K", "Q8_0", "IQ2_S", "Q4_K/Q6_K"])
 def test_every_path_matches_float32(qtype):
     gen = torch.Generator().manual_seed(1)
-    dense = bench.dense_case(qtype, "small", [1, 8, 40], gen=gen, shape=(512, 1024))
+    dense = ([] if "/" in qtype  # (a MoE case only: gate_up and down of other types)
+             else bench.dense_case(qtype, "small", [1, 8, 40], gen=gen, shape=(512, 1024)))
     moe = bench.moe_case(qtype, [1, 8, 96], gen=gen, triton_block_m=(4, 16),
                          shape={"experts": 8, "hidden": 512, "intermediate": 256, "top_k": 2})
     for row in dense + moe:
