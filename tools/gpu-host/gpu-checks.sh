@@ -132,7 +132,8 @@ for stage in $stages; do
     benchas)
       # the sparse MLA launches of SM80, SM86 (bf16) and SM120 (fp16 queries, a 16-bit
       # and an fp8 cache, with the sweep) timed here, their dots as mma.sync; then the
-      # indexer's fp8- and 16-bit-dot kernels with mma.sync dots (BENCHAS_ARGS: shapes)
+      # indexer's fp8- and 16-bit-dot kernels with mma.sync dots (BENCHAS_ARGS,
+      # BENCHAS_SM120_ARGS: shapes)
       for gpu in sm80 sm86; do
         timeout "${BENCHAS_TIMEOUT:-240}" python3 -m benchmarks.kernels.benchmark_triton_mla_sparse \
           --as-gpu $gpu --kv bf16 --compile-workers 8 ${BENCHAS_ARGS:---tokens 1 8 64 4096 --heads 16 32 64} \
@@ -140,7 +141,7 @@ for stage in $stages; do
       done
       timeout "${BENCHAS_TIMEOUT:-240}" python3 -m benchmarks.kernels.benchmark_triton_mla_sparse \
         --as-gpu sm120 --q-dtype fp16 --kv fp16 fp8 --sweep --compile-workers 12 \
-        ${BENCHAS_ARGS:---tokens 1 64 4096 --heads 16 64} --json "$out/bench-mla-sm120.json" 2>&1 \
+        ${BENCHAS_SM120_ARGS:---tokens 1 4096 --heads 16 64} --json "$out/bench-mla-sm120.json" 2>&1 \
         | tee "$out/bench-mla-sm120.log" | grep -E "^\||^launches|best" || rc=1
       DISABLE_MMA_V3=1 timeout 300 python3 -m benchmarks.kernels.benchmark_indexer_logits \
         --json "$out/bench-indexer-mma-sync.json" 2>&1 | tee "$out/bench-indexer-mma-sync.log" \

@@ -6,7 +6,7 @@ run through vLLM's 16-bit fused MoE, with an expert map per group, instead of th
 plugin's MMQ or one-pair kernels, whose time grows with every token.
 
 CPU: which path each token count takes, by quant type (the kernels are recorded, not
-run); the groups' outputs add up to the MoE of every expert at once, with gguf-py's
+run; moe_triton_tiles' Triton tiles among them); the groups' outputs add up to the MoE of every expert at once, with gguf-py's
 dequantization and a float32 loop standing in for the CUDA ops and vLLM's fused
 experts. GPU: the plugin's MoE op from DEQUANT_MOE_MIN_TOKENS tokens on, in several
 groups, against float32 products of gguf-py's dequantization.
@@ -58,14 +58,30 @@ def _float32_moe(x, w13, w2, types, topk_weights, topk_ids) -> torch.Tensor:
     return bench._moe_reference(x, w13_32, w2_32, topk_weights, topk_ids)
 
 
-@pytest.mark.parametrize("types,middle", [((T.Q4_K, T.Q6_K), "mmq"),
-                                          ((T.IQ2_S, T.IQ3_S), "vec")])
-def test_long_prefill_takes_dequantized_experts(monkeypatch, types, middle):
+# the calls of each product at 1, 65, DEQUANT_MOE_MIN_TOKENS - 1, DEQUANT_MOE_MIN_TOKENS
+# and 4 x DEQUANT_MOE_MIN_TOKENS tokens (the one-pair and MMQ kernels and the Triton
+# tiles run each product, the dequantized experts both at once)
+PATHS = {
+    (T.Q4_K, T.Q6_K): [["vec", "vec"], ["triton-bm16", "mmq"], ["triton-bm16", "mmq"],
+                       ["dequant"], ["dequant"]],
+    (T.Q4_K, T.Q4_K): [["vec", "vec"], ["triton-bm16"] * 2, ["triton-bm16"] * 2,
+                       ["triton-bm64"] * 2, ["dequant"]],
+    (T.Q6_K, T.Q6_K): [["vec", "vec"], ["mmq", "mmq"], ["mmq", "mmq"], ["dequant"],
+                       ["dequant"]],
+    (T.IQ2_S, T.IQ3_S): [["vec", "vec"]] * 3 + [["dequant"], ["dequant"]],
+}
+
+
+@pytest.mark.parametrize("types", list(PATHS))
+def test_kernel_by_token_count(monkeypatch, types):
     """Below DEQUANT_MOE_MIN_TOKENS the plugin's own choice (its one-pair kernel up to 64
-    tokens, MMQ beyond for K-quants, the one-pair kernel at every count for I-quants),
-    from there on dequant_fused_moe, whose result is returned."""
+    tokens, MMQ beyond for K-quants, the one-pair kernel at every count for I-quants)
+    except where moe_triton_tiles has a Triton tile for a product's type (Q4_K: 16 token
+    rows to 1023 tokens, 64 to 4095, when both products have one also past
+    DEQUANT_MOE_MIN_TOKENS), from there on dequant_fused_moe, whose result is
+    returned."""
     from vllm_gguf_plugin import ops
-    from vllm_gguf_plugin.quantization import fused_moe, moe_prefill
+    from vllm_gguf_plugin.quantization import fused_moe, moe_prefill, moe_triton_tiles
 
     calls = []
 
@@ -74,6 +90,10 @@ def test_long_prefill_takes_dequantized_experts(monkeypatch, types, middle):
             calls.append(name)
             return torch.zeros(args[-1] * args[top_k_at], w.shape[1], dtype=x.dtype)
         return run
+
+    def triton(x, w, qweight_type, tile, topk_ids, rows, top_k, tokens):
+        calls.append(f"triton-bm{tile.block_m}")
+        return torch.zeros(tokens * top_k, rows, dtype=x.dtype)
 
     def dequant(x, *args):
         calls.append("dequant")
@@ -84,21 +104,36 @@ def test_long_prefill_takes_dequantized_experts(monkeypatch, types, middle):
     monkeypatch.setattr(ops, "ggml_moe_a8_vec", kernel("vec", 1))
     monkeypatch.setattr(ops, "moe_sum", lambda out, hidden: hidden.copy_(out.sum(1)))
     monkeypatch.setattr(moe_prefill, "dequant_fused_moe", dequant)
+    monkeypatch.setattr(moe_triton_tiles, "triton_moe_product", triton)
     monkeypatch.setattr(fused_moe, "apply_moe_activation",
                         lambda act, out, inp: out.copy_(bench._silu_and_mul(inp)))
     big = moe_prefill.DEQUANT_MOE_MIN_TOKENS
     align = "vllm.model_executor.layers.fused_moe.fused_moe.moe_align_block_size"
     with patch(align, lambda ids, block, e: (torch.zeros(1), torch.zeros(1), torch.zeros(1))):
-        for rows in (1, 65, big - 1, big, 4 * big):
+        for rows, expected in zip((1, 65, big - 1, big, 4 * big), PATHS[types]):
+            calls.clear()
             x = torch.zeros(rows, 32, dtype=torch.float16)
             ids = torch.zeros(rows, 2, dtype=torch.int32)
             out = fused_moe._fused_moe_gguf(
                 x, torch.zeros(4, 16, 8, dtype=torch.uint8),
                 torch.zeros(4, 32, 4, dtype=torch.uint8), torch.ones(rows, 2), ids,
                 int(types[0]), int(types[1]), "silu")
-            assert torch.equal(out, torch.full_like(x, 7.0)) == (rows >= big)
-    one_pair = ["vec", "vec"]  # each path runs both products
-    assert calls == one_pair + [middle] * 4 + ["dequant", "dequant"]
+            assert calls == expected, rows
+            assert torch.equal(out, torch.full_like(x, 7.0)) == (expected == ["dequant"])
+
+
+def test_triton_tiles_cover_rising_counts():
+    # each type's tiles in rising token counts, all past the one-pair kernel's 64 and
+    # each tile a power of two of at least 16 rows (tensor-core dots)
+    from vllm_gguf_plugin.quantization import moe_triton_tiles as mtt
+
+    for qtype, (_, tiles) in mtt.TRITON_MOE_TILES.items():
+        counts = [t.max_tokens for t in tiles]
+        assert counts == sorted(counts) and counts[0] > 64, qtype
+        assert all(t.block_m >= 16 and t.block_m & (t.block_m - 1) == 0 for t in tiles)
+        assert mtt.triton_tile(qtype, counts[-1]) == tiles[-1]
+        assert mtt.triton_tile(qtype, counts[-1] + 1) is None
+    assert mtt.triton_tile(int(T.Q6_K), 512) is None
 
 
 @pytest.mark.parametrize("group_values,groups", [(1 << 28, 1), (3 * 512 * 256, 3)])

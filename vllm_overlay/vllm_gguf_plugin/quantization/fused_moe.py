@@ -26,6 +26,7 @@ from .. import ops
 from . import batch_invariant  # overlay: batch-invariant products
 from .moe_expert_groups import moe_by_expert_group  # overlay: experts past 2 GiB
 from . import moe_prefill  # overlay: long prefills dequantize the experts
+from . import moe_triton_tiles  # overlay: Triton MoE tiles where faster than MMQ
 from .params import (
     GGUFUninitializedWeightParameter,
     GGUFUninitializedWeightTypeParameter,
@@ -62,11 +63,15 @@ def _fused_moe_gguf(
         return batch_invariant.fused_moe(
             x, w1, w2, topk_weights, topk_ids, qweight_type, qweight_type2, act
         )
-    # overlay: a long prefill dequantizes the experts and runs vLLM's 16-bit fused MoE
+    # overlay: Triton tiles of both products, else a long prefill dequantizes the
+    # experts and runs vLLM's 16-bit fused MoE
+    tile1 = moe_triton_tiles.triton_tile(qweight_type, x.shape[0])
+    tile2 = moe_triton_tiles.triton_tile(qweight_type2, x.shape[0])
     if (
         x.shape[0] >= moe_prefill.DEQUANT_MOE_MIN_TOKENS
         and qweight_type in DEQUANT_TYPES
         and qweight_type2 in DEQUANT_TYPES
+        and not (tile1 and tile2)
     ):
         return moe_prefill.dequant_fused_moe(
             x, w1, w2, topk_weights, topk_ids, qweight_type, qweight_type2,
@@ -87,33 +92,43 @@ def _fused_moe_gguf(
             topk_ids, block_size, E
         )
         # overlay: in expert groups whose offsets fit the kernel's 32 bits
-        out = moe_by_expert_group(
-            ops.ggml_moe_a8,
-            x,
-            w1,
-            sorted_token_ids,
-            expert_ids,
-            num_tokens_post_padded,
-            topk_ids,  # overlay: the expert of each output row
-            qweight_type,
-            N,
-            top_k,
-            num_tokens,
-        )
+        if tile1:  # overlay: or the Triton kernel
+            out = moe_triton_tiles.triton_moe_product(
+                x, w1, qweight_type, tile1, topk_ids, N, top_k, num_tokens
+            )
+        else:
+            out = moe_by_expert_group(
+                ops.ggml_moe_a8,
+                x,
+                w1,
+                sorted_token_ids,
+                expert_ids,
+                num_tokens_post_padded,
+                topk_ids,  # overlay: the expert of each output row
+                qweight_type,
+                N,
+                top_k,
+                num_tokens,
+            )
         out = act(out)
-        out = moe_by_expert_group(  # overlay: as above
-            ops.ggml_moe_a8,
-            out,
-            w2,
-            sorted_token_ids,
-            expert_ids,
-            num_tokens_post_padded,
-            topk_ids,  # overlay: the expert of each output row
-            qweight_type2,
-            w2.shape[1],
-            1,
-            num_tokens * top_k,
-        )
+        if tile2:  # overlay: as above
+            out = moe_triton_tiles.triton_moe_product(
+                out, w2, qweight_type2, tile2, topk_ids, w2.shape[1], 1, num_tokens * top_k
+            )
+        else:
+            out = moe_by_expert_group(  # overlay: as above
+                ops.ggml_moe_a8,
+                out,
+                w2,
+                sorted_token_ids,
+                expert_ids,
+                num_tokens_post_padded,
+                topk_ids,  # overlay: the expert of each output row
+                qweight_type2,
+                w2.shape[1],
+                1,
+                num_tokens * top_k,
+            )
         out = out.reshape(num_tokens, top_k, w2.shape[1]).mul_(
             topk_weights.view(num_tokens, top_k, 1)
         )
