@@ -58,28 +58,28 @@ def _float32_moe(x, w13, w2, types, topk_weights, topk_ids) -> torch.Tensor:
     return bench._moe_reference(x, w13_32, w2_32, topk_weights, topk_ids)
 
 
-# the calls of each product at 1, 65, DEQUANT_MOE_MIN_TOKENS - 1, DEQUANT_MOE_MIN_TOKENS
-# and 4 x DEQUANT_MOE_MIN_TOKENS tokens (the one-pair and MMQ kernels and the Triton
-# tiles run each product, the dequantized experts both at once)
+# the calls of each product at 1, 65, 384, 768, DEQUANT_MOE_MIN_TOKENS, 3072 and 6144
+# tokens (the one-pair and MMQ kernels and the Triton tiles run each product, the
+# dequantized experts both at once)
+COUNTS = (1, 65, 384, 768, 1024, 3072, 6144)
 PATHS = {
-    (T.Q4_K, T.Q6_K): [["vec", "vec"], ["triton-bm16", "mmq"], ["triton-bm16", "mmq"],
-                       ["dequant"], ["dequant"]],
-    (T.Q4_K, T.Q4_K): [["vec", "vec"], ["triton-bm16"] * 2, ["triton-bm16"] * 2,
-                       ["triton-bm64"] * 2, ["dequant"]],
-    (T.Q6_K, T.Q6_K): [["vec", "vec"], ["mmq", "mmq"], ["mmq", "mmq"], ["dequant"],
+    (T.Q4_K, T.Q6_K): [["vec", "vec"], ["mmq", "mmq"], ["triton-bm32", "mmq"],
+                       ["triton-bm64"] * 2, ["triton-bm64"] * 2, ["dequant"], ["dequant"]],
+    (T.Q4_K, T.Q4_K): [["vec", "vec"], ["mmq", "mmq"], ["triton-bm32"] * 2,
+                       ["triton-bm64"] * 2, ["triton-bm64"] * 2, ["triton-bm64"] * 2,
                        ["dequant"]],
-    (T.IQ2_S, T.IQ3_S): [["vec", "vec"]] * 3 + [["dequant"], ["dequant"]],
+    (T.Q8_0, T.Q8_0): [["vec", "vec"], ["mmq", "mmq"], ["mmq", "mmq"], ["mmq", "mmq"],
+                       ["dequant"], ["dequant"], ["dequant"]],
+    (T.IQ2_S, T.IQ3_S): [["vec", "vec"]] * 4 + [["dequant"]] * 3,
 }
-
-
 @pytest.mark.parametrize("types", list(PATHS))
 def test_kernel_by_token_count(monkeypatch, types):
     """Below DEQUANT_MOE_MIN_TOKENS the plugin's own choice (its one-pair kernel up to 64
     tokens, MMQ beyond for K-quants, the one-pair kernel at every count for I-quants)
-    except where moe_triton_tiles has a Triton tile for a product's type (Q4_K: 16 token
-    rows to 1023 tokens, 64 to 4095, when both products have one also past
-    DEQUANT_MOE_MIN_TOKENS), from there on dequant_fused_moe, whose result is
-    returned."""
+    except where moe_triton_tiles has a Triton tile for a product's type (Q4_K: 32 token
+    rows from 384 tokens, 64 from 768 to 6143; Q6_K: 64 from 768 to 3071; when both
+    products have one, also past DEQUANT_MOE_MIN_TOKENS), from there on
+    dequant_fused_moe, whose result is returned."""
     from vllm_gguf_plugin import ops
     from vllm_gguf_plugin.quantization import fused_moe, moe_prefill, moe_triton_tiles
 
@@ -110,7 +110,8 @@ def test_kernel_by_token_count(monkeypatch, types):
     big = moe_prefill.DEQUANT_MOE_MIN_TOKENS
     align = "vllm.model_executor.layers.fused_moe.fused_moe.moe_align_block_size"
     with patch(align, lambda ids, block, e: (torch.zeros(1), torch.zeros(1), torch.zeros(1))):
-        for rows, expected in zip((1, 65, big - 1, big, 4 * big), PATHS[types]):
+        assert big == 1024
+        for rows, expected in zip(COUNTS, PATHS[types], strict=True):
             calls.clear()
             x = torch.zeros(rows, 32, dtype=torch.float16)
             ids = torch.zeros(rows, 2, dtype=torch.int32)
@@ -123,17 +124,20 @@ def test_kernel_by_token_count(monkeypatch, types):
 
 
 def test_triton_tiles_cover_rising_counts():
-    # each type's tiles in rising token counts, all past the one-pair kernel's 64 and
-    # each tile a power of two of at least 16 rows (tensor-core dots)
+    # each type's tiles in rising, disjoint token counts, all past the one-pair
+    # kernel's 64, each tile a power of two of at least 16 rows (tensor-core dots)
     from vllm_gguf_plugin.quantization import moe_triton_tiles as mtt
 
     for qtype, (_, tiles) in mtt.TRITON_MOE_TILES.items():
-        counts = [t.max_tokens for t in tiles]
-        assert counts == sorted(counts) and counts[0] > 64, qtype
+        assert tiles[0].first > 64, qtype
+        for a, b in zip(tiles, tiles[1:]):
+            assert a.first <= a.last < b.first <= b.last, qtype
         assert all(t.block_m >= 16 and t.block_m & (t.block_m - 1) == 0 for t in tiles)
-        assert mtt.triton_tile(qtype, counts[-1]) == tiles[-1]
-        assert mtt.triton_tile(qtype, counts[-1] + 1) is None
-    assert mtt.triton_tile(int(T.Q6_K), 512) is None
+        for t in tiles:
+            assert mtt.triton_tile(qtype, t.first) == mtt.triton_tile(qtype, t.last) == t
+        assert mtt.triton_tile(qtype, tiles[0].first - 1) is None
+        assert mtt.triton_tile(qtype, tiles[-1].last + 1) is None
+    assert mtt.triton_tile(int(T.Q8_0), 512) is None
 
 
 @pytest.mark.parametrize("group_values,groups", [(1 << 28, 1), (3 * 512 * 256, 3)])

@@ -16,30 +16,33 @@ from gguf import GGMLQuantizationType
 from vllm.model_executor.layers.fused_moe.fused_moe import moe_align_block_size
 
 from ..triton.fused_moe.k_quant.q4_k import q4_k_moe_kernel
+from ..triton.fused_moe.k_quant.q6_k import q6_k_moe_kernel
 from ..triton.fused_moe.utils import run_triton_fused_moe_kernel
 from .moe_expert_groups import moe_by_expert_group
 
 
 @dataclasses.dataclass(frozen=True)
 class TritonMoETile:
-    """The Triton tile of a product of up to `max_tokens` tokens."""
+    """The Triton tile of a product of `first` to `last` tokens."""
 
-    max_tokens: int
+    first: int
+    last: int
     block_m: int  # token rows a tile
 
 
-# quant type -> (the plugin's Triton MoE kernel, its tiles by rising max_tokens); a
-# count past the last tile's takes MMQ or the dequantized experts (moe_prefill)
+# quant type -> (the plugin's Triton MoE kernel, its tiles by rising counts); other
+# counts take MMQ or the dequantized experts (moe_prefill)
 TRITON_MOE_TILES: dict[int, tuple[object, tuple[TritonMoETile, ...]]] = {
-    GGMLQuantizationType.Q4_K: (q4_k_moe_kernel, (TritonMoETile(1023, 16),
-                                                  TritonMoETile(4095, 64))),
+    GGMLQuantizationType.Q4_K: (q4_k_moe_kernel, (TritonMoETile(384, 767, 32),
+                                                  TritonMoETile(768, 6143, 64))),
+    GGMLQuantizationType.Q6_K: (q6_k_moe_kernel, (TritonMoETile(768, 3071, 64),)),
 }
 
 
 def triton_tile(qweight_type: int, num_tokens: int) -> TritonMoETile | None:
     """The Triton tile of a product of this type over `num_tokens` tokens, if any."""
     _, tiles = TRITON_MOE_TILES.get(qweight_type, (None, ()))
-    return next((t for t in tiles if num_tokens <= t.max_tokens), None)
+    return next((t for t in tiles if t.first <= num_tokens <= t.last), None)
 
 
 def triton_moe_product(x: torch.Tensor, w: torch.Tensor, qweight_type: int,
