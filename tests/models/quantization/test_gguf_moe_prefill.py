@@ -6,9 +6,9 @@ run through vLLM's 16-bit fused MoE, with an expert map per group, instead of th
 plugin's MMQ or one-pair kernels, whose time grows with every token.
 
 CPU: which path each token count takes, by quant type (the kernels are recorded, not
-run; moe_triton_tiles' Triton tiles among them); the groups' outputs add up to the MoE of every expert at once, with gguf-py's
-dequantization and a float32 loop standing in for the CUDA ops and vLLM's fused
-experts. GPU: the plugin's MoE op from DEQUANT_MOE_MIN_TOKENS tokens on, in several
+run; moe_triton_tiles' Triton tiles among them); the groups' outputs add up to the MoE
+of every expert at once, with gguf-py's dequantization and a float32 loop standing in
+for the CUDA ops and vLLM's fused experts. GPU: the plugin's MoE op from DEQUANT_MOE_MIN_TOKENS tokens on, in several
 groups, against float32 products of gguf-py's dequantization.
 """
 
@@ -72,6 +72,8 @@ PATHS = {
                        ["dequant"], ["dequant"], ["dequant"]],
     (T.IQ2_S, T.IQ3_S): [["vec", "vec"]] * 4 + [["dequant"]] * 3,
 }
+
+
 @pytest.mark.parametrize("types", list(PATHS))
 def test_kernel_by_token_count(monkeypatch, types):
     """Below DEQUANT_MOE_MIN_TOKENS the plugin's own choice (its one-pair kernel up to 64

@@ -88,9 +88,10 @@ def _fused_moe_gguf(
         top_k = topk_ids.shape[1]
         block_size = ops.ggml_moe_get_block_size(qweight_type)
 
-        sorted_token_ids, expert_ids, num_tokens_post_padded = moe_align_block_size(
-            topk_ids, block_size, E
-        )
+        if not (tile1 and tile2):  # overlay: a product runs MMQ
+            sorted_token_ids, expert_ids, num_tokens_post_padded = moe_align_block_size(
+                topk_ids, block_size, E
+            )
         # overlay: in expert groups whose offsets fit the kernel's 32 bits
         if tile1:  # overlay: or the Triton kernel
             out = moe_triton_tiles.triton_moe_product(
