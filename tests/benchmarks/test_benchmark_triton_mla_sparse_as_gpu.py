@@ -43,24 +43,12 @@ def test_as_gpu_times_that_gpus_launches(monkeypatch, gpu):
 def compile_tile(arch: int) -> dict:
     """The 64-head bf16 Triton tile that SM80 runs, compiled for `arch` (run in a plain
     process)."""
-    targets.real_triton()
-    from vllm.v1.attention.ops import triton_sparse_mla as tsm
-
     device = sml.SparseMLADevice(80, targets.SHARED_MEM[80], 132)
     launch = sml.sparse_mla_launch(device, 4096, 64, bench.HEAD, bench.KV_LORA, 2048,
                                    torch.bfloat16, torch.bfloat16)
-    sig = {"Q": "*bf16", "KV": "*bf16", "Slots": "*i32", "Counts": "*i32", "KScale": "*fp32",
-           "O": "*bf16", "Lse": "*fp32", "sm_scale": "fp32"}
-    ints = ["stride_qt", "stride_qh", "stride_kv", "stride_st", "stride_ot", "stride_oh",
-            "stride_os", "stride_lt", "stride_lh", "num_heads", "split_len"]
-    sig.update({name: "i32" for name in ints})
-    consts = {"BLOCK_H": launch.block_h, "BLOCK_N": launch.block_n, "D_V": bench.KV_LORA,
-              "D_R": bench.HEAD - bench.KV_LORA, "KV_FP8": False, "PARTIAL": False,
-              "V_RELOAD": False}
-    aligned = [k for k, v in sig.items() if v.startswith("*") or k.startswith("stride")]
-    kernel = targets.compile_kernel(tsm._sparse_mla_kernel, arch, sig, consts, aligned,
-                                    {"num_warps": launch.num_warps,
-                                     "num_stages": launch.num_stages})
+    kernel = targets.compile_binary(arch, {
+        "BLOCK_H": launch.block_h, "BLOCK_N": launch.block_n, "num_warps": launch.num_warps,
+        "num_stages": launch.num_stages, "V_RELOAD": False, "kv": "bf16", "PARTIAL": False})
     ttgir = kernel.asm["ttgir"]
     return {"shared": kernel.metadata.shared, "wgmma": ttgir.count("ttng.warp_group_dot "),
             "mma_sync": ttgir.count("versionMajor = 2")}

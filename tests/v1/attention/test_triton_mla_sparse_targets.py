@@ -103,35 +103,36 @@ def sync_row_loads(ttgir: str) -> int:
         r"tt\.load %\S+, %\S+, %\S+ : tensor<\d+x\d+x!tt\.ptr<(?:f8E4M3FN|bf16)>", loop))
 
 
-def compile_shared_bytes(arch: int, binaries: list[dict]) -> list[tuple[int, int]]:
-    """Shared memory and synchronous row loads (`sync_row_loads`) of each binary
-    compiled for `arch` (run in a plain process)."""
+def compile_binary(arch: int, b: dict):
+    """One of `table_binaries`' binaries compiled for `arch` (in a plain process)."""
     real_triton()
     from vllm.v1.attention.ops import triton_sparse_mla as tsm
 
-    fn = tsm._sparse_mla_kernel
-    shared = []
-    for b in binaries:
-        partial = b["PARTIAL"]
-        sig = {"Q": "*bf16", "KV": "*fp8e4nv" if b["kv"] == "fp8" else "*bf16",
-               "Slots": "*i32", "Counts": "*i32", "KScale": "*fp32",
-               "O": "*fp32" if partial else "*bf16", "Lse": "*fp32", "sm_scale": "fp32"}
-        ints = ["stride_qt", "stride_qh", "stride_kv", "stride_st", "stride_ot",
-                "stride_oh", "stride_os", "stride_lt", "stride_lh", "num_heads", "split_len"]
-        sig.update({name: "i32" for name in ints})
-        consts = {"BLOCK_H": b["BLOCK_H"], "BLOCK_N": b["BLOCK_N"], "D_V": KV_LORA,
-                  "D_R": ROPE, "KV_FP8": b["kv"] == "fp8", "PARTIAL": partial,
-                  "V_RELOAD": b["V_RELOAD"]}
-        # what the JIT sees at GLM-5 shapes: 16-byte aligned pointers and strides,
-        # which lets it pipeline the row loads through shared memory (the most
-        # shared memory a binary takes)
-        aligned = ["Q", "KV", "Slots", "Counts", "KScale", "O", "Lse", "stride_qt",
-                   "stride_qh", "stride_kv", "stride_st", "stride_ot", "stride_oh",
-                   "stride_os", "split_len"]
-        kernel = compile_kernel(fn, arch, sig, consts, aligned,
-                                {"num_warps": b["num_warps"], "num_stages": b["num_stages"]})
-        shared.append((kernel.metadata.shared, sync_row_loads(kernel.asm["ttgir"])))
-    return shared
+    partial = b["PARTIAL"]
+    sig = {"Q": "*bf16", "KV": "*fp8e4nv" if b["kv"] == "fp8" else "*bf16",
+           "Slots": "*i32", "Counts": "*i32", "KScale": "*fp32",
+           "O": "*fp32" if partial else "*bf16", "Lse": "*fp32", "sm_scale": "fp32"}
+    ints = ["stride_qt", "stride_qh", "stride_kv", "stride_st", "stride_ot",
+            "stride_oh", "stride_os", "stride_lt", "stride_lh", "num_heads", "split_len"]
+    sig.update({name: "i32" for name in ints})
+    consts = {"BLOCK_H": b["BLOCK_H"], "BLOCK_N": b["BLOCK_N"], "D_V": KV_LORA,
+              "D_R": ROPE, "KV_FP8": b["kv"] == "fp8", "PARTIAL": partial,
+              "V_RELOAD": b["V_RELOAD"]}
+    # what the JIT sees at GLM-5 shapes: 16-byte aligned pointers and strides,
+    # which lets it pipeline the row loads through shared memory (the most
+    # shared memory a binary takes)
+    aligned = ["Q", "KV", "Slots", "Counts", "KScale", "O", "Lse", "stride_qt",
+               "stride_qh", "stride_kv", "stride_st", "stride_ot", "stride_oh",
+               "stride_os", "split_len"]
+    return compile_kernel(tsm._sparse_mla_kernel, arch, sig, consts, aligned,
+                          {"num_warps": b["num_warps"], "num_stages": b["num_stages"]})
+
+
+def compile_shared_bytes(arch: int, binaries: list[dict]) -> list[tuple[int, int]]:
+    """Shared memory and synchronous row loads (`sync_row_loads`) of each binary
+    compiled for `arch` (run in a plain process)."""
+    kernels = [compile_binary(arch, b) for b in binaries]
+    return [(k.metadata.shared, sync_row_loads(k.asm["ttgir"])) for k in kernels]
 
 
 def resource_usage(cubin: bytes) -> dict:
