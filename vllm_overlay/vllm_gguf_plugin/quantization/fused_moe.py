@@ -86,9 +86,8 @@ def _fused_moe_gguf(
         num_tokens, _ = x.shape
         E, N, _ = w1.shape
         top_k = topk_ids.shape[1]
-        block_size = ops.ggml_moe_get_block_size(qweight_type)
-
         if not (tile1 and tile2):  # overlay: a product runs MMQ
+            block_size = ops.ggml_moe_get_block_size(qweight_type)
             sorted_token_ids, expert_ids, num_tokens_post_padded = moe_align_block_size(
                 topk_ids, block_size, E
             )
