@@ -15,8 +15,8 @@
 #               MOE_TOKENS, MOE_S seconds) while llama.cpp builds; then llamaacc, the accuracy
 #               stage (ACC_PATHS, ACC_ROUND), detached so that the call's end does not cut it
 #   compare 2L  (then compare 3L) waits for the accuracy stage and the file, runs
-#               glm5_vs_llama_cpp.py (PATHS_VS, REPS) with both sides profiled, and --per-layer
-#               once both reports exist
+#               glm5_vs_llama_cpp.py (PATHS_VS, REPS; PROFILE=1: both sides profiled, NCU),
+#               and --per-layer once both reports exist
 # Reports go to the device tool's $OUT; CALL_S bounds a call (default 585 s).
 set -uo pipefail
 here="$(cd "$(dirname "$0")/../.." && pwd)"
@@ -108,8 +108,8 @@ EOF
     timeout $((call_s - SECONDS)) python3 -m benchmarks.glm5_vs_llama_cpp --gguf "$f" \
       --llama-bench /tmp/llama-cpp-cuda/bin/llama-bench \
       --llama-batched-bench /tmp/llama-cpp-cuda/bin/llama-batched-bench \
-      --paths ${PATHS_VS:-portable} --reps "${REPS:-2}" --profile \
-      --llama-profile "${NCU:-/usr/local/cuda/bin/ncu}" \
+      --paths ${PATHS_VS:-portable} --reps "${REPS:-2}" \
+      ${PROFILE:+--profile --llama-profile "${NCU:-/usr/local/cuda/bin/ncu}"} \
       --json $keep/vs/$which.json --md $keep/vs/$which.md > $keep/vs/$which.log 2>&1
     echo "compare rc=$?"; cp $keep/vs/$which.* "$out/vs/"
     cat $keep/vs/$which.md 2>/dev/null || tail -30 $keep/vs/$which.log
