@@ -2,8 +2,8 @@
 """The sparse MLA kernel benchmark as on another GPU (`--as-gpu`): it times the
 launches the table gives that GPU, and on an H200 with DISABLE_MMA_V3=1 Triton
 compiles them as it does for that GPU (mma.sync dots, the same shared memory),
-not as Hopper's wgmma tiles (checked on SM80's 64-head tile: sm_90 makes a 64-row
-M tile a wgmma tile)."""
+not as Hopper's wgmma tiles (checked on a 64-head tile, SM100's: sm_90 makes a
+64-row M tile a wgmma tile)."""
 
 import itertools
 import json
@@ -41,9 +41,9 @@ def test_as_gpu_times_that_gpus_launches(monkeypatch, gpu):
 
 
 def compile_tile(arch: int) -> dict:
-    """The 64-head bf16 Triton tile that SM80 runs, compiled for `arch` (run in a plain
+    """The 64-head bf16 Triton tile that SM100 runs, compiled for `arch` (run in a plain
     process)."""
-    device = sml.SparseMLADevice(80, targets.SHARED_MEM[80], 132)
+    device = sml.SparseMLADevice(100, targets.SHARED_MEM[100], 132)
     launch = sml.sparse_mla_launch(device, 4096, 64, bench.HEAD, bench.KV_LORA, 2048,
                                    torch.bfloat16, torch.bfloat16)
     kernel = targets.compile_binary(arch, {

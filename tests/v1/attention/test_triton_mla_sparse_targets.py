@@ -300,13 +300,14 @@ def test_key_blocks_by_shared_memory():
         assert hopper.block_h == sm100.block_h
         # 99 KiB: 32-head programs (two of them for 64 heads)
         assert sm120.block_h == 32
-    # SM80's 163 KiB: 32-row key blocks from 32 heads on (two stages; three do not
-    # fit next to a 64-head query tile); SM86's 99 KiB: 16 rows in 5 stages from 64
+    # SM80's 163 KiB: 32-row key blocks at 32 heads, 64 rows from 64 heads on, as
+    # 32-head programs, both in two stages; SM86's 99 KiB: 16 rows in 5 stages from 64
     # heads on, as 32-head programs
     for heads in (32, 64, 128):
         sm80, sm86 = launch(80, 4096, heads, 108), launch(86, 4096, heads, 84)
-        assert (sm80.block_n, sm80.num_stages) == (32, 2)
+        assert (sm80.block_n, sm80.num_stages) == ((64, 2) if heads > 32 else (32, 2))
         assert (sm86.block_n, sm86.num_stages) == ((16, 5) if heads > 32 else (32, 2))
+        assert sm80.block_h == sm86.block_h == 32
         assert sm80.tile is sm86.tile is sml.SparseMLATile.TRITON
     # 16-head tiles are the same everywhere
     assert len({launch(a, 1, 16) for a in SHARED_MEM}) == 1

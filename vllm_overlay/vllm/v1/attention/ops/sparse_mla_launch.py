@@ -140,21 +140,24 @@ TRITON_TILES: dict[tuple[GpuKind, int, bool], tuple[int, int, int, int, SparseML
     (GpuKind.SM100, 32, True): (32, 32, 4, 2, _VR),
     (GpuKind.SM100, 64, False): (64, 32, 8, 2, _T),
     (GpuKind.SM100, 64, True): (64, 32, 8, 2, _T),
-    # SM100's blocks; every fp8 tile of register-operand dots reads its rows twice
+    # SM100's blocks; every fp8 tile of register-operand dots reads its rows twice; a
+    # 16-bit cache's 64 heads as 32-head programs of 64 rows (a 64-head mma.sync tile's
+    # registers leave it half the speed)
     (GpuKind.MMA_SYNC, 16, False): (16, 64, 4, 2, _T),
     (GpuKind.MMA_SYNC, 16, True): (16, 32, 4, 2, _VR),
     (GpuKind.MMA_SYNC, 32, False): (32, 32, 4, 2, _T),
     (GpuKind.MMA_SYNC, 32, True): (32, 32, 4, 2, _VR),
-    (GpuKind.MMA_SYNC, 64, False): (64, 32, 8, 2, _T),
+    (GpuKind.MMA_SYNC, 64, False): (32, 64, 4, 2, _T),
     (GpuKind.MMA_SYNC, 64, True): (64, 32, 8, 2, _VR),
     # 16-row blocks where 32 do not fit; 64 heads as 32-head programs (a 64-head
-    # mma.sync tile's registers leave it a third of the speed)
+    # mma.sync tile's registers leave it a third of the speed); five stages where an
+    # fp8 tile or 16 rows leave the room
     (GpuKind.MMA_SYNC_SMALL, 16, False): (16, 64, 4, 2, _T),
     (GpuKind.MMA_SYNC_SMALL, 16, True): (16, 32, 4, 2, _VR),
     (GpuKind.MMA_SYNC_SMALL, 32, False): (32, 32, 4, 2, _T),
-    (GpuKind.MMA_SYNC_SMALL, 32, True): (32, 16, 4, 2, _VR),
+    (GpuKind.MMA_SYNC_SMALL, 32, True): (32, 16, 4, 5, _VR),
     (GpuKind.MMA_SYNC_SMALL, 64, False): (32, 16, 4, 5, _T),
-    (GpuKind.MMA_SYNC_SMALL, 64, True): (32, 16, 4, 2, _VR),
+    (GpuKind.MMA_SYNC_SMALL, 64, True): (32, 16, 4, 5, _VR),
 }
 
 
