@@ -1,9 +1,10 @@
 # SPDX-License-Identifier: Apache-2.0
-"""A GLM-5-shaped GGUF made by llama.cpp's own tools, for benchmarks/glm5_vs_llama_cpp.py.
+r"""A GLM-5-shaped GGUF made by llama.cpp's own tools, for benchmarks/glm5_vs_llama_cpp.py.
 
     python -m benchmarks.glm5_llama_cpp_model --out DIR [--layers 3] [--experts 256]
         [--quants Q4_K_M IQ2_M] [--intermediate bf16|q8_0] [--work-dir DIR] [--keep]
-        [--llama-imatrix BIN] [--small]
+        [--llama-imatrix BIN] [--small] [--variant NAME:PATTERN=TYPE[,PATTERN=TYPE] ...]
+        [--intermediate-dir DIR]
 
 The model has GLM-5's per-layer dimensions (hidden 6144, 64 heads, q_lora 2048,
 kv_lora 512, rope 64 + nope 192, v 256; 256 routed experts of 2048 with top-8 and
@@ -36,7 +37,14 @@ Disk (default 3 layers, 22.1B parameters): the checkpoint 44 GB, the bf16 GGUF 4
 (q8_0: 23 GB), Q4_K_M about 13 GB, IQ2_M about 8 GB. The checkpoint is deleted after
 conversion and the intermediate GGUF after quantization unless `--keep`; on the
 64 GiB H200 host put the checkpoint in memory (`--work-dir /dev/shm/glm5`) and use
-`--intermediate q8_0` or fewer layers. The script checks free space first.
+`--intermediate q8_0` or fewer layers (`--intermediate-dir` moves the intermediate GGUF, e.g.
+into memory beside the checkpoint). The script checks free space first.
+
+`--variant NAME:PATTERN=TYPE` quantizes each of `--quants` once more from the same
+intermediate with llama-quantize's `--tensor-type PATTERN=TYPE` overrides, to
+DIR/...-QUANT-NAME.gguf: e.g. `q6down:blk\.1\.ffn_down=q6_k` gives a 3-layer Q4_K_M file's
+layer 1 the Q6_K down projections that Q4_K_M gives its last layer (llama.cpp's
+`use_more_bits` layers), so that it differs from the 2-layer file by one such layer.
 
 `--small` makes a model of the same structure with small dimensions (hidden 256,
 4 heads, 8 experts of 256, vocab 2048; GLM-5's MLA head dims) in seconds, for the
@@ -47,6 +55,7 @@ import argparse
 import json
 import math
 import os
+import re
 import shutil
 import sys
 from pathlib import Path
@@ -164,35 +173,52 @@ def write_checkpoint(cfg: dict, path: Path, seed: int = 0, shapes: dict | None =
     return path
 
 
-def disk_plan(params: int, intermediate: str, quants: list[str]) -> dict:
+def disk_plan(params: int, intermediate: str, quants: list[str],
+              variants: tuple[str, ...] = ()) -> dict:
     """Estimated bytes of each file the script writes."""
     plan = {"checkpoint": 2 * params, intermediate: int(params * BPW[intermediate] / 8)}
     for q in quants:
-        plan[q] = int(params * BPW.get(q, 4.0) / 8)
+        for name in ("", *variants):
+            plan[f"{q}-{name}" if name else q] = int(params * BPW.get(q, 4.0) / 8)
     return plan
 
 
-def check_space(plan: dict, work: Path, out: Path, intermediate: str, keep: bool) -> None:
-    """Fail early when the peak (checkpoint + intermediate GGUF, then the intermediate
-    GGUF + the quants) does not fit the free space of work's and out's filesystems."""
-    work.mkdir(parents=True, exist_ok=True)
-    out.mkdir(parents=True, exist_ok=True)
+def parse_variant(text: str) -> tuple[str, tuple[str, ...]]:
+    """NAME:PATTERN=TYPE[,PATTERN=TYPE] -> (NAME, llama-quantize's --tensor-type args)."""
+    name, _, overrides = text.partition(":")
+    pairs = [o for o in overrides.split(",") if o]
+    if not re.fullmatch(r"[A-Za-z0-9_]+", name) or not pairs or not all(
+            re.fullmatch(r"[^=]+=[A-Za-z0-9_]+", o) for o in pairs):
+        raise argparse.ArgumentTypeError(
+            f"--variant {text!r}: want NAME:PATTERN=TYPE[,PATTERN=TYPE], NAME of letters, "
+            "digits and _")
+    return name, tuple(a for o in pairs for a in ("--tensor-type", o))
+
+
+def check_space(plan: dict, work: Path, out: Path, intermediate: str, keep: bool,
+                inter_dir: Path | None = None) -> None:
+    """Fail early when a peak (checkpoint + intermediate GGUF, then the intermediate
+    GGUF + the quants) does not fit the free space of the filesystems that hold them
+    (work: the checkpoint; inter_dir, default out: the intermediate; out: the quants)."""
+    inter_dir = inter_dir or out
+    for d in (work, out, inter_dir):
+        d.mkdir(parents=True, exist_ok=True)
     quants = sum(v for k, v in plan.items() if k not in ("checkpoint", intermediate))
-    same = os.stat(work).st_dev == os.stat(out).st_dev
-    need = {}
-    if same:
-        need[out] = max(plan["checkpoint"] + plan[intermediate],
-                        (plan["checkpoint"] if keep else 0) + plan[intermediate] + quants)
-    else:
-        need[work] = plan["checkpoint"]
-        need[out] = plan[intermediate] + quants
-    for where, n in need.items():
-        free = shutil.disk_usage(where).free
-        if n > free:
-            sizes = ", ".join(f"{k} {v / 2**30:.1f} GiB" for k, v in plan.items())
-            sys.exit(f"needs about {n / 2**30:.1f} GiB free on {where}'s filesystem, has "
-                     f"{free / 2**30:.1f} GiB ({sizes}); try --work-dir /dev/shm/..., "
-                     "--intermediate q8_0 or fewer --layers")
+    peaks = [[(work, plan["checkpoint"]), (inter_dir, plan[intermediate])],
+             [(inter_dir, plan[intermediate]), (out, quants),
+              (work, plan["checkpoint"] if keep else 0)]]
+    for peak in peaks:
+        need: dict[int, tuple[Path, int]] = {}
+        for where, n in peak:
+            dev = os.stat(where).st_dev
+            need[dev] = (need.get(dev, (where, 0))[0], need.get(dev, (where, 0))[1] + n)
+        for where, n in need.values():
+            free = shutil.disk_usage(where).free
+            if n > free:
+                sizes = ", ".join(f"{k} {v / 2**30:.1f} GiB" for k, v in plan.items())
+                sys.exit(f"needs about {n / 2**30:.1f} GiB free on {where}'s filesystem, has "
+                         f"{free / 2**30:.1f} GiB ({sizes}); try --work-dir /dev/shm/..., "
+                         "--intermediate q8_0, --intermediate-dir or fewer --layers")
 
 
 def find_imatrix(explicit: str | None) -> Path:
@@ -212,6 +238,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--vocab", type=int, default=None)
     p.add_argument("--quants", nargs="*", default=["Q4_K_M", "IQ2_M"])
     p.add_argument("--intermediate", choices=["bf16", "q8_0"], default="bf16")
+    p.add_argument("--intermediate-dir", type=Path, default=None,
+                   help="where the intermediate GGUF goes (default --out)")
     p.add_argument("--work-dir", type=Path, default=None,
                    help="for the checkpoint and the llama.cpp tree (default OUT/work)")
     p.add_argument("--keep", action="store_true", help="keep the checkpoint and intermediate")
@@ -219,6 +247,9 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--small", action="store_true", help="small dimensions (CPU test)")
     p.add_argument("--no-space-check", action="store_true")
+    p.add_argument("--variant", type=parse_variant, action="append", default=[],
+                   metavar="NAME:PATTERN=TYPE[,PATTERN=TYPE]",
+                   help="each quant once more with llama-quantize's --tensor-type overrides")
     args = p.parse_args(argv)
     overrides = {k: v for k, v in (("n_routed_experts", args.experts),
                                    ("vocab_size", args.vocab)) if v is not None}
@@ -227,25 +258,32 @@ def main(argv: list[str] | None = None) -> dict:
     work = (args.work_dir or out / "work").resolve()
     shapes = checkpoint_tensors(cfg)
     params = sum(math.prod(s) for s in shapes.values())
-    plan = disk_plan(params, args.intermediate, args.quants)
+    variants = dict(args.variant)
+    plan = disk_plan(params, args.intermediate, args.quants, tuple(variants))
     if not args.no_space_check:
-        check_space(plan, work, out, args.intermediate, args.keep)
+        check_space(plan, work, out, args.intermediate, args.keep, args.intermediate_dir)
     imatrix_bin = (find_imatrix(args.llama_imatrix)
                    if any(q in gr.NEEDS_IMATRIX for q in args.quants) else None)
     stem = f"glm5-shaped-{'small-' if args.small else ''}{args.layers}L"
     ckpt = write_checkpoint(cfg, work / f"{stem}-hf", args.seed, shapes)
     llama_cpp = gr.llama_cpp_dir(work)
-    inter = gr.convert(llama_cpp, ckpt, out / f"{stem}-{args.intermediate}.gguf", args.intermediate)
+    inter_dir = (args.intermediate_dir or out).resolve()
+    inter_dir.mkdir(parents=True, exist_ok=True)
+    inter = gr.convert(llama_cpp, ckpt, inter_dir / f"{stem}-{args.intermediate}.gguf",
+                       args.intermediate)
     if not args.keep:
         shutil.rmtree(ckpt)
     files = {args.intermediate: inter}
     imatrix = (gr.make_imatrix(inter, work / "imatrix.gguf", binary=imatrix_bin,
                                extra=("-ngl", "999")) if imatrix_bin else None)
+    requant = ("--allow-requantize",) if args.intermediate != "bf16" else ()
     for q in args.quants:
-        dst = out / f"{stem}-{q}.gguf"
-        gr.quantize(inter, dst, q, imatrix if q in gr.NEEDS_IMATRIX else None,
-                    extra=("--allow-requantize",) if args.intermediate != "bf16" else ())
-        files[q] = dst
+        for name, overrides in (("", ()), *variants.items()):
+            key = f"{q}-{name}" if name else q
+            dst = out / f"{stem}-{key}.gguf"
+            gr.quantize(inter, dst, q, imatrix if q in gr.NEEDS_IMATRIX else None,
+                        extra=(*requant, *overrides))
+            files[key] = dst
     if not args.keep and args.quants:
         inter.unlink()
         del files[args.intermediate]

@@ -2,7 +2,8 @@
 """The GGUF-vs-llama.cpp benchmark's CPU side.
 
 - benchmarks/glm5_llama_cpp_model.py end to end in --small mode: an HF checkpoint,
-  llama.cpp's converter (the pinned sdist's) and llama-quantize Q4_K_M, and IQ2_M with
+  llama.cpp's converter (the pinned sdist's) and llama-quantize Q4_K_M (and a variant of
+  it with layer 1's down projections at Q6_K, as Q4_K_M gives its last layer), and IQ2_M with
   an importance matrix from llama-imatrix (both built from the sdist); the GGUF's
   metadata and tensor shapes (read with the converter's gguf-py) must be the requested
   dimensions, and the full-size model's checkpoint names and shapes (transformers'
@@ -65,12 +66,39 @@ def test_init_and_space_check(tmp_path):
                     tmp_path / "out", "bf16", keep=False)
 
 
+def test_space_check_by_filesystem(tmp_path, monkeypatch):
+    # the checkpoint in memory (work, 160 GiB free), the quants on a disk of 40: a
+    # 50 GiB intermediate fits only beside the checkpoint
+    import collections
+    import os
+    import tempfile
+
+    if not os.path.isdir("/dev/shm") or os.stat("/dev/shm").st_dev == os.stat(tmp_path).st_dev:
+        pytest.skip("needs /dev/shm on another filesystem than the temporary folder")
+    work, out = Path(tempfile.mkdtemp(dir="/dev/shm")), tmp_path / "disk"
+    try:
+        gib = 2 ** 30
+        free = {os.stat(work).st_dev: 160 * gib, os.stat(tmp_path).st_dev: 40 * gib}
+        usage = collections.namedtuple("usage", "free")
+        monkeypatch.setattr(gen.shutil, "disk_usage", lambda p: usage(free[os.stat(p).st_dev]))
+        plan = {"checkpoint": 100 * gib, "q8_0": 50 * gib, "Q4_K_M": 30 * gib}
+        with pytest.raises(SystemExit, match=r"needs about 50\.0 GiB free on .*disk's"):
+            gen.check_space(plan, work, out, "q8_0", keep=False)
+        gen.check_space(plan, work, out, "q8_0", keep=False, inter_dir=work)
+        free[os.stat(work).st_dev] = 140 * gib  # checkpoint and intermediate together
+        with pytest.raises(SystemExit, match=r"needs about 150\.0 GiB free on /dev/shm"):
+            gen.check_space(plan, work, out, "q8_0", keep=False, inter_dir=work)
+    finally:
+        os.rmdir(work)
+
+
 def test_small_gguf_end_to_end(tmp_path):
     out = tmp_path / "out"
     report = gen.main(["--small", "--out", str(out), "--quants", "Q4_K_M", "--layers", "3",
-                       "--experts", "16"])
+                       "--experts", "16", "--variant", r"q6down:blk\.1\.ffn_down=q6_k"])
     q4 = Path(report["files"]["Q4_K_M"]["path"])
-    assert sorted(report["files"]) == ["Q4_K_M"]  # checkpoint and bf16 removed
+    # checkpoint and bf16 removed
+    assert sorted(report["files"]) == ["Q4_K_M", "Q4_K_M-q6down"]
     assert not (out / "glm5-shaped-small-3L-bf16.gguf").exists()
     assert not (out / "work" / "glm5-shaped-small-3L-hf").exists()
     assert json.loads((out / "model.json").read_text())["params"] == report["params"]
@@ -110,6 +138,19 @@ def test_small_gguf_end_to_end(tmp_path):
     assert [int(d) for d in tensors["blk.2.indexer.attn_q_b.weight"].shape] == [
         cfg["q_lora_rank"], cfg["index_n_heads"] * 128]
     assert sum(t.tensor_type == gguf.GGMLQuantizationType.Q4_K for t in reader.tensors) >= 10
+    # Q4_K_M gives the last of 3 layers Q6_K down projections (llama.cpp's use_more_bits),
+    # not layer 1; the variant gives layer 1 the same and changes nothing else
+    Q4, Q6 = gguf.GGMLQuantizationType.Q4_K, gguf.GGMLQuantizationType.Q6_K
+    types = {t.name: t.tensor_type for t in reader.tensors}
+    variant = {t.name: t.tensor_type for t in gguf.GGUFReader(
+        report["files"]["Q4_K_M-q6down"]["path"]).tensors}
+    down = [f"blk.{i}.ffn_down_{k}.weight" for i in (1, 2) for k in ("exps", "shexp")]
+    assert [types[n] for n in down] == [Q4, Q4, Q6, Q6]
+    assert [variant[n] for n in down] == [Q6, Q6, Q6, Q6]
+    assert {n: t for n, t in variant.items() if n not in down[:2]} == {
+        n: t for n, t in types.items() if n not in down[:2]}
+    with pytest.raises(SystemExit):
+        gen.main(["--small", "--out", str(out), "--variant", "q6 down:ffn_down=q6_k"])
 
 
 def test_small_iq2_m_with_imatrix(tmp_path):

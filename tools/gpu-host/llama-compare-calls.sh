@@ -14,9 +14,10 @@
 #   stages      gpu-checks.sh's stages: install; ggufops, the MoE kernel benchmark (MOE_TYPES,
 #               MOE_TOKENS, MOE_S seconds) while llama.cpp builds; then llamaacc, the accuracy
 #               stage (ACC_PATHS, ACC_ROUND), detached so that the call's end does not cut it
-#   compare 2L  (then compare 3L) waits for the accuracy stage and the file, runs
-#               glm5_vs_llama_cpp.py (PATHS_VS, REPS; PROFILE=1: both sides profiled, NCU),
-#               and --per-layer once both reports exist
+#   compare 2L  (then compare 3L, compare 3Lq6) waits for the accuracy stage and the file,
+#               runs glm5_vs_llama_cpp.py (PATHS_VS, REPS; PROFILE=1: both sides profiled,
+#               NCU), and --per-layer for 2L against each 3-layer report present (3L adds
+#               a Q4_K MoE layer, 3Lq6 a Q4_K/Q6_K one, as the 2-layer file's)
 # Reports go to the device tool's $OUT; CALL_S bounds a call (default 585 s).
 set -uo pipefail
 here="$(cd "$(dirname "$0")/../.." && pwd)"
@@ -40,7 +41,7 @@ where() {  # one line on the llama.cpp side's progress
 out="${OUT:-/tmp/out}"
 call_s="${CALL_S:-585}"
 
-case "${1:?prepare|first|part N|stages|compare 2L|3L}" in
+case "${1:?prepare|first|part N|stages|compare 2L|3L|3Lq6}" in
   prepare)
     mkdir -p .llama-src .llama-bin
     bash tools/gpu-host/llama-cpp-source.sh .llama-src/llama-cpp-src.tar.xz || exit 1
@@ -99,11 +100,12 @@ EOF
       while [ ! -f $keep/acc/done ]; do sleep 5; done
       mkdir -p "$out/acc"; cp $keep/acc/* "$out/acc/"; grep -E '^\|' $keep/acc/log
     fi
-    case "$which" in 2L) dir=/tmp/shaped n=1 ;; 3L) dir=/tmp/shaped3 n=2 ;;
-      *) echo "compare 2L or 3L" >&2; exit 2 ;; esac
+    case "$which" in 2L) f=/tmp/shaped/glm5-shaped-2L-Q4_K_M.gguf n=1 ;;
+      3L) f=/tmp/shaped3/glm5-shaped-3L-Q4_K_M.gguf n=2 ;;
+      3Lq6) f=/tmp/shaped3/glm5-shaped-3L-Q4_K_M-q6down.gguf n=2 ;;
+      *) echo "compare 2L, 3L or 3Lq6" >&2; exit 2 ;; esac
     while ! grep -q "^set $n rc=" $keep/llama/model.log; do sleep 5; done
-    grep "rc=" $keep/llama/model.log
-    f="$(ls $dir/*Q4_K_M*.gguf | head -1)"; mkdir -p $keep/vs "$out/vs"
+    grep "rc=" $keep/llama/model.log; mkdir -p $keep/vs "$out/vs"
     # shellcheck disable=SC2086
     timeout $((call_s - SECONDS)) python3 -m benchmarks.glm5_vs_llama_cpp --gguf "$f" \
       --llama-bench /tmp/llama-cpp-cuda/bin/llama-bench \
@@ -113,9 +115,11 @@ EOF
       --json $keep/vs/$which.json --md $keep/vs/$which.md > $keep/vs/$which.log 2>&1
     echo "compare rc=$?"; cp $keep/vs/$which.* "$out/vs/"
     cat $keep/vs/$which.md 2>/dev/null || tail -30 $keep/vs/$which.log
-    if [ -f $keep/vs/2L.json ] && [ -f $keep/vs/3L.json ]; then
-      python3 -m benchmarks.glm5_vs_llama_cpp --per-layer $keep/vs/2L.json $keep/vs/3L.json \
-        --json "$out/vs/per-layer.json" --md $keep/vs/per-layer.md && cat $keep/vs/per-layer.md
-    fi ;;
+    for deep in 3L 3Lq6; do
+      [ -f $keep/vs/2L.json ] && [ -f $keep/vs/$deep.json ] || continue
+      python3 -m benchmarks.glm5_vs_llama_cpp --per-layer $keep/vs/2L.json $keep/vs/$deep.json \
+        --json "$out/vs/per-layer-$deep.json" --md $keep/vs/per-layer-$deep.md \
+        && cat $keep/vs/per-layer-$deep.md
+    done ;;
   *) echo "unknown call $1" >&2; exit 2 ;;
 esac

@@ -13,8 +13,10 @@
 #    by --), one after the other; default: the 2-layer file (--layers 2 --quants Q4_K_M
 #    --out /tmp/shaped), then the 3-layer one (--layers 3 --quants Q4_K_M --intermediate
 #    q8_0 --out /tmp/shaped3: its bf16 intermediate would not fit the 64 GB disk beside the
-#    first), the two files of benchmarks/glm5_vs_llama_cpp.py --per-layer; each
-#    checkpoint in /dev/shm. An importance matrix (IQ2_M) waits for the build's
+#    first) and its q6down variant (layer 1's down projections at Q6_K, as Q4_K_M gives the
+#    2-layer file's MoE layer), the files of benchmarks/glm5_vs_llama_cpp.py --per-layer
+#    (2L -> 3L: a Q4_K MoE layer; 2L -> 3L q6down: a Q4_K/Q6_K one); each checkpoint, and
+#    the 3-layer intermediate, in /dev/shm. An importance matrix (IQ2_M) waits for the build's
 #    llama-imatrix (KEEP/llama-imatrix).
 # Each ends its log with "rc=N": KEEP/build.log, KEEP/model.log (after every set, its
 # "set K rc=N" line). The .llama-cpp/ tree (the
@@ -27,7 +29,8 @@ here="$(cd "$(dirname "$0")/../.." && pwd)"
 out="${LLAMA_OUT:-/tmp/llama-cpp-cuda}"
 [ $# -gt 0 ] || set -- --layers 2 --quants Q4_K_M --out /tmp/shaped \
     --work-dir /dev/shm/shaped-work -- --layers 3 --quants Q4_K_M --intermediate q8_0 \
-    --out /tmp/shaped3 --work-dir /dev/shm/shaped-work3
+    --out /tmp/shaped3 --work-dir /dev/shm/shaped-work3 --intermediate-dir /dev/shm/shaped-inter3 \
+    --variant 'q6down:blk\.1\.ffn_down=q6_k'
 
 tree="$keep/tree"
 rm -rf "$tree" && mkdir -p "$tree"
