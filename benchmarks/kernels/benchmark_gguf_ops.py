@@ -254,6 +254,8 @@ def moe_case(qtype: str, tokens, dtype=torch.float16, gen=None,
         both = {t1, t2}
         if both <= MMVQ_QUANT_TYPES and m <= VEC_MAX_TOKENS:
             paths["vec"] = lambda: _cuda_moe(ops, "vec", x, w13, w2, topk_w, topk_ids, t1, t2)
+            paths["vec-sorted"] = lambda: _cuda_moe(ops, "vec-sorted", x, w13, w2, topk_w,
+                                                    topk_ids, t1, t2)
         if both <= MMQ_QUANT_TYPES:
             paths["mmq"] = lambda: _cuda_moe(ops, "mmq", x, w13, w2, topk_w, topk_ids, t1, t2)
         if both <= TRITON_MOE_DISPATCH.keys():
@@ -301,6 +303,8 @@ def _cuda_moe(ops, kind, x, w13, w2, topk_w, topk_ids, t1, t2) -> torch.Tensor:
         a = ops.ggml_moe_a8_vec(x, w13, topk_ids, top_k, t1, n2, m)
         a = _silu_and_mul(a)
         b = ops.ggml_moe_a8_vec(a, w2, topk_ids, 1, t2, h, m * top_k)
+    elif kind == "vec-sorted":
+        b = moe_vec_by_expert(ops, x, w13, w2, topk_ids, t1, t2)
     else:  # (one alignment for both, by gate_up's type, as the plugin aligns them)
         sid, eid, pad = moe_align_block_size(topk_ids, ops.ggml_moe_get_block_size(t1), e)
         a = moe_by_expert_group(ops.ggml_moe_a8, x, w13, sid, eid, pad, topk_ids, t1, n2, top_k,
@@ -309,6 +313,19 @@ def _cuda_moe(ops, kind, x, w13, w2, topk_w, topk_ids, t1, t2) -> torch.Tensor:
         b = moe_by_expert_group(ops.ggml_moe_a8, a, w2, sid, eid, pad, topk_ids, t2, h, 1,
                                 m * top_k)
     return (b.view(m, top_k, h).float() * topk_w.view(m, top_k, 1)).sum(1)
+
+
+def moe_vec_by_expert(ops, x, w13, w2, topk_ids, t1, t2) -> torch.Tensor:
+    """The plugin's one-pair-at-a-time MoE kernel over the (token, expert) pairs in
+    expert order, its output rows back in pair order. The kernel's grid runs about one
+    pair at a time, so in token order an expert chosen by several tokens is read from
+    memory once per token; in expert order its later pairs may find it in L2."""
+    m, top_k = topk_ids.shape
+    order = topk_ids.flatten().argsort(stable=True)
+    ids = topk_ids.flatten()[order].contiguous()
+    a = ops.ggml_moe_a8_vec(x[order // top_k], w13, ids, 1, t1, w13.shape[1], m * top_k)
+    b = ops.ggml_moe_a8_vec(_silu_and_mul(a), w2, ids, 1, t2, w2.shape[1], m * top_k)
+    return torch.empty_like(b).index_copy_(0, order, b)
 
 
 def table(rows: list[dict]) -> list[str]:
