@@ -1,0 +1,78 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The candidate grouped MoE kernel for few tokens (benchmarks/kernels/moe_q4_k_groups.py)
+against gguf-py's Q4_K dequantization, under the Triton interpreter: every (token, slot)
+pair's row is its expert's product with its token, for groups of the layout vLLM's
+moe_align_block_size writes (padded groups, unused blocks of expert -1)."""
+
+import gguf
+import pytest
+import torch
+
+from benchmarks.kernels import benchmark_gguf_ops as bench
+from benchmarks.kernels import moe_q4_k_groups as groups
+
+
+def align(topk_ids: torch.Tensor, block_m: int, experts: int, spare_blocks: int = 2):
+    """moe_align_block_size's layout, written out: each expert's pairs (in pair order)
+    padded to whole groups of block_m with the pair count, then unused blocks (one of
+    expert -1, one of an expert number that is not there: not written), and the number
+    of entries the used groups take."""
+    flat = topk_ids.flatten().tolist()
+    sorted_ids, expert_ids = [], []
+    for e in range(experts):
+        pairs = [p for p, x in enumerate(flat) if x == e]
+        while pairs:
+            block, pairs = pairs[:block_m], pairs[block_m:]
+            sorted_ids += block + [len(flat)] * (block_m - len(block))
+            expert_ids.append(e)
+    used = len(sorted_ids)
+    sorted_ids += [len(flat)] * (block_m * spare_blocks)
+    expert_ids += [-1, 1 << 20][:spare_blocks]
+    return (torch.tensor(sorted_ids, dtype=torch.int32),
+            torch.tensor(expert_ids, dtype=torch.int32), torch.tensor([used], dtype=torch.int32))
+
+
+def check_groups(dtype, device="cpu"):
+    gen = torch.Generator().manual_seed(3)
+    experts, rows, cols, tokens, top_k = 3, 40, 512, 20, 2  # 40 rows: a partial row block
+    w = bench.random_blocks("Q4_K", experts * rows, cols, gen).view(experts, rows, -1)
+    dense = torch.from_numpy(gguf.quants.dequantize(
+        w.reshape(experts * rows, -1).numpy(), gguf.GGMLQuantizationType.Q4_K)
+    ).view(experts, rows, cols)
+    x = (torch.randn(tokens, cols, generator=gen) * 0.1).to(dtype)
+    # expert 0 chosen by more tokens than a group holds: two groups of it
+    topk_ids = torch.stack([torch.tensor([0, 1 + t % 2]) for t in range(tokens)]).int()
+    sorted_ids, expert_ids, used = align(topk_ids, 16, experts)
+    assert expert_ids.tolist()[:4] == [0, 0, 1, 2] and used.item() == 4 * 16
+    y = groups.moe_q4_k_groups(*(t.to(device) for t in (x, w, sorted_ids, expert_ids, used)),
+                               top_k, rows, block_n=16).cpu()
+    assert y.shape == (tokens * top_k, rows) and y.dtype == dtype
+    ref = torch.stack([dense[e] @ x[p // top_k].float()
+                       for p, e in enumerate(topk_ids.flatten().tolist())])
+    scale = ref.abs().max()
+    assert scale > 0
+    assert ((y.float() - ref).abs().max() / scale).item() < (2e-2 if dtype == torch.bfloat16
+                                                              else 2e-3)
+
+
+def test_wrong_shapes_are_refused():
+    w = torch.zeros(2, 8, 144, dtype=torch.uint8)
+    ids, experts = torch.zeros(16, dtype=torch.int32), torch.zeros(1, dtype=torch.int32)
+    used = torch.tensor([16], dtype=torch.int32)
+    with pytest.raises(ValueError, match="columns"):
+        groups.moe_q4_k_groups(torch.zeros(1, 512), w, ids, experts, used, 1, 8)
+    with pytest.raises(ValueError, match=r"\[experts, 16, bytes\]"):
+        groups.moe_q4_k_groups(torch.zeros(1, 256), w, ids, experts, used, 1, 16)
+    with pytest.raises(ValueError, match="block_m entries"):
+        groups.moe_q4_k_groups(torch.zeros(1, 256), w, ids[:8], experts, used, 1, 8)
+
+
+def test_groups_match_dequantized_experts():
+    # (float16 only here: the interpreter's dot reads bfloat16 operands as other numbers)
+    check_groups(torch.float16)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_groups_match_dequantized_experts_on_gpu(dtype):
+    check_groups(dtype, "cuda")
