@@ -76,3 +76,40 @@ def test_groups_match_dequantized_experts():
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_groups_match_dequantized_experts_on_gpu(dtype):
     check_groups(dtype, "cuda")
+
+
+def compile_groups(arch: int, dtype: str) -> dict:
+    """The kernel compiled for `arch` with `dtype` activations (run in a plain process):
+    shared memory and whether its dots are tensor-core dots."""
+    from tests.v1.attention import test_triton_mla_sparse_targets as targets
+
+    targets.real_triton()
+    sig = {"x_ptr": f"*{dtype}", "w_ptr": "*u8", "y_ptr": f"*{dtype}", "sorted_ids_ptr": "*i32",
+           "expert_ids_ptr": "*i32", "num_post_padded_ptr": "*i32"}
+    sig.update({name: "i32" for name in ("num_valid", "top_k", "n", "num_k_blocks",
+                                          "stride_xm", "stride_we", "stride_wn", "stride_ym")})
+    aligned = ["x_ptr", "w_ptr", "y_ptr", "sorted_ids_ptr", "stride_xm", "stride_we",
+               "stride_wn", "stride_ym"]
+    kernel = targets.compile_kernel(groups._moe_q4_k_groups_kernel, arch, sig,
+                                    {"BLOCK_M": 16, "BLOCK_N": 32}, aligned,
+                                    {"num_warps": 4, "num_stages": 2})
+    ttgir = kernel.asm["ttgir"]
+    return {"shared": kernel.metadata.shared,
+            "mma": ttgir.count("ttg.nvidia_mma") + ttgir.count("ttng.warp_group_dot")}
+
+
+@pytest.mark.parametrize("arch", [80, 86, 89, 90, 120])
+def test_groups_compile_for_every_target(run_without_gpu, arch):
+    # the GPUs that run GGUF MoE decode; bfloat16 below SM 10.0, float16 from it (and
+    # on any GPU with --dtype float16)
+    for dtype in ("bf16", "fp16"):
+        compiled = run_without_gpu("tests.benchmarks.test_moe_q4_k_groups", arch, dtype)
+        assert compiled["mma"] > 0  # tensor-core dots, not scalar fallbacks
+        assert compiled["shared"] <= 99 * 1024
+
+
+if __name__ == "__main__":
+    import json
+    import sys
+
+    print(json.dumps(compile_groups(int(sys.argv[1]), sys.argv[2])))
