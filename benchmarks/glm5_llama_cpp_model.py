@@ -211,7 +211,8 @@ def check_space(plan: dict, work: Path, out: Path, intermediate: str, keep: bool
         need: dict[int, tuple[Path, int]] = {}
         for where, n in peak:
             dev = os.stat(where).st_dev
-            need[dev] = (need.get(dev, (where, 0))[0], need.get(dev, (where, 0))[1] + n)
+            first, total = need.get(dev, (where, 0))
+            need[dev] = (first, total + n)
         for where, n in need.values():
             free = shutil.disk_usage(where).free
             if n > free:
