@@ -24,9 +24,9 @@ Paths (a path a type has no kernel for is left out):
   to 16 bits, then torch.mm), and `mm16` (torch.mm on the weights dequantized beforehand:
   the 16-bit tensor-core bound, not a path);
 - moe: `plugin` (torch.ops.vllm._fused_moe_gguf), `vec` (CUDA ggml_moe_a8_vec), `vec-sorted`
-  (the same kernel over the token-expert pairs in expert order), `q4k-groups` (Q4_K
-  gate_up: the candidate kernel of benchmarks/kernels/moe_q4_k_groups.py, which reads an
-  expert once per group of up to 16 tokens; its down too where Q4_K, else `vec`'s), `mmq`
+  (the same kernel over the token-expert pairs in expert order), `groups` (the candidate
+  kernels of benchmarks/kernels/moe_groups.py, which read an expert once per group of up
+  to 16 of its tokens, for the products in Q4_K or Q6_K; `vec`'s kernel for another), `mmq`
   (CUDA ggml_moe_a8), `triton-bm<B>` (the plugin's Triton MoE kernel with BLOCK_M B
   tokens per tile; the plugin runs B = 4), `dequant` (all experts dequantized, then
   vLLM's fused_experts) and `fused16` (vLLM's fused_experts on weights dequantized
@@ -66,7 +66,8 @@ TOKENS = (1, 2, 4, 8, 16, 32, 64, 128, 512, 2048, 8192)
 TRITON_MOE_BLOCK_M = (4, 16, 64)
 WRONG = 0.05
 VEC_MAX_TOKENS = 512  # the one-pair-at-a-time MoE kernel is timed up to here (slow beyond)
-GROUPS_BLOCK_M = 16  # pairs a group of benchmarks/kernels/moe_q4_k_groups.py (a dot's rows)
+GROUPS_BLOCK_M = 16  # pairs a group of benchmarks/kernels/moe_groups.py (a dot's rows)
+GROUPS_TYPES = {"Q4_K", "Q6_K"}  # the types moe_groups.py has kernels for
 
 
 def random_blocks(qtype: str, rows: int, cols: int, generator=None) -> torch.Tensor:
@@ -260,9 +261,9 @@ def moe_case(qtype: str, tokens, dtype=torch.float16, gen=None,
             paths["vec"] = lambda: _cuda_moe(ops, "vec", x, w13, w2, topk_w, topk_ids, t1, t2)
             paths["vec-sorted"] = lambda: _cuda_moe(ops, "vec-sorted", x, w13, w2, topk_w,
                                                     topk_ids, t1, t2)
-        if q1 == "Q4_K" and m <= VEC_MAX_TOKENS:
-            paths["q4k-groups"] = lambda: _cuda_moe(ops, "q4k-groups", x, w13, w2, topk_w,
-                                                    topk_ids, t1, t2)
+        if {q1, q2} & GROUPS_TYPES and both <= MMVQ_QUANT_TYPES and m <= VEC_MAX_TOKENS:
+            paths["groups"] = lambda: _cuda_moe(ops, "groups", x, w13, w2, topk_w, topk_ids,
+                                                t1, t2)
         if both <= MMQ_QUANT_TYPES:
             paths["mmq"] = lambda: _cuda_moe(ops, "mmq", x, w13, w2, topk_w, topk_ids, t1, t2)
         if both <= TRITON_MOE_DISPATCH.keys():
@@ -303,7 +304,9 @@ def _cuda_moe(ops, kind, x, w13, w2, topk_w, topk_ids, t1, t2) -> torch.Tensor:
     from vllm.model_executor.layers.fused_moe.fused_moe import moe_align_block_size
     from vllm_gguf_plugin.quantization.moe_expert_groups import moe_by_expert_group
 
-    from benchmarks.kernels.moe_q4_k_groups import moe_q4_k_groups
+    import gguf
+
+    from benchmarks.kernels.moe_groups import moe_groups
 
     m, top_k = topk_ids.shape
     e, n2 = w13.shape[0], w13.shape[1]
@@ -314,12 +317,17 @@ def _cuda_moe(ops, kind, x, w13, w2, topk_w, topk_ids, t1, t2) -> torch.Tensor:
         b = ops.ggml_moe_a8_vec(a, w2, topk_ids, 1, t2, h, m * top_k)
     elif kind == "vec-sorted":
         b = moe_vec_by_expert(ops, x, w13, w2, topk_ids, t1, t2)
-    elif kind == "q4k-groups":
-        # the candidate for gate_up and a Q4_K down, the plugin's pair kernel for another
+    elif kind == "groups":
+        # the candidates for the products of their types, the plugin's pair kernel else
         sid, eid, pad = moe_align_block_size(topk_ids, GROUPS_BLOCK_M, e)
-        a = _silu_and_mul(moe_q4_k_groups(x, w13, sid, eid, pad, top_k, n2, GROUPS_BLOCK_M))
-        b = (moe_q4_k_groups(a, w2, sid, eid, pad, 1, h, GROUPS_BLOCK_M)
-             if t2 == t1 else ops.ggml_moe_a8_vec(a, w2, topk_ids, 1, t2, h, m * top_k))
+
+        def product(inp, w, t, rows, k):
+            name = gguf.GGMLQuantizationType(t).name
+            if name in GROUPS_TYPES:
+                return moe_groups(inp, w, name, sid, eid, pad, k, rows, GROUPS_BLOCK_M)
+            return ops.ggml_moe_a8_vec(inp, w, topk_ids, k, t, rows, inp.shape[0])
+
+        b = product(_silu_and_mul(product(x, w13, t1, n2, top_k)), w2, t2, h, 1)
     else:  # (one alignment for both, by gate_up's type, as the plugin aligns them)
         sid, eid, pad = moe_align_block_size(topk_ids, ops.ggml_moe_get_block_size(t1), e)
         a = moe_by_expert_group(ops.ggml_moe_a8, x, w13, sid, eid, pad, topk_ids, t1, n2, top_k,

@@ -1,22 +1,25 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The candidate grouped MoE kernel for few tokens (benchmarks/kernels/moe_q4_k_groups.py)
-against gguf-py's Q4_K dequantization, under the Triton interpreter: every (token, slot)
-pair's row is its expert's product with its token, for groups of the layout vLLM's
-moe_align_block_size writes (padded groups, unused blocks of expert -1)."""
+"""The candidate grouped MoE kernels for few tokens (benchmarks/kernels/moe_groups.py)
+against gguf-py's dequantization: every (token, slot) pair's row is its expert's product
+with its token, for groups of the layout vLLM's moe_align_block_size writes (padded
+groups, unused blocks), under the Triton interpreter and on a GPU; and they compile for
+every GPU that runs GGUF MoE decode."""
 
 import gguf
 import pytest
 import torch
 
 from benchmarks.kernels import benchmark_gguf_ops as bench
-from benchmarks.kernels import moe_q4_k_groups as groups
+from benchmarks.kernels import moe_groups
+
+QTYPES = sorted(moe_groups.BLOCK_BYTES)
 
 
-def align(topk_ids: torch.Tensor, block_m: int, experts: int, spare_blocks: int = 2):
+def align(topk_ids: torch.Tensor, block_m: int, experts: int):
     """moe_align_block_size's layout, written out: each expert's pairs (in pair order)
-    padded to whole groups of block_m with the pair count, then unused blocks (one of
-    expert -1, one of an expert number that is not there: not written), and the number
-    of entries the used groups take."""
+    padded to whole groups of block_m with the pair count, then two unused blocks (one
+    of expert -1, one of an expert that is not there: not written), and the number of
+    entries the used groups take."""
     flat = topk_ids.flatten().tolist()
     sorted_ids, expert_ids = [], []
     for e in range(experts):
@@ -26,26 +29,27 @@ def align(topk_ids: torch.Tensor, block_m: int, experts: int, spare_blocks: int 
             sorted_ids += block + [len(flat)] * (block_m - len(block))
             expert_ids.append(e)
     used = len(sorted_ids)
-    sorted_ids += [len(flat)] * (block_m * spare_blocks)
-    expert_ids += [-1, 1 << 20][:spare_blocks]
+    sorted_ids += [len(flat)] * (2 * block_m)
+    expert_ids += [-1, 1 << 20]
     return (torch.tensor(sorted_ids, dtype=torch.int32),
             torch.tensor(expert_ids, dtype=torch.int32), torch.tensor([used], dtype=torch.int32))
 
 
-def check_groups(dtype, device="cpu"):
+def check_groups(qtype, dtype, device="cpu"):
     gen = torch.Generator().manual_seed(3)
     experts, rows, cols, tokens, top_k = 3, 40, 512, 20, 2  # 40 rows: a partial row block
-    w = bench.random_blocks("Q4_K", experts * rows, cols, gen).view(experts, rows, -1)
+    w = bench.random_blocks(qtype, experts * rows, cols, gen).view(experts, rows, -1)
     dense = torch.from_numpy(gguf.quants.dequantize(
-        w.reshape(experts * rows, -1).numpy(), gguf.GGMLQuantizationType.Q4_K)
+        w.reshape(experts * rows, -1).numpy(), gguf.GGMLQuantizationType[qtype])
     ).view(experts, rows, cols)
     x = (torch.randn(tokens, cols, generator=gen) * 0.1).to(dtype)
     # expert 0 chosen by more tokens than a group holds: two groups of it
     topk_ids = torch.stack([torch.tensor([0, 1 + t % 2]) for t in range(tokens)]).int()
     sorted_ids, expert_ids, used = align(topk_ids, 16, experts)
     assert expert_ids.tolist()[:4] == [0, 0, 1, 2] and used.item() == 4 * 16
-    y = groups.moe_q4_k_groups(*(t.to(device) for t in (x, w, sorted_ids, expert_ids, used)),
-                               top_k, rows, block_n=16).cpu()
+    y = moe_groups.moe_groups(*(t.to(device) for t in (x, w)), qtype,
+                              *(t.to(device) for t in (sorted_ids, expert_ids, used)),
+                              top_k, rows, block_n=16).cpu()
     assert y.shape == (tokens * top_k, rows) and y.dtype == dtype
     ref = torch.stack([dense[e] @ x[p // top_k].float()
                        for p, e in enumerate(topk_ids.flatten().tolist())])
@@ -55,30 +59,36 @@ def check_groups(dtype, device="cpu"):
                                                               else 2e-3)
 
 
+@pytest.mark.parametrize("qtype", QTYPES)
+def test_groups_match_dequantized_experts(qtype):
+    # (float16 only here: the interpreter's dot reads bfloat16 operands as other numbers)
+    check_groups(qtype, torch.float16)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("qtype", QTYPES)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_groups_match_dequantized_experts_on_gpu(qtype, dtype):
+    check_groups(qtype, dtype, "cuda")
+
+
 def test_wrong_shapes_are_refused():
     w = torch.zeros(2, 8, 144, dtype=torch.uint8)
     ids, experts = torch.zeros(16, dtype=torch.int32), torch.zeros(1, dtype=torch.int32)
     used = torch.tensor([16], dtype=torch.int32)
     with pytest.raises(ValueError, match="columns"):
-        groups.moe_q4_k_groups(torch.zeros(1, 512), w, ids, experts, used, 1, 8)
+        moe_groups.moe_groups(torch.zeros(1, 512), w, "Q4_K", ids, experts, used, 1, 8)
+    with pytest.raises(ValueError, match="columns"):  # 144 bytes are no Q6_K block
+        moe_groups.moe_groups(torch.zeros(1, 256), w, "Q6_K", ids, experts, used, 1, 8)
     with pytest.raises(ValueError, match=r"\[experts, 16, bytes\]"):
-        groups.moe_q4_k_groups(torch.zeros(1, 256), w, ids, experts, used, 1, 16)
+        moe_groups.moe_groups(torch.zeros(1, 256), w, "Q4_K", ids, experts, used, 1, 16)
     with pytest.raises(ValueError, match="block_m entries"):
-        groups.moe_q4_k_groups(torch.zeros(1, 256), w, ids[:8], experts, used, 1, 8)
+        moe_groups.moe_groups(torch.zeros(1, 256), w, "Q4_K", ids[:8], experts, used, 1, 8)
+    with pytest.raises(ValueError, match="take"):
+        moe_groups.moe_groups(torch.zeros(1, 256), w, "Q5_K", ids, experts, used, 1, 8)
 
 
-def test_groups_match_dequantized_experts():
-    # (float16 only here: the interpreter's dot reads bfloat16 operands as other numbers)
-    check_groups(torch.float16)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_groups_match_dequantized_experts_on_gpu(dtype):
-    check_groups(dtype, "cuda")
-
-
-def compile_groups(arch: int, dtype: str) -> dict:
+def compile_groups(arch: int, qtype: str, dtype: str) -> dict:
     """The kernel compiled for `arch` with `dtype` activations (run in a plain process):
     shared memory and whether its dots are tensor-core dots."""
     from tests.v1.attention import test_triton_mla_sparse_targets as targets
@@ -88,11 +98,12 @@ def compile_groups(arch: int, dtype: str) -> dict:
            "expert_ids_ptr": "*i32", "num_post_padded_ptr": "*i32"}
     sig.update({name: "i32" for name in ("num_valid", "top_k", "n", "num_k_blocks",
                                           "stride_xm", "stride_we", "stride_wn", "stride_ym")})
+    # what the JIT sees at GLM-5's shapes (rows of 24 or 8 blocks: 16-byte multiples)
     aligned = ["x_ptr", "w_ptr", "y_ptr", "sorted_ids_ptr", "stride_xm", "stride_we",
                "stride_wn", "stride_ym"]
-    kernel = targets.compile_kernel(groups._moe_q4_k_groups_kernel, arch, sig,
-                                    {"BLOCK_M": 16, "BLOCK_N": 32}, aligned,
-                                    {"num_warps": 4, "num_stages": 2})
+    kernel = targets.compile_kernel(moe_groups._moe_groups_kernel, arch, sig,
+                                    {"Q6_K": qtype == "Q6_K", "BLOCK_M": 16, "BLOCK_N": 32},
+                                    aligned, {"num_warps": 4, "num_stages": 2})
     ttgir = kernel.asm["ttgir"]
     return {"shared": kernel.metadata.shared,
             "mma": ttgir.count("ttg.nvidia_mma") + ttgir.count("ttng.warp_group_dot")}
@@ -102,14 +113,15 @@ def compile_groups(arch: int, dtype: str) -> dict:
 def test_groups_compile_for_every_target(run_without_gpu, arch):
     # the GPUs that run GGUF MoE decode; bfloat16 below SM 10.0, float16 from it (and
     # on any GPU with --dtype float16)
-    for dtype in ("bf16", "fp16"):
-        compiled = run_without_gpu("tests.benchmarks.test_moe_q4_k_groups", arch, dtype)
-        assert compiled["mma"] > 0  # tensor-core dots, not scalar fallbacks
-        assert compiled["shared"] <= 99 * 1024
+    for qtype in QTYPES:
+        for dtype in ("bf16", "fp16"):
+            compiled = run_without_gpu("tests.benchmarks.test_moe_groups", arch, qtype, dtype)
+            assert compiled["mma"] > 0  # tensor-core dots, not scalar fallbacks
+            assert compiled["shared"] <= 99 * 1024
 
 
 if __name__ == "__main__":
     import json
     import sys
 
-    print(json.dumps(compile_groups(int(sys.argv[1]), sys.argv[2])))
+    print(json.dumps(compile_groups(int(sys.argv[1]), sys.argv[2], sys.argv[3])))
