@@ -26,7 +26,9 @@ Paths (a path a type has no kernel for is left out):
 - moe: `plugin` (torch.ops.vllm._fused_moe_gguf), `vec` (CUDA ggml_moe_a8_vec), `vec-sorted`
   (the same kernel over the token-expert pairs in expert order), `groups` (the candidate
   kernels of benchmarks/kernels/moe_groups.py, which read an expert once per group of up
-  to 16 of its tokens, for the products in Q4_K or Q6_K; `vec`'s kernel for another), `mmq`
+  to 16 of its tokens, for the products in Q4_K or Q6_K; `vec`'s kernel for another;
+  `groups-n64`: 64 rows a program, `groups-after`: Q4_K's sub-blocks scaled after their
+  dots), `mmq`
   (CUDA ggml_moe_a8), `triton-bm<B>` (the plugin's Triton MoE kernel with BLOCK_M B
   tokens per tile; the plugin runs B = 4), `dequant` (all experts dequantized, then
   vLLM's fused_experts) and `fused16` (vLLM's fused_experts on weights dequantized
@@ -47,6 +49,7 @@ reads (for MoE the experts its tokens hit), flop = 2 x multiply-adds.
 """
 
 import argparse
+import functools
 import json
 
 import torch
@@ -68,6 +71,8 @@ WRONG = 0.05
 VEC_MAX_TOKENS = 512  # the one-pair-at-a-time MoE kernel is timed up to here (slow beyond)
 GROUPS_BLOCK_M = 16  # pairs a group of benchmarks/kernels/moe_groups.py (a dot's rows)
 GROUPS_TYPES = {"Q4_K", "Q6_K"}  # the types moe_groups.py has kernels for
+# its launches timed: 32 rows a program, 64, and (Q4_K) the sub-blocks scaled after the dots
+GROUPS_PATHS = ["groups", "groups-n64", "groups-after"]
 
 
 def random_blocks(qtype: str, rows: int, cols: int, generator=None) -> torch.Tensor:
@@ -262,8 +267,9 @@ def moe_case(qtype: str, tokens, dtype=torch.float16, gen=None,
             paths["vec-sorted"] = lambda: _cuda_moe(ops, "vec-sorted", x, w13, w2, topk_w,
                                                     topk_ids, t1, t2)
         if {q1, q2} & GROUPS_TYPES and both <= MMVQ_QUANT_TYPES and m <= VEC_MAX_TOKENS:
-            paths["groups"] = lambda: _cuda_moe(ops, "groups", x, w13, w2, topk_w, topk_ids,
-                                                t1, t2)
+            for name in GROUPS_PATHS if "Q4_K" in (q1, q2) else ["groups"]:
+                paths[name] = functools.partial(_cuda_moe, ops, name, x, w13, w2, topk_w,
+                                                topk_ids, t1, t2)
         if both <= MMQ_QUANT_TYPES:
             paths["mmq"] = lambda: _cuda_moe(ops, "mmq", x, w13, w2, topk_w, topk_ids, t1, t2)
         if both <= TRITON_MOE_DISPATCH.keys():
@@ -317,14 +323,16 @@ def _cuda_moe(ops, kind, x, w13, w2, topk_w, topk_ids, t1, t2) -> torch.Tensor:
         b = ops.ggml_moe_a8_vec(a, w2, topk_ids, 1, t2, h, m * top_k)
     elif kind == "vec-sorted":
         b = moe_vec_by_expert(ops, x, w13, w2, topk_ids, t1, t2)
-    elif kind == "groups":
+    elif kind in GROUPS_PATHS:
         # the candidates for the products of their types, the plugin's pair kernel else
         sid, eid, pad = moe_align_block_size(topk_ids, GROUPS_BLOCK_M, e)
 
         def product(inp, w, t, rows, k):
             name = gguf.GGMLQuantizationType(t).name
             if name in GROUPS_TYPES:
-                return moe_groups(inp, w, name, sid, eid, pad, k, rows, GROUPS_BLOCK_M)
+                return moe_groups(inp, w, name, sid, eid, pad, k, rows, GROUPS_BLOCK_M,
+                                  scale_after=kind == "groups-after" and name == "Q4_K",
+                                  block_n=64 if kind == "groups-n64" else 32)
             return ops.ggml_moe_a8_vec(inp, w, topk_ids, k, t, rows, inp.shape[0])
 
         b = product(_silu_and_mul(product(x, w13, t1, n2, top_k)), w2, t2, h, 1)

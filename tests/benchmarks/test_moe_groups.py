@@ -13,6 +13,8 @@ from benchmarks.kernels import benchmark_gguf_ops as bench
 from benchmarks.kernels import moe_groups
 
 QTYPES = sorted(moe_groups.BLOCK_BYTES)
+# (type, Q4_K's sub-blocks scaled after their dots)
+KERNELS = [("Q4_K", False), ("Q4_K", True), ("Q6_K", False)]
 
 
 def align(topk_ids: torch.Tensor, block_m: int, experts: int):
@@ -35,7 +37,7 @@ def align(topk_ids: torch.Tensor, block_m: int, experts: int):
             torch.tensor(expert_ids, dtype=torch.int32), torch.tensor([used], dtype=torch.int32))
 
 
-def check_groups(qtype, dtype, device="cpu"):
+def check_groups(qtype, dtype, device="cpu", scale_after=False):
     gen = torch.Generator().manual_seed(3)
     experts, rows, cols, tokens, top_k = 3, 40, 512, 20, 2  # 40 rows: a partial row block
     w = bench.random_blocks(qtype, experts * rows, cols, gen).view(experts, rows, -1)
@@ -49,7 +51,7 @@ def check_groups(qtype, dtype, device="cpu"):
     assert expert_ids.tolist()[:4] == [0, 0, 1, 2] and used.item() == 4 * 16
     y = moe_groups.moe_groups(*(t.to(device) for t in (x, w)), qtype,
                               *(t.to(device) for t in (sorted_ids, expert_ids, used)),
-                              top_k, rows, block_n=16).cpu()
+                              top_k, rows, block_n=16, scale_after=scale_after).cpu()
     assert y.shape == (tokens * top_k, rows) and y.dtype == dtype
     ref = torch.stack([dense[e] @ x[p // top_k].float()
                        for p, e in enumerate(topk_ids.flatten().tolist())])
@@ -59,17 +61,17 @@ def check_groups(qtype, dtype, device="cpu"):
                                                               else 2e-3)
 
 
-@pytest.mark.parametrize("qtype", QTYPES)
-def test_groups_match_dequantized_experts(qtype):
+@pytest.mark.parametrize("qtype,scale_after", KERNELS)
+def test_groups_match_dequantized_experts(qtype, scale_after):
     # (float16 only here: the interpreter's dot reads bfloat16 operands as other numbers)
-    check_groups(qtype, torch.float16)
+    check_groups(qtype, torch.float16, scale_after=scale_after)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("qtype", QTYPES)
+@pytest.mark.parametrize("qtype,scale_after", KERNELS)
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_groups_match_dequantized_experts_on_gpu(qtype, dtype):
-    check_groups(qtype, dtype, "cuda")
+def test_groups_match_dequantized_experts_on_gpu(qtype, scale_after, dtype):
+    check_groups(qtype, dtype, "cuda", scale_after)
 
 
 def test_wrong_shapes_are_refused():
@@ -86,9 +88,12 @@ def test_wrong_shapes_are_refused():
         moe_groups.moe_groups(torch.zeros(1, 256), w, "Q4_K", ids[:8], experts, used, 1, 8)
     with pytest.raises(ValueError, match="take"):
         moe_groups.moe_groups(torch.zeros(1, 256), w, "Q5_K", ids, experts, used, 1, 8)
+    with pytest.raises(ValueError, match="Q4_K's"):
+        moe_groups.moe_groups(torch.zeros(1, 256), torch.zeros(2, 8, 210, dtype=torch.uint8),
+                              "Q6_K", ids, experts, used, 1, 8, scale_after=True)
 
 
-def compile_groups(arch: int, qtype: str, dtype: str) -> dict:
+def compile_groups(arch: int, qtype: str, dtype: str, scale_after: bool) -> dict:
     """The kernel compiled for `arch` with `dtype` activations (run in a plain process):
     shared memory and whether its dots are tensor-core dots."""
     from tests.v1.attention import test_triton_mla_sparse_targets as targets
@@ -102,7 +107,8 @@ def compile_groups(arch: int, qtype: str, dtype: str) -> dict:
     aligned = ["x_ptr", "w_ptr", "y_ptr", "sorted_ids_ptr", "stride_xm", "stride_we",
                "stride_wn", "stride_ym"]
     kernel = targets.compile_kernel(moe_groups._moe_groups_kernel, arch, sig,
-                                    {"Q6_K": qtype == "Q6_K", "BLOCK_M": 16, "BLOCK_N": 32},
+                                    {"Q6_K": qtype == "Q6_K", "SCALE_AFTER": scale_after,
+                                     "BLOCK_M": 16, "BLOCK_N": 32},
                                     aligned, {"num_warps": 4, "num_stages": 2})
     ttgir = kernel.asm["ttgir"]
     return {"shared": kernel.metadata.shared,
@@ -113,9 +119,10 @@ def compile_groups(arch: int, qtype: str, dtype: str) -> dict:
 def test_groups_compile_for_every_target(run_without_gpu, arch):
     # the GPUs that run GGUF MoE decode; bfloat16 below SM 10.0, float16 from it (and
     # on any GPU with --dtype float16)
-    for qtype in QTYPES:
+    for qtype, scale_after in KERNELS:
         for dtype in ("bf16", "fp16"):
-            compiled = run_without_gpu("tests.benchmarks.test_moe_groups", arch, qtype, dtype)
+            compiled = run_without_gpu("tests.benchmarks.test_moe_groups", arch, qtype, dtype,
+                                       int(scale_after))
             assert compiled["mma"] > 0  # tensor-core dots, not scalar fallbacks
             assert compiled["shared"] <= 99 * 1024
 
@@ -124,4 +131,5 @@ if __name__ == "__main__":
     import json
     import sys
 
-    print(json.dumps(compile_groups(int(sys.argv[1]), sys.argv[2], sys.argv[3])))
+    print(json.dumps(compile_groups(int(sys.argv[1]), sys.argv[2], sys.argv[3],
+                                    bool(int(sys.argv[4])))))
