@@ -19,16 +19,24 @@ variant dots each 32-value sub-block's 4-bit codes and scales the [tokens, rows]
 import torch
 import triton
 import triton.language as tl
+from vllm_gguf_plugin.triton.fused_moe.utils import load_moe_token_info
+from vllm_gguf_plugin.triton.gemm.utils import load_f16_from_u8
 
 BLOCK_VALUES = 256
 BLOCK_BYTES = {"Q4_K": 144, "Q6_K": 210}
 
 
 @triton.jit
-def _f16_at(ptrs, mask):
-    lo = tl.load(ptrs, mask=mask, other=0).to(tl.uint16)
-    hi = tl.load(ptrs + 1, mask=mask, other=0).to(tl.uint16)
-    return (lo | (hi << 8)).to(tl.float16, bitcast=True).to(tl.float32)
+def _q4_k_scale_min(at, j, mask):
+    """The 6-bit scale and min of sub-block `j` of the Q4_K blocks at `at` (llama.cpp's
+    get_scale_min_k4; scales[i] sits at byte 4 + i), as float32."""
+    low = j < 4
+    a = tl.load(at + 4 + tl.where(low, j, j + 4), mask=mask, other=0)
+    b = tl.load(at + 4 + tl.where(low, j + 4, j - 4), mask=mask, other=0)
+    c = tl.load(at + 4 + j, mask=mask, other=0)
+    sc = tl.where(low, a & 63, (a & 0xF) | ((b >> 6) << 4))
+    mn = tl.where(low, b & 63, (a >> 4) | ((c >> 6) << 4))
+    return sc.to(tl.float32), mn.to(tl.float32)
 
 
 @triton.jit
@@ -38,18 +46,12 @@ def _q4_k_block(blk, n_mask):
     g = tl.arange(0, 4)
     l_ = tl.arange(0, 32)
     h = tl.arange(0, 2)
-    # sub-block j = 2 g + h: its 6-bit scale and min (llama.cpp's get_scale_min_k4)
-    j = 2 * g[:, None] + h[None, :]
-    low_j = (j < 4)[None, :, :]
     mask = n_mask[:, None, None]
     at = blk[:, None, None]
-    a = tl.load(at + (4 + tl.where(j < 4, j, j + 4))[None, :, :], mask=mask, other=0)
-    b = tl.load(at + (4 + tl.where(j < 4, j + 4, j - 4))[None, :, :], mask=mask, other=0)
-    c = tl.load(at + (4 + j)[None, :, :], mask=mask, other=0)
-    sc = tl.where(low_j, a & 63, (a & 0xF) | ((b >> 6) << 4)).to(tl.float32)
-    mn = tl.where(low_j, b & 63, (a >> 4) | ((c >> 6) << 4)).to(tl.float32)
-    d = _f16_at(blk, n_mask)[:, None, None]
-    dmin = _f16_at(blk + 2, n_mask)[:, None, None]
+    # sub-block j = 2 g + h
+    sc, mn = _q4_k_scale_min(at, (2 * g[:, None] + h[None, :])[None, :, :], mask)
+    d = load_f16_from_u8(blk, n_mask).to(tl.float32)[:, None, None]
+    dmin = load_f16_from_u8(blk + 2, n_mask).to(tl.float32)[:, None, None]
     q = tl.load(at + (16 + 32 * g[:, None] + l_[None, :])[None, :, :], mask=mask, other=0)
     q = tl.join(q & 0xF, q >> 4).to(tl.float32)  # [N, 4, 32, 2]
     w = q * (d * sc)[:, :, None, :] - (dmin * mn)[:, :, None, :]
@@ -63,27 +65,18 @@ def _q4_k_dots_scaled_after(blk, n_mask, x_at, tok_mask, acc):
     with the activations as they are and scaled after the dot: d * scale * (x . q) -
     dmin * min * sum(x), per row and token, instead of a scale and a min per value."""
     l_ = tl.arange(0, 32)
-    d = _f16_at(blk, n_mask)
-    dmin = _f16_at(blk + 2, n_mask)
+    d = load_f16_from_u8(blk, n_mask).to(tl.float32)
+    dmin = load_f16_from_u8(blk + 2, n_mask).to(tl.float32)
     for g in tl.static_range(4):
         q = tl.load(blk[:, None] + 16 + 32 * g + l_[None, :], mask=n_mask[:, None], other=0)
         for h in tl.static_range(2):
-            j = 2 * g + h
-            # scales[i] sits at byte 4 + i (llama.cpp's get_scale_min_k4)
-            if j < 4:
-                sc = tl.load(blk + 4 + j, mask=n_mask, other=0) & 63
-                mn = tl.load(blk + 8 + j, mask=n_mask, other=0) & 63
-            else:
-                a = tl.load(blk + 8 + j, mask=n_mask, other=0)
-                sc = (a & 0xF) | ((tl.load(blk + j, mask=n_mask, other=0) >> 6) << 4)
-                mn = (a >> 4) | ((tl.load(blk + 4 + j, mask=n_mask, other=0) >> 6) << 4)
+            sc, mn = _q4_k_scale_min(blk, tl.full((1,), 2 * g + h, tl.int32), n_mask)
             xs = tl.load(x_at[:, None] + 64 * g + 32 * h + l_[None, :], mask=tok_mask[:, None],
                          other=0.0)
             codes = ((q >> (4 * h)) & 0xF).to(xs.dtype)
             dots = tl.dot(xs, tl.trans(codes))
             xsum = tl.sum(xs.to(tl.float32), axis=1)
-            acc += (dots * (d * sc.to(tl.float32))[None, :]
-                    - xsum[:, None] * (dmin * mn.to(tl.float32))[None, :])
+            acc += dots * (d * sc)[None, :] - xsum[:, None] * (dmin * mn)[None, :]
     return acc
 
 
@@ -101,7 +94,7 @@ def _q6_k_block(blk, n_mask):
     qh = tl.load(at + (128 + 32 * n_ + l_)[None, :, :, :], mask=mask, other=0)
     sc = tl.load(at + (192 + 8 * n_ + 2 * s + l_ // 16)[None, :, :, :], mask=mask, other=0)
     q = ((ql >> (4 * (s // 2))[None, :, :, :]) & 0xF) | (((qh >> (2 * s)[None, :, :, :]) & 3) << 4)
-    d = _f16_at(blk + 208, n_mask)[:, None, None, None]
+    d = load_f16_from_u8(blk + 208, n_mask).to(tl.float32)[:, None, None, None]
     w = d * sc.to(tl.int8, bitcast=True).to(tl.float32) * (q.to(tl.float32) - 32.0)
     return w, 128 * n_ + 32 * s + l_
 
@@ -121,9 +114,8 @@ def _moe_groups_kernel(
     expert = tl.load(expert_ids_ptr + pid_m)
     if expert < 0:
         return
-    offs_out = tl.load(sorted_ids_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
-    tok_mask = offs_out < num_valid
-    offs_tok = tl.where(tok_mask, offs_out // top_k, 0)
+    offs_out, offs_tok, tok_mask = load_moe_token_info(sorted_ids_ptr, pid_m, top_k, num_valid,
+                                                       BLOCK_M=BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < n
     rows = w_ptr + expert.to(tl.int64) * stride_we + offs_n.to(tl.int64) * stride_wn
