@@ -56,8 +56,7 @@ def compile_tile(arch: int) -> dict:
 
 def test_mma_sync_on_hopper_compiles_the_other_gpus_tile(run_without_gpu, monkeypatch):
     module = "tests.benchmarks.test_benchmark_triton_mla_sparse_as_gpu"
-    monkeypatch.setenv("DISABLE_MMA_V3", "")  # (restored after the test)
-    monkeypatch.delenv("DISABLE_MMA_V3")
+    monkeypatch.delenv("DISABLE_MMA_V3", raising=False)
     sm80 = run_without_gpu(module, 80)
     hopper = run_without_gpu(module, 90)
     monkeypatch.setenv("DISABLE_MMA_V3", "1")

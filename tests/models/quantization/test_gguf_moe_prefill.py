@@ -8,8 +8,9 @@ plugin's MMQ or one-pair kernels, whose time grows with every token.
 CPU: which path each token count takes, by quant type (the kernels are recorded, not
 run; moe_triton_tiles' Triton tiles among them); the groups' outputs add up to the MoE
 of every expert at once, with gguf-py's dequantization and a float32 loop standing in
-for the CUDA ops and vLLM's fused experts. GPU: the plugin's MoE op from DEQUANT_MOE_MIN_TOKENS tokens on, in several
-groups, against float32 products of gguf-py's dequantization.
+for the CUDA ops and vLLM's fused experts. GPU: the plugin's MoE op from
+DEQUANT_MOE_MIN_TOKENS tokens on, in several groups, against float32 products of
+gguf-py's dequantization.
 """
 
 from unittest.mock import patch
