@@ -59,30 +59,34 @@ def _float32_moe(x, w13, w2, types, topk_weights, topk_ids) -> torch.Tensor:
     return bench._moe_reference(x, w13_32, w2_32, topk_weights, topk_ids)
 
 
-# the calls of each product at 1, 65, 384, 768, DEQUANT_MOE_MIN_TOKENS, 3072 and 6144
-# tokens (the one-pair and MMQ kernels and the Triton tiles run each product, the
+# the calls of each product at 1, 16, 32, 65, 384, 768, DEQUANT_MOE_MIN_TOKENS, 3072 and
+# 6144 tokens (the one-pair and MMQ kernels and the Triton tiles run each product, the
 # dequantized experts both at once)
-COUNTS = (1, 65, 384, 768, 1024, 3072, 6144)
+COUNTS = (1, 16, 32, 65, 384, 768, 1024, 3072, 6144)
 PATHS = {
-    (T.Q4_K, T.Q6_K): [["vec", "vec"], ["mmq", "mmq"], ["triton-bm32", "mmq"],
-                       ["triton-bm64"] * 2, ["triton-bm64"] * 2, ["dequant"], ["dequant"]],
-    (T.Q4_K, T.Q4_K): [["vec", "vec"], ["mmq", "mmq"], ["triton-bm32"] * 2,
-                       ["triton-bm64"] * 2, ["triton-bm64"] * 2, ["triton-bm64"] * 2,
-                       ["dequant"]],
-    (T.Q8_0, T.Q8_0): [["vec", "vec"], ["mmq", "mmq"], ["mmq", "mmq"], ["mmq", "mmq"],
-                       ["dequant"], ["dequant"], ["dequant"]],
-    (T.IQ2_S, T.IQ3_S): [["vec", "vec"]] * 4 + [["dequant"]] * 3,
+    (T.Q4_K, T.Q6_K): [["vec", "vec"]] * 2 + [["mmq", "mmq"]] * 2
+                      + [["triton-bm32", "mmq"], ["triton-bm64"] * 2, ["triton-bm64"] * 2,
+                         ["dequant"], ["dequant"]],
+    (T.Q4_K, T.Q4_K): [["vec", "vec"]] * 2 + [["mmq", "mmq"]] * 2
+                      + [["triton-bm32"] * 2, ["triton-bm64"] * 2, ["triton-bm64"] * 2,
+                         ["triton-bm64"] * 2, ["dequant"]],
+    (T.Q6_K, T.Q6_K): [["vec", "vec"]] + [["mmq", "mmq"]] * 4 + [["triton-bm64"] * 2] * 2
+                      + [["dequant"]] * 2,
+    (T.Q8_0, T.Q8_0): [["vec", "vec"]] * 2 + [["mmq", "mmq"]] * 4 + [["dequant"]] * 3,
+    (T.Q5_K, T.Q5_K): [["vec", "vec"]] * 3 + [["mmq", "mmq"]] * 3 + [["dequant"]] * 3,
+    (T.IQ2_S, T.IQ3_S): [["vec", "vec"]] * 6 + [["dequant"]] * 3,
 }
 
 
 @pytest.mark.parametrize("types", list(PATHS))
 def test_kernel_by_token_count(monkeypatch, types):
     """Below DEQUANT_MOE_MIN_TOKENS the plugin's own choice (its one-pair kernel up to 64
-    tokens, MMQ beyond for K-quants, the one-pair kernel at every count for I-quants)
-    except where moe_triton_tiles has a Triton tile for a product's type (Q4_K: 32 token
-    rows from 384 tokens, 64 from 768 to 6143; Q6_K: 64 from 768 to 3071; when both
-    products have one, also past DEQUANT_MOE_MIN_TOKENS), from there on
-    dequant_fused_moe, whose result is returned."""
+    tokens, MMQ beyond for K-quants and legacy quants, the one-pair kernel at every count
+    for I-quants), except that MMQ starts at 32 tokens for Q4_K and Q8_0 and at 16 for
+    Q6_K (the later of a layer's two types), and where moe_triton_tiles has a Triton tile
+    for a product's type (Q4_K: 32 token rows from 384 tokens, 64 from 768 to 6143; Q6_K:
+    64 from 768 to 3071; when both products have one, also past DEQUANT_MOE_MIN_TOKENS);
+    from there on dequant_fused_moe, whose result is returned."""
     from vllm_gguf_plugin import ops
     from vllm_gguf_plugin.quantization import fused_moe, moe_prefill, moe_triton_tiles
 
@@ -141,6 +145,20 @@ def test_triton_tiles_cover_rising_counts():
         assert mtt.triton_tile(qtype, tiles[0].first - 1) is None
         assert mtt.triton_tile(qtype, tiles[-1].last + 1) is None
     assert mtt.triton_tile(int(T.Q8_0), 512) is None
+
+
+def test_mmq_from_fewer_tokens_only_for_mmq_types():
+    # MMQ_MIN_TOKENS only moves MMQ earlier, for types the plugin has MMQ for, and a
+    # layer starts MMQ at the later of its two types' counts
+    from vllm_gguf_plugin.quantization import moe_triton_tiles as mtt
+    from vllm_gguf_plugin.quantization.utils import MMQ_QUANT_TYPES
+
+    assert mtt.PLUGIN_MMQ_MIN_TOKENS == 65
+    for qtype, first in mtt.MMQ_MIN_TOKENS.items():
+        assert qtype in MMQ_QUANT_TYPES and 1 < first < mtt.PLUGIN_MMQ_MIN_TOKENS, qtype
+    assert mtt.mmq_min_tokens(int(T.Q4_K), int(T.Q6_K)) == 32
+    assert mtt.mmq_min_tokens(int(T.Q6_K), int(T.Q6_K)) == 16
+    assert mtt.mmq_min_tokens(int(T.Q6_K), int(T.Q5_K)) == 65
 
 
 @pytest.mark.parametrize("group_values,groups", [(1 << 28, 1), (3 * 512 * 256, 3)])

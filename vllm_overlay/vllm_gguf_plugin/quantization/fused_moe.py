@@ -26,7 +26,7 @@ from .. import ops
 from . import batch_invariant  # overlay: batch-invariant products
 from .moe_expert_groups import moe_by_expert_group  # overlay: experts past 2 GiB
 from . import moe_prefill  # overlay: long prefills dequantize the experts
-from . import moe_triton_tiles  # overlay: Triton MoE tiles where faster than MMQ
+from . import moe_triton_tiles  # overlay: MMQ and Triton MoE tiles where measured faster
 from .params import (
     GGUFUninitializedWeightParameter,
     GGUFUninitializedWeightTypeParameter,
@@ -81,7 +81,8 @@ def _fused_moe_gguf(
     if (
         qweight_type2 in MMQ_QUANT_TYPES
         and qweight_type in MMQ_QUANT_TYPES
-        and x.shape[0] > 64
+        # overlay: from fewer tokens for the types measured faster there
+        and x.shape[0] >= moe_triton_tiles.mmq_min_tokens(qweight_type, qweight_type2)
     ):
         num_tokens, _ = x.shape
         E, N, _ = w1.shape

@@ -1,12 +1,16 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Routed GGUF expert products of more than 64 tokens on the plugin's Triton MoE kernel.
+"""Which of the plugin's GGUF MoE kernels a routed product runs, where GLM-5's expert
+shapes measured another faster than the plugin's choice (docs/results.md, "GGUF MoE at
+GLM-5's shapes").
 
-From 65 tokens the plugin runs its MMQ MoE kernel (CUDA, int8 activations) for K-quants
-and legacy quants; its Triton MoE kernel (16-bit activations), which it runs only for
-types without MMQ, and with tiles of 4 token rows, is faster than MMQ at GLM-5's expert
-shapes for some types and token counts when its tiles hold more rows (docs/results.md,
-"GGUF MoE at GLM-5's shapes"). TRITON_MOE_TILES says where: each product (gate_up, down)
-of such a type takes the Triton kernel with that tile, the other products stay on MMQ.
+The plugin runs its one-pair kernel (CUDA, a token-expert pair at a time) up to 64 tokens
+and from 65 its MMQ MoE kernel (CUDA, int8 activations) for K-quants and legacy quants.
+MMQ reads an expert once for all of its tokens: MMQ_MIN_TOKENS starts it at fewer tokens
+for the types where that measured faster. The plugin's Triton MoE kernel (16-bit
+activations), which it runs only for types without MMQ, and with tiles of 4 token rows,
+is faster than MMQ for some types and token counts when its tiles hold more rows:
+TRITON_MOE_TILES says where; each product (gate_up, down) of such a type takes the Triton
+kernel with that tile, the other products stay on MMQ.
 """
 
 import dataclasses
@@ -37,6 +41,22 @@ TRITON_MOE_TILES: dict[int, tuple[object, tuple[TritonMoETile, ...]]] = {
                                                   TritonMoETile(768, 6143, 64))),
     GGMLQuantizationType.Q6_K: (q6_k_moe_kernel, (TritonMoETile(768, 3071, 64),)),
 }
+
+
+# quant type -> the fewest tokens whose routed products run MMQ, not the one-pair kernel;
+# the other types keep the plugin's PLUGIN_MMQ_MIN_TOKENS
+PLUGIN_MMQ_MIN_TOKENS = 65
+MMQ_MIN_TOKENS: dict[int, int] = {
+    GGMLQuantizationType.Q4_K: 32,
+    GGMLQuantizationType.Q6_K: 16,
+    GGMLQuantizationType.Q8_0: 32,
+}
+
+
+def mmq_min_tokens(qweight_type: int, qweight_type2: int) -> int:
+    """The fewest tokens from which a layer's products of these types run MMQ."""
+    types = (qweight_type, qweight_type2)
+    return max(MMQ_MIN_TOKENS.get(t, PLUGIN_MMQ_MIN_TOKENS) for t in types)
 
 
 def triton_tile(qweight_type: int, num_tokens: int) -> TritonMoETile | None:
