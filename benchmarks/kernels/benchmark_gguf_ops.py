@@ -23,12 +23,7 @@ Paths (a path a type has no kernel for is left out):
   tiled), `triton` (the plugin's Triton GEMM, 16-bit activations), `dequant` (dequantize
   to 16 bits, then torch.mm), and `mm16` (torch.mm on the weights dequantized beforehand:
   the 16-bit tensor-core bound, not a path);
-- moe: `plugin` (torch.ops.vllm._fused_moe_gguf), `vec` (CUDA ggml_moe_a8_vec), `vec-sorted`
-  (the same kernel over the token-expert pairs in expert order), `groups` (the candidate
-  kernels of benchmarks/kernels/moe_groups.py, which read an expert once per group of up
-  to 16 of its tokens, for the products in Q4_K or Q6_K; `vec`'s kernel for another;
-  `groups-n64`: 64 rows a program, `groups-after`: Q4_K's sub-blocks scaled after their
-  dots), `mmq`
+- moe: `plugin` (torch.ops.vllm._fused_moe_gguf), `vec` (CUDA ggml_moe_a8_vec), `mmq`
   (CUDA ggml_moe_a8), `triton-bm<B>` (the plugin's Triton MoE kernel with BLOCK_M B
   tokens per tile; the plugin runs B = 4), `dequant` (all experts dequantized, then
   vLLM's fused_experts) and `fused16` (vLLM's fused_experts on weights dequantized
@@ -69,10 +64,6 @@ TOKENS = (1, 2, 4, 8, 16, 32, 64, 128, 512, 2048, 8192)
 TRITON_MOE_BLOCK_M = (4, 16, 64)
 WRONG = 0.05
 VEC_MAX_TOKENS = 512  # the one-pair-at-a-time MoE kernel is timed up to here (slow beyond)
-GROUPS_BLOCK_M = 16  # pairs a group of benchmarks/kernels/moe_groups.py (a dot's rows)
-GROUPS_TYPES = {"Q4_K", "Q6_K"}  # the types moe_groups.py has kernels for
-# its launches timed: 32 rows a program, 64, and (Q4_K) the sub-blocks scaled after the dots
-GROUPS_PATHS = ["groups", "groups-n64", "groups-after"]
 
 
 def random_blocks(qtype: str, rows: int, cols: int, generator=None) -> torch.Tensor:
@@ -192,8 +183,6 @@ def _call_with_block_m(wrapper, block_m, x, w, sorted_ids, expert_ids, padded, r
     """Call a plugin Triton MoE wrapper (ggml_moe_<type>_triton) with another BLOCK_M: the
     wrappers pass their kernel to run_triton_fused_moe_kernel with the default BLOCK_M,
     so run that function with the block size bound for the duration of the call."""
-    import functools
-
     module = __import__(wrapper.__module__, fromlist=["run_triton_fused_moe_kernel"])
     original = module.run_triton_fused_moe_kernel
     module.run_triton_fused_moe_kernel = functools.partial(original, block_m=block_m)
@@ -264,12 +253,6 @@ def moe_case(qtype: str, tokens, dtype=torch.float16, gen=None,
         both = {t1, t2}
         if both <= MMVQ_QUANT_TYPES and m <= VEC_MAX_TOKENS:
             paths["vec"] = lambda: _cuda_moe(ops, "vec", x, w13, w2, topk_w, topk_ids, t1, t2)
-            paths["vec-sorted"] = lambda: _cuda_moe(ops, "vec-sorted", x, w13, w2, topk_w,
-                                                    topk_ids, t1, t2)
-        if {q1, q2} & GROUPS_TYPES and both <= MMVQ_QUANT_TYPES and m <= VEC_MAX_TOKENS:
-            for name in GROUPS_PATHS if "Q4_K" in (q1, q2) else ["groups"]:
-                paths[name] = functools.partial(_cuda_moe, ops, name, x, w13, w2, topk_w,
-                                                topk_ids, t1, t2)
         if both <= MMQ_QUANT_TYPES:
             paths["mmq"] = lambda: _cuda_moe(ops, "mmq", x, w13, w2, topk_w, topk_ids, t1, t2)
         if both <= TRITON_MOE_DISPATCH.keys():
@@ -310,10 +293,6 @@ def _cuda_moe(ops, kind, x, w13, w2, topk_w, topk_ids, t1, t2) -> torch.Tensor:
     from vllm.model_executor.layers.fused_moe.fused_moe import moe_align_block_size
     from vllm_gguf_plugin.quantization.moe_expert_groups import moe_by_expert_group
 
-    import gguf
-
-    from benchmarks.kernels.moe_groups import moe_groups
-
     m, top_k = topk_ids.shape
     e, n2 = w13.shape[0], w13.shape[1]
     h = w2.shape[1]
@@ -321,21 +300,6 @@ def _cuda_moe(ops, kind, x, w13, w2, topk_w, topk_ids, t1, t2) -> torch.Tensor:
         a = ops.ggml_moe_a8_vec(x, w13, topk_ids, top_k, t1, n2, m)
         a = _silu_and_mul(a)
         b = ops.ggml_moe_a8_vec(a, w2, topk_ids, 1, t2, h, m * top_k)
-    elif kind == "vec-sorted":
-        b = moe_vec_by_expert(ops, x, w13, w2, topk_ids, t1, t2)
-    elif kind in GROUPS_PATHS:
-        # the candidates for the products of their types, the plugin's pair kernel else
-        sid, eid, pad = moe_align_block_size(topk_ids, GROUPS_BLOCK_M, e)
-
-        def product(inp, w, t, rows, k):
-            name = gguf.GGMLQuantizationType(t).name
-            if name in GROUPS_TYPES:
-                return moe_groups(inp, w, name, sid, eid, pad, k, rows, GROUPS_BLOCK_M,
-                                  scale_after=kind == "groups-after" and name == "Q4_K",
-                                  block_n=64 if kind == "groups-n64" else 32)
-            return ops.ggml_moe_a8_vec(inp, w, topk_ids, k, t, rows, inp.shape[0])
-
-        b = product(_silu_and_mul(product(x, w13, t1, n2, top_k)), w2, t2, h, 1)
     else:  # (one alignment for both, by gate_up's type, as the plugin aligns them)
         sid, eid, pad = moe_align_block_size(topk_ids, ops.ggml_moe_get_block_size(t1), e)
         a = moe_by_expert_group(ops.ggml_moe_a8, x, w13, sid, eid, pad, topk_ids, t1, n2, top_k,
@@ -344,19 +308,6 @@ def _cuda_moe(ops, kind, x, w13, w2, topk_w, topk_ids, t1, t2) -> torch.Tensor:
         b = moe_by_expert_group(ops.ggml_moe_a8, a, w2, sid, eid, pad, topk_ids, t2, h, 1,
                                 m * top_k)
     return (b.view(m, top_k, h).float() * topk_w.view(m, top_k, 1)).sum(1)
-
-
-def moe_vec_by_expert(ops, x, w13, w2, topk_ids, t1, t2) -> torch.Tensor:
-    """The plugin's one-pair-at-a-time MoE kernel over the (token, expert) pairs in
-    expert order, its output rows back in pair order. The kernel's grid runs about one
-    pair at a time, so in token order an expert chosen by several tokens is read from
-    memory once per token; in expert order its later pairs may find it in L2."""
-    m, top_k = topk_ids.shape
-    order = topk_ids.flatten().argsort(stable=True)
-    ids = topk_ids.flatten()[order].contiguous()
-    a = ops.ggml_moe_a8_vec(x[order // top_k], w13, ids, 1, t1, w13.shape[1], m * top_k)
-    b = ops.ggml_moe_a8_vec(_silu_and_mul(a), w2, ids, 1, t2, w2.shape[1], m * top_k)
-    return torch.empty_like(b).index_copy_(0, order, b)
 
 
 def table(rows: list[dict]) -> list[str]:

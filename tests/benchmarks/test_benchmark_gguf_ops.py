@@ -2,8 +2,7 @@
 """The GGUF kernel benchmark (benchmarks/kernels/benchmark_gguf_ops.py): its random
 blocks are valid GGUF data for every type it times (gguf-py dequantizes them to small
 finite values), its flop/byte counts, its choice of the fastest right path and its
-table, the pair bookkeeping of its expert-ordered MoE path; on a GPU, every path of a
-small dense and MoE case against float32."""
+table; on a GPU, every path of a small dense and MoE case against float32."""
 
 import math
 
@@ -74,38 +73,6 @@ def test_table():
     assert cells[3:6] == ["20.0", "10.0 (rel 0.30!)", "10.0"]
     assert cells[7:10] == ["triton", "2.00", "200.0, 1.00 |"]
     assert lines[3].split(" | ")[3] == "error" and lines[3].split(" | ")[8] == "-"
-
-
-class PairOps:
-    """The plugin's ggml_moe_a8_vec as it computes (moe_vec.cuh): output row z is
-    expert ids[z]'s product with token z // top_k's row, on float weights."""
-
-    def __init__(self):
-        self.calls = []
-
-    def ggml_moe_a8_vec(self, x, w, ids, top_k, qtype, rows, tokens):
-        ids = ids.flatten()
-        self.calls.append(ids.clone())
-        assert len(ids) == tokens * top_k and w.shape[1] == rows
-        return torch.stack([w[e] @ x[z // top_k] for z, e in enumerate(ids.tolist())])
-
-
-def test_vec_in_expert_order_is_the_pair_order_result():
-    gen = torch.Generator().manual_seed(2)
-    m, e, top_k, h, i = 12, 4, 2, 16, 8
-    x = torch.randn(m, h, generator=gen)
-    w13, w2 = torch.randn(e, 2 * i, h, generator=gen), torch.randn(e, h, i, generator=gen)
-    topk_w = torch.rand(m, top_k, generator=gen)
-    topk_ids = torch.stack([torch.randperm(e, generator=gen)[:top_k] for _ in range(m)]).int()
-    ops = PairOps()
-    sorted_ = bench._cuda_moe(ops, "vec-sorted", x, w13, w2, topk_w, topk_ids, 0, 0)
-    # the kernel saw every pair once, in expert order, for both products
-    assert all(torch.equal(c, topk_ids.flatten().sort().values) for c in ops.calls)
-    assert len(ops.calls) == 2
-    plain = bench._cuda_moe(PairOps(), "vec", x, w13, w2, topk_w, topk_ids, 0, 0)
-    ref = bench._moe_reference(x, w13, w2, topk_w, topk_ids)
-    torch.testing.assert_close(sorted_, plain)
-    torch.testing.assert_close(sorted_, ref)
 
 
 @pytest.mark.gpu
