@@ -178,6 +178,7 @@ def main():
         "rows_sparse_mla_calls": gluon_calls["rows"],
         "attention_backend": attention_backend_name(llm),
         "indexer_backend": il.indexer_logits_backend(),
+        "indexer_dots": il.triton_indexer_dots(),
         "triton_indexer_calls": calls,
         "outputs": [
             {

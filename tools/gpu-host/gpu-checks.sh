@@ -198,12 +198,14 @@ for stage in $stages; do
         --json "$out/glm5-throughput.json" 2>&1 \
         | tee "$out/glm5-throughput.log" | tail -8 || rc=1 ;;
     matrix)
-      # MATRIX_MODES="eager" or "graphs" runs half of the rows (one call each)
+      # MATRIX_MODES="eager" or "graphs" and MATRIX_MODELS="glm5" or "glm52" run a part of
+      # the rows (a quarter a call)
       timeout "${MATRIX_TIMEOUT:-580}" python3 -m benchmarks.glm5_accuracy_matrix --out /tmp/matrix \
         --parallel "${MATRIX_PARALLEL:-8}" --mem-total "${MATRIX_MEM:-0.85}" \
-        --modes ${MATRIX_MODES:-eager graphs} 2>&1 \
+        --modes ${MATRIX_MODES:-eager graphs} --models ${MATRIX_MODELS:-glm5 glm52} 2>&1 \
         | tee "$out/matrix.log" | grep -E "^\|" || rc=1
-      cp /tmp/matrix/matrix.json "$out/matrix-${MATRIX_MODES:-all}.json" 2>/dev/null || true ;;
+      models="${MATRIX_MODELS:-glm5 glm52}"; modes="${MATRIX_MODES:-eager graphs}"
+      cp /tmp/matrix/matrix.json "$out/matrix-${models// /-}-${modes// /-}.json" 2>/dev/null || true ;;
     ggufops)
       timeout "${GGUF_OPS_TIMEOUT:-400}" python3 -m benchmarks.kernels.benchmark_gguf_ops \
         ${GGUF_OPS_ARGS:-} --json "$out/gguf-ops.json" --md "$out/gguf-ops.md" \
