@@ -2,7 +2,7 @@
 """Accuracy matrix of the tiny GLM-5 and GLM-5.2 in vLLM against transformers fp32.
 
     python -m benchmarks.glm5_accuracy_matrix --out DIR [--parallel 6] [--modes eager graphs]
-        [--models glm5 glm52]
+        [--models glm5 glm52] [--paths PATH...]
 
 Rows: model {the tiny GLM-5 (tests/models/glm5_tiny.make_tiny_glm5), the tiny GLM-5.2
 (make_tiny_glm52: IndexShare)} x source {safetensors, GGUF bf16, GGUF q8_0, GGUF
@@ -51,9 +51,11 @@ MODES = ("eager", "graphs")
 DTYPES = ("bfloat16", "float16")
 
 
-def rows(modes=MODES, models=MODELS):
+def rows(modes=MODES, models=MODELS, paths=tuple(PATHS)):
+    """The rows of these modes, models and paths; the upstream path's always (the bound)."""
+    paths = ["upstream"] + [p for p in PATHS if p in paths and p != "upstream"]
     return [dict(model=mo, source=s, path=p, mode=m, dtype=d)
-            for mo, s, p, m, d in itertools.product(models, SOURCES, PATHS, modes, DTYPES)]
+            for mo, s, p, m, d in itertools.product(models, SOURCES, paths, modes, DTYPES)]
 
 
 def bound(row: dict, results: dict) -> float | None:
@@ -137,6 +139,8 @@ def main():
     p.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES),
                    help="run only these modes (each mode's rows carry their own references)")
     p.add_argument("--models", nargs="+", choices=MODELS, default=list(MODELS))
+    p.add_argument("--paths", nargs="+", choices=list(PATHS), default=list(PATHS),
+                   help="run only these paths (and upstream's, which bounds them)")
     p.add_argument("--mem-total", type=float, default=0.85,
                    help="GPU memory fraction shared by the parallel rows")
     args = p.parse_args()
@@ -148,14 +152,14 @@ def main():
     with concurrent.futures.ThreadPoolExecutor(args.parallel) as pool:
         futures = {pool.submit(run_row, r, *sources[r["model"]][r["source"]], out / r["model"],
                                mem): r
-                   for r in rows(args.modes, args.models)}
+                   for r in rows(args.modes, args.models, args.paths)}
         for fut in concurrent.futures.as_completed(futures):
             r = fut.result()
             results[tuple(r[k] for k in ("model", "source", "path", "mode", "dtype"))] = r
             # progress, so that a run cut short still shows the rows it finished
             print("row " + json.dumps(r), flush=True)
     table = [status(results[tuple(r.values())], bound(r, results))
-             for r in rows(args.modes, args.models)]
+             for r in rows(args.modes, args.models, args.paths)]
     print("| model | source | path | mode | dtype | mean |d| | max |d| | greedy agree | bound "
           "| status |")
     print("|---|---|---|---|---|---:|---:|---:|---:|---|")

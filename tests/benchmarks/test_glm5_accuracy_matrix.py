@@ -10,6 +10,10 @@ def test_every_row_once():
     assert len(rows) == 2 * 4 * 4 * 2 * 2
     assert len({tuple(r.values()) for r in rows}) == len(rows)
     assert {r["model"] for r in matrix.rows(models=("glm52",))} == {"glm52"}
+    # a subset of paths keeps upstream's rows, which bound the others
+    some = matrix.rows(("graphs",), ("glm5",), ("portable-16bit",))
+    assert [r["path"] for r in some[:2]] == ["upstream"] * 2
+    assert {r["path"] for r in some} == {"upstream", "portable-16bit"} and len(some) == 16
 
 
 def test_bounds_and_status():

@@ -198,11 +198,12 @@ for stage in $stages; do
         --json "$out/glm5-throughput.json" 2>&1 \
         | tee "$out/glm5-throughput.log" | tail -8 || rc=1 ;;
     matrix)
-      # MATRIX_MODES="eager" or "graphs" and MATRIX_MODELS="glm5" or "glm52" run a part of
-      # the rows (a quarter a call)
+      # MATRIX_MODES="eager" or "graphs", MATRIX_MODELS="glm5" or "glm52" and MATRIX_PATHS
+      # (upstream's always runs) run a part of the rows (a quarter a call)
       timeout "${MATRIX_TIMEOUT:-580}" python3 -m benchmarks.glm5_accuracy_matrix --out /tmp/matrix \
         --parallel "${MATRIX_PARALLEL:-8}" --mem-total "${MATRIX_MEM:-0.85}" \
-        --modes ${MATRIX_MODES:-eager graphs} --models ${MATRIX_MODELS:-glm5 glm52} 2>&1 \
+        --modes ${MATRIX_MODES:-eager graphs} --models ${MATRIX_MODELS:-glm5 glm52} \
+        ${MATRIX_PATHS:+--paths $MATRIX_PATHS} 2>&1 \
         | tee "$out/matrix.log" | grep -E "^\|" || rc=1
       models="${MATRIX_MODELS:-glm5 glm52}"; modes="${MATRIX_MODES:-eager graphs}"
       cp /tmp/matrix/matrix.json "$out/matrix-${models// /-}-${modes// /-}.json" 2>/dev/null || true ;;
