@@ -26,9 +26,13 @@ Paths (a path a type has no kernel for is left out):
 - moe: `plugin` (torch.ops.vllm._fused_moe_gguf), `vec` (CUDA ggml_moe_a8_vec), `mmq`
   (CUDA ggml_moe_a8), `triton-bm<B>` (the plugin's Triton MoE kernel with BLOCK_M B
   tokens per tile; the plugin runs B = 4), `dequant` (all experts dequantized, then
-  vLLM's fused_experts) and `fused16` (vLLM's fused_experts on weights dequantized
-  beforehand: the bound). `mmq` and `triton-bm<B>` run as the overlay runs them: in
-  expert groups whose bytes fit the kernels' 32-bit offsets
+  vLLM's fused_experts), `fused16` (vLLM's fused_experts on weights dequantized
+  beforehand: the 16-bit bound) and `marlin4` (vLLM's Marlin MoE, a tensor-core int4
+  kernel, on the dequantized experts quantized again to GPTQ's symmetric int4 with a scale
+  per group of 32: the speed an int4 kernel reaches at these shapes, on as many bytes as
+  Q4_K's; other codes than the file's, so its error is that requantization's, and like
+  fused16 it is a bound, not a path). `mmq` and `triton-bm<B>` run as the overlay
+  runs them: in expert groups whose bytes fit the kernels' 32-bit offsets
   (vllm_gguf_plugin/quantization/moe_expert_groups.py; GLM-5's gate_up passes 2^31
   bytes from Q3_K up).
 Each path's output is compared with float32 products of the dequantized weights (rel =
@@ -63,6 +67,8 @@ TYPES = ("Q4_K", "Q6_K", "Q8_0", "IQ2_S")
 TOKENS = (1, 2, 4, 8, 16, 32, 64, 128, 512, 2048, 8192)
 TRITON_MOE_BLOCK_M = (4, 16, 64)
 WRONG = 0.05
+BOUNDS = ("mm16", "fused16", "marlin4")  # timed beside the paths, never the fastest path
+MARLIN_GROUP = 32  # values a scale of marlin4 (Q4_K's sub-block)
 VEC_MAX_TOKENS = 512  # the one-pair-at-a-time MoE kernel is timed up to here (slow beyond)
 
 
@@ -111,9 +117,9 @@ def rel_error(out: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 def fastest(row_paths: dict) -> str | None:
-    """The fastest path whose output was right (`mm16`/`fused16` are bounds, not paths)."""
+    """The fastest path whose output was right (BOUNDS are bounds, not paths)."""
     ok = {p: r["us"] for p, r in row_paths.items()
-          if "us" in r and r.get("rel", 0.0) <= WRONG and p not in ("mm16", "fused16")}
+          if "us" in r and r.get("rel", 0.0) <= WRONG and p not in BOUNDS}
     return min(ok, key=ok.get) if ok else None
 
 
@@ -225,6 +231,7 @@ def moe_case(qtype: str, tokens, dtype=torch.float16, gen=None,
 
     w13_16, w2_16 = deq()
     silu = MoEActivation.SILU
+    marlin = []  # marlin4's experts, made on first use (both products'), then kept
     rows = []
     for m in tokens:
         x = (torch.randn(m, h, device="cuda") * h ** -0.5).to(dtype)
@@ -261,6 +268,8 @@ def moe_case(qtype: str, tokens, dtype=torch.float16, gen=None,
         paths["dequant"] = lambda: fused_experts(x, *deq(), topk_w, topk_ids, activation=silu)
         paths["fused16"] = lambda: fused_experts(x, w13_16, w2_16, topk_w, topk_ids,
                                                  activation=silu)
+        paths["marlin4"] = functools.partial(_marlin4_moe, marlin, w13_16, w2_16, x, topk_w,
+                                             topk_ids)
         flop, nbytes = moe_flop_bytes(m, qtype, s)
         row = {"op": "moe", "case": f"moe-{e}x{i}", "type": qtype, "M": m, "flop": flop,
                "bytes": nbytes, "paths": _run_paths(paths, ref)}
@@ -286,6 +295,61 @@ def _moe_reference(x, w13, w2, topk_w, topk_ids) -> torch.Tensor:
         a = _silu_and_mul(xf[tok] @ w13[ex].float().T)
         out.index_add_(0, tok, (a @ w2[ex].float().T) * topk_w[tok, slot, None])
     return out
+
+
+def int4_groups(w16: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[experts, n, k] weights as GPTQ's symmetric int4 along k: codes q in 0..15 with
+    w ~ (q - 8) x s, one scale s per MARLIN_GROUP values (their max |w| / 7), in w16's
+    dtype. Returns q [experts, k, n] (uint8) and s [experts, k / MARLIN_GROUP, n]."""
+    e, n, k = w16.shape
+    q = torch.empty(e, k, n, dtype=torch.uint8, device=w16.device)
+    s = torch.empty(e, k // MARLIN_GROUP, n, dtype=w16.dtype, device=w16.device)
+    for j in range(e):  # an expert at a time: GLM-5's gate_up is 13 GB in 16 bits
+        g = w16[j].float().T.reshape(k // MARLIN_GROUP, MARLIN_GROUP, n)
+        s[j] = (g.abs().amax(1) / 7).clamp_min(2.0 ** -24).to(w16.dtype)
+        codes = torch.round(g / s[j].float()[:, None, :]) + 8
+        q[j] = codes.clamp_(0, 15).to(torch.uint8).view(k, n)
+    return q, s
+
+
+def pack_int4_rows(q: torch.Tensor) -> torch.Tensor:
+    """[experts, k, n] 4-bit codes packed 8 rows to an int32, row 8i + j in bits 4j to
+    4j + 3: GPTQ's packing along k, as Marlin's repack reads it."""
+    e, k, n = q.shape
+    rows = q.view(e, k // 8, 8, n).long()
+    packed = sum(rows[:, :, j] << (4 * j) for j in range(8))
+    return torch.where(packed >= 2**31, packed - 2**32, packed).to(torch.int32)
+
+
+def marlin4_experts(w16: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[experts, n, k] 16-bit experts as int4_groups' codes and scales in the layout of
+    vLLM's Marlin MoE kernel (its CUDA repack; a GPU op): (qweight, scales)."""
+    from vllm import _custom_ops as ops
+    from vllm.model_executor.layers.quantization.utils.marlin_utils import (
+        marlin_moe_permute_scales,
+    )
+
+    e, n, k = w16.shape
+    no_act_order = torch.empty(1, 0, dtype=torch.int32, device=w16.device)
+    qweight, scales = [], []
+    for j in range(e):  # an expert at a time: the packing goes through 64-bit integers
+        q, s = int4_groups(w16[j:j + 1])
+        qweight.append(ops.gptq_marlin_moe_repack(pack_int4_rows(q), no_act_order, k, n, 4))
+        scales.append(marlin_moe_permute_scales(s, k, n, MARLIN_GROUP))
+    return torch.cat(qweight), torch.cat(scales)
+
+
+def _marlin4_moe(marlin: list, w13_16, w2_16, x, topk_w, topk_ids) -> torch.Tensor:
+    """vLLM's Marlin MoE on marlin4_experts of both products (made into `marlin` once)."""
+    from vllm.model_executor.layers.fused_moe.experts.marlin_moe import fused_marlin_moe
+    from vllm.scalar_type import scalar_types
+
+    if not marlin:
+        marlin += [*marlin4_experts(w13_16), *marlin4_experts(w2_16)]
+    q13, s13, q2, s2 = marlin
+    return fused_marlin_moe(x, q13, q2, None, None, s13, s2, topk_w, topk_ids,
+                            quant_type_id=scalar_types.uint4b8.id,
+                            global_num_experts=w13_16.shape[0])
 
 
 def _cuda_moe(ops, kind, x, w13, w2, topk_w, topk_ids, t1, t2) -> torch.Tensor:

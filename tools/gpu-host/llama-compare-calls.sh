@@ -12,7 +12,7 @@
 #               3-layer Q4_K_M files)
 #   part N      carry .bundle/part-0N, for N in 0 1 2 3 4
 #   stages      gpu-checks.sh's stages: install; ggufops, the MoE kernel benchmark (MOE_TYPES,
-#               MOE_TOKENS, MOE_S seconds) while llama.cpp builds; then llamaacc, the accuracy
+#               MOE_TOKENS, MOE_BM, MOE_S seconds) while llama.cpp builds; then llamaacc, the accuracy
 #               stage (ACC_PATHS, ACC_ROUND), detached so that the call's end does not cut it
 #   compare 2L  (then compare 3L, compare 3Lq6) waits for the accuracy stage and the file,
 #               runs glm5_vs_llama_cpp.py (PATHS_VS, REPS; PROFILE=1: both sides profiled,
@@ -79,8 +79,9 @@ EOF
     bash tools/gpu-host/gpu-checks.sh /tmp/parts $keep/checks install > $keep/install.log 2>&1 \
       || { tail -20 $keep/install.log; exit 1; }
     env_; mkdir -p "$out/moe" $keep/acc
-    GGUF_OPS_TIMEOUT="${MOE_S:-200}" GGUF_OPS_ARGS="--ops moe --types ${MOE_TYPES:-Q8_0 IQ3_S} \
---tokens ${MOE_TOKENS:-32 512 1024 2048}" bash tools/gpu-host/gpu-checks.sh /tmp/parts "$out/moe" ggufops
+    GGUF_OPS_TIMEOUT="${MOE_S:-200}" GGUF_OPS_ARGS="--ops moe --types ${MOE_TYPES:-Q4_K Q4_K/Q6_K} \
+--tokens ${MOE_TOKENS:-8 32 64} --triton-block-m ${MOE_BM:-16}" \
+      bash tools/gpu-host/gpu-checks.sh /tmp/parts "$out/moe" ggufops
     echo "moe rc=$?"
     while ! grep -q "^rc=" $keep/llama/build.log; do sleep 5; done; where
     cat > $keep/acc/run.sh <<EOF
