@@ -44,8 +44,7 @@ PATHS = {
     "portable": {"attention_backend": "TRITON_MLA_SPARSE", "indexer": "triton"},
     "portable-16bit": {"attention_backend": "TRITON_MLA_SPARSE", "indexer": "triton"},
 }
-# the environment a path adds, and the indexer dots it must run with
-PATH_ENV = {"portable-16bit": {"VLLM_SPARSE_INDEXER_DOTS": "16bit"}}
+# the indexer dots a path forces (VLLM_SPARSE_INDEXER_DOTS) and must be seen to run
 PATH_DOTS = {"portable-16bit": "16bit"}
 MODES = ("eager", "graphs")
 DTYPES = ("bfloat16", "float16")
@@ -121,7 +120,8 @@ def run_row(row: dict, model: Path, ref: dict, out: Path, mem: float) -> dict:
     from tests.models.glm5_runs import compare, generate
 
     name = "-".join(row.values())
-    env = {**os.environ, **PATH_ENV[row["path"]]} if row["path"] in PATH_ENV else None
+    dots = PATH_DOTS.get(row["path"])
+    env = {**os.environ, "VLLM_SPARSE_INDEXER_DOTS": dots} if dots else None
     try:
         res = generate(model, out / f"{name}.json", eager=row["mode"] == "eager", env=env,
                        dtype=row["dtype"], gpu_memory_utilization=str(mem), **PATHS[row["path"]])
@@ -169,8 +169,8 @@ def main():
                  else "- | - | -")
         b = "-" if r.get("bound") is None else f"{r['bound']:.3f}"
         why = f": {r['error'].strip().splitlines()[0][-100:]}" if "error" in r else ""
-        print(f"| {r['model']} | {r['source']} | {r['path']} | {r['mode']} | {r['dtype']} | {cells} | {b} "
-              f"| {r['status']}{why} |")
+        print(f"| {r['model']} | {r['source']} | {r['path']} | {r['mode']} | {r['dtype']} "
+              f"| {cells} | {b} | {r['status']}{why} |")
     (out / "matrix.json").write_text(json.dumps(table, indent=1))
     sys.exit(0 if all(r["status"] in ("pass", "reference", "reference did not run")
                       for r in table) else 1)
