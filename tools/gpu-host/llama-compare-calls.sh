@@ -12,8 +12,9 @@
 #               3-layer Q4_K_M files)
 #   part N      carry .bundle/part-0N, for N in 0 1 2 3 4
 #   stages      gpu-checks.sh's stages: install; ggufops, the MoE kernel benchmark (MOE_TYPES,
-#               MOE_TOKENS, MOE_BM, MOE_S seconds) while llama.cpp builds; then llamaacc, the accuracy
-#               stage (ACC_PATHS, ACC_ROUND), detached so that the call's end does not cut it
+#               MOE_TOKENS, MOE_BM, MOE_S seconds) while llama.cpp builds; then llamaacc, the
+#               accuracy stage (ACC_PATHS, ACC_ROUND), detached so that the call's end does
+#               not cut it
 #   compare 2L  (then compare 3L, compare 3Lq6) waits for the accuracy stage and the file,
 #               runs glm5_vs_llama_cpp.py (PATHS_VS, REPS; PROFILE=1: both sides profiled,
 #               NCU), and --per-layer for 2L against each 3-layer report present (3L adds
