@@ -39,6 +39,12 @@ where() {  # one line on the llama.cpp side's progress
     "| files: $(grep -E 'rc=' $keep/llama/model.log 2>/dev/null | tr '\n' ' ')"
   ls -la /tmp/shaped /tmp/shaped3 2>/dev/null | grep gguf; df -h /tmp /dev/shm | tail -2
 }
+need_side() {  # a machine given back between calls comes back bare: stop, do not wait
+  [ -f $keep/llama/model.log ] && return 0
+  echo "no llama.cpp side on this machine ($keep/llama): it was given back since \`first\`;" \
+    "start again from \`first\` and the parts" >&2
+  exit 3
+}
 out="${OUT:-/tmp/out}"
 call_s="${CALL_S:-585}"
 
@@ -76,7 +82,7 @@ EOF
   part)
     cp ".bundle/part-0${2:?part number}" /tmp/parts/ && ls /tmp/parts && where ;;
   stages)
-    env_; where
+    need_side; env_; where
     bash tools/gpu-host/gpu-checks.sh /tmp/parts $keep/checks install > $keep/install.log 2>&1 \
       || { tail -20 $keep/install.log; exit 1; }
     env_; mkdir -p "$out/moe" $keep/acc
@@ -97,7 +103,7 @@ EOF
     cat $keep/acc/done 2>/dev/null; grep -E '^\|' $keep/acc/log
     mkdir -p "$out/acc"; cp $keep/acc/* "$out/acc/" 2>/dev/null; where ;;
   compare)
-    which="${2:?2L|3L}"; env_; where
+    which="${2:?2L|3L}"; need_side; env_; where
     if [ -d $keep/acc ]; then  # benchmarks run alone on the GPU
       while [ ! -f $keep/acc/done ]; do sleep 5; done
       mkdir -p "$out/acc"; cp $keep/acc/* "$out/acc/"; grep -E '^\|' $keep/acc/log
