@@ -25,16 +25,17 @@ Paths (a path a type has no kernel for is left out):
   the 16-bit tensor-core bound, not a path);
 - moe: `plugin` (torch.ops.vllm._fused_moe_gguf), `vec` (CUDA ggml_moe_a8_vec), `mmq`
   (CUDA ggml_moe_a8), `triton-bm<B>` (the plugin's Triton MoE kernel with BLOCK_M B
-  tokens per tile; the plugin runs B = 4), `dequant` (all experts dequantized, then
-  vLLM's fused_experts), `fused16` (vLLM's fused_experts on weights dequantized
-  beforehand: the 16-bit bound) and `marlin4` (vLLM's Marlin MoE, a tensor-core int4
-  kernel, on the dequantized experts quantized again to GPTQ's symmetric int4 with a scale
-  per group of 32: the speed an int4 kernel reaches at these shapes, on as many bytes as
-  Q4_K's; other codes than the file's, so its error is that requantization's, and like
-  fused16 it is a bound, not a path). `mmq` and `triton-bm<B>` run as the overlay
-  runs them: in expert groups whose bytes fit the kernels' 32-bit offsets
-  (vllm_gguf_plugin/quantization/moe_expert_groups.py; GLM-5's gate_up passes 2^31
-  bytes from Q3_K up).
+  tokens per tile; the plugin runs B = 4), `marlin` (Q4_K: the overlay's moe_marlin, the
+  file's values on vLLM's Marlin MoE plus their b-part, VLLM_GGUF_MOE_MARLIN=1 in the
+  engine), `dequant` (all experts dequantized, then vLLM's fused_experts), `fused16`
+  (vLLM's fused_experts on weights dequantized beforehand: the 16-bit bound) and `marlin4`
+  (vLLM's Marlin MoE, a tensor-core int4 kernel, on the dequantized experts quantized
+  again to GPTQ's symmetric int4 with a scale per group of 32: the speed an int4 kernel
+  reaches at these shapes, on as many bytes as Q4_K's; other codes than the file's, so its
+  error is that requantization's, and like fused16 it is a bound, not a path). `mmq` and
+  `triton-bm<B>` run as the overlay runs them: in expert groups whose bytes fit the
+  kernels' 32-bit offsets (vllm_gguf_plugin/quantization/moe_expert_groups.py; GLM-5's
+  gate_up passes 2^31 bytes from Q3_K up).
 Each path's output is compared with float32 products of the dequantized weights (rel =
 max |error| / max |reference|) before it is timed; a path off by more than 5% is marked
 and not counted as fastest. Time: median GPU time of one call replayed in a CUDA graph
@@ -232,6 +233,7 @@ def moe_case(qtype: str, tokens, dtype=torch.float16, gen=None,
     w13_16, w2_16 = deq()
     silu = MoEActivation.SILU
     marlin = []  # marlin4's experts, made on first use (both products'), then kept
+    marlin_q4k = []  # marlin's, the same way
     rows = []
     for m in tokens:
         x = (torch.randn(m, h, device="cuda") * h ** -0.5).to(dtype)
@@ -265,6 +267,9 @@ def moe_case(qtype: str, tokens, dtype=torch.float16, gen=None,
         if both <= TRITON_MOE_DISPATCH.keys():
             for bm in triton_block_m:
                 paths[f"triton-bm{bm}"] = triton_path(bm)
+        if q1 == q2 == "Q4_K":
+            paths["marlin"] = functools.partial(_marlin_moe, marlin_q4k, w13, w2, x, topk_w,
+                                                topk_ids)
         paths["dequant"] = lambda: fused_experts(x, *deq(), topk_w, topk_ids, activation=silu)
         paths["fused16"] = lambda: fused_experts(x, w13_16, w2_16, topk_w, topk_ids,
                                                  activation=silu)
@@ -312,15 +317,6 @@ def int4_groups(w16: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q, s
 
 
-def pack_int4_rows(q: torch.Tensor) -> torch.Tensor:
-    """[experts, k, n] 4-bit codes packed 8 rows to an int32, row 8i + j in bits 4j to
-    4j + 3: GPTQ's packing along k, as Marlin's repack reads it."""
-    e, k, n = q.shape
-    rows = q.view(e, k // 8, 8, n).long()
-    packed = sum(rows[:, :, j] << (4 * j) for j in range(8))
-    return torch.where(packed >= 2**31, packed - 2**32, packed).to(torch.int32)
-
-
 def marlin4_experts(w16: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """[experts, n, k] 16-bit experts as int4_groups' codes and scales in the layout of
     vLLM's Marlin MoE kernel (its CUDA repack; a GPU op): (qweight, scales)."""
@@ -328,6 +324,7 @@ def marlin4_experts(w16: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     from vllm.model_executor.layers.quantization.utils.marlin_utils import (
         marlin_moe_permute_scales,
     )
+    from vllm_gguf_plugin.quantization.moe_marlin import pack_int4_rows
 
     e, n, k = w16.shape
     no_act_order = torch.empty(1, 0, dtype=torch.int32, device=w16.device)
@@ -350,6 +347,17 @@ def _marlin4_moe(marlin: list, w13_16, w2_16, x, topk_w, topk_ids) -> torch.Tens
     return fused_marlin_moe(x, q13, q2, None, None, s13, s2, topk_w, topk_ids,
                             quant_type_id=scalar_types.uint4b8.id,
                             global_num_experts=w13_16.shape[0])
+
+
+def _marlin_moe(marlin: list, w13, w2, x, topk_w, topk_ids) -> torch.Tensor:
+    """The overlay's Marlin MoE on Q4_K experts (moe_marlin: the file's values in Marlin's
+    layout plus their b-part, made into `marlin` once)."""
+    from vllm.model_executor.layers.fused_moe.activation import MoEActivation
+    from vllm_gguf_plugin.quantization import moe_marlin
+
+    if not marlin:
+        marlin += [moe_marlin.marlin_experts(w, x.dtype) for w in (w13, w2)]
+    return moe_marlin.fused_moe(x, *marlin, topk_w, topk_ids, MoEActivation.SILU)
 
 
 def _cuda_moe(ops, kind, x, w13, w2, topk_w, topk_ids, t1, t2) -> torch.Tensor:

@@ -91,17 +91,6 @@ def test_int4_groups_along_each_experts_inputs():
     torch.testing.assert_close(s[1].float(), (g.abs().amax(1) / 7).half().float())
 
 
-def test_pack_int4_rows_is_gptqs_packing():
-    from vllm.model_executor.layers.quantization.utils.quant_utils import gptq_pack
-
-    q = torch.randint(0, 16, (2, 64, 24), generator=torch.Generator().manual_seed(1),
-                      dtype=torch.uint8)
-    packed = bench.pack_int4_rows(q)
-    assert packed.dtype == torch.int32 and packed.shape == (2, 8, 24)
-    for e in range(2):
-        assert torch.equal(packed[e], gptq_pack(q[e].int(), 4, 64, 24))
-
-
 # marlin4's error against float32: a 16-level grid fitted again to each group of 32 values of
 # a 4- to 8-bit one moves a weight by up to half a step of the new grid
 REQUANTIZED = 0.15

@@ -2,6 +2,8 @@
 """The accuracy comparison with llama.cpp (benchmarks/glm5_gguf_accuracy.py): its paths
 and its table, each engine's error and the overlay's over llama.cpp's."""
 
+import pytest
+
 from benchmarks import glm5_gguf_accuracy as acc
 
 
@@ -12,15 +14,23 @@ def test_paths_name_the_sm120_path_and_upstreams():
     assert set(acc.SOURCES) == {"gguf-bf16", "gguf-q8_0", "gguf-Q4_K_M"}
 
 
-def test_batch_invariant_path_differs_only_in_its_environment(monkeypatch):
+@pytest.mark.parametrize("path,base,var", [
+    ("portable-fp16-bi", "portable-fp16", "VLLM_BATCH_INVARIANT"),
+    ("portable-fp16-marlin", "portable-fp16", "VLLM_GGUF_MOE_MARLIN"),
+    ("upstream-bf16-marlin", "upstream-bf16", "VLLM_GGUF_MOE_MARLIN"),
+])
+def test_paths_that_differ_only_in_their_environment(monkeypatch, path, base, var):
     """`portable-fp16-bi` is `portable-fp16` with VLLM_BATCH_INVARIANT=1 added to the
-    engine's environment (the rest of it kept); the other paths inherit this process's."""
+    engine's environment (the rest of it kept), the `-marlin` paths theirs with
+    VLLM_GGUF_MOE_MARLIN=1; the other paths inherit this process's."""
     monkeypatch.setenv("VLLM_OVERLAY_SOMETHING", "kept")
-    monkeypatch.delenv("VLLM_BATCH_INVARIANT", raising=False)
-    assert acc.PATHS["portable-fp16-bi"] == acc.PATHS["portable-fp16"]
-    env = acc.path_env("portable-fp16-bi")
-    assert env["VLLM_BATCH_INVARIANT"] == "1" and env["VLLM_OVERLAY_SOMETHING"] == "kept"
-    assert all(acc.path_env(p) is None for p in acc.PATHS if p != "portable-fp16-bi")
+    monkeypatch.delenv(var, raising=False)
+    assert acc.PATHS[path] == acc.PATHS[base]
+    env = acc.path_env(path)
+    assert env[var] == "1" and env["VLLM_OVERLAY_SOMETHING"] == "kept"
+    assert acc.path_env(base) is None
+    assert sorted(acc.PATH_ENV) == sorted(["portable-fp16-bi", "portable-fp16-marlin",
+                                           "upstream-bf16-marlin"])
 
 
 def test_table():

@@ -9,7 +9,7 @@ Prompts are fixed random token ids (300 to 1000 tokens, longer than the tiny
 model's index_topk, so the indexer's selection matters). Greedy, 32 new tokens,
 top-5 logprobs for prompt and output tokens. The engine runs in this process
 (VLLM_ENABLE_V1_MULTIPROCESSING=0) so that the calls into the portable indexer
-kernels can be counted.
+kernels (and, under VLLM_GGUF_MOE_MARLIN=1, into the Marlin MoE) can be counted.
 """
 
 import argparse
@@ -40,6 +40,24 @@ def count_triton_indexer_calls() -> dict[str, int]:
             return _fn(*a, **kw)
 
         setattr(il, name, counted)
+    return calls
+
+
+def count_marlin_moe_calls() -> dict[str, int] | None:
+    """Count the calls into the Q4_K experts' Marlin MoE (in-process engine), where
+    VLLM_GGUF_MOE_MARLIN=1 asks for it; None elsewhere."""
+    if os.environ.get("VLLM_GGUF_MOE_MARLIN") != "1":
+        return None
+    from vllm_gguf_plugin.quantization import moe_marlin
+
+    calls = {"moe": 0}
+    fn = moe_marlin.fused_moe
+
+    def counted(*a, **kw):
+        calls["moe"] += 1
+        return fn(*a, **kw)
+
+    moe_marlin.fused_moe = counted
     return calls
 
 
@@ -121,6 +139,7 @@ def main():
     from vllm.v1.attention.ops import triton_indexer_logits as il
 
     calls = count_triton_indexer_calls()
+    marlin_calls = count_marlin_moe_calls()
 
     # launches of Hopper's Gluon sparse MLA tiles (none where they cannot run): the
     # warp-specialized one and the 8-head fp8 one
@@ -180,6 +199,7 @@ def main():
         "indexer_backend": il.indexer_logits_backend(),
         "indexer_dots": il.triton_indexer_dots(),
         "triton_indexer_calls": calls,
+        "marlin_moe_calls": marlin_calls and marlin_calls["moe"],
         "outputs": [
             {
                 "prompt_len": len(o.prompt_token_ids),

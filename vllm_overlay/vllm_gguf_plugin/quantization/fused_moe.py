@@ -27,6 +27,7 @@ from . import batch_invariant  # overlay: batch-invariant products
 from .moe_expert_groups import moe_by_expert_group  # overlay: experts past 2 GiB
 from . import moe_prefill  # overlay: long prefills dequantize the experts
 from . import moe_triton_tiles  # overlay: MMQ and Triton MoE tiles where measured faster
+from . import moe_marlin  # overlay: Q4_K experts on vLLM's Marlin MoE (opt-in)
 from .params import (
     GGUFUninitializedWeightParameter,
     GGUFUninitializedWeightTypeParameter,
@@ -283,6 +284,10 @@ class GGUFMoEMethod(FusedMoEMethodBase):
         set_weight_attrs(w2_qweight_type, extra_weight_attrs)
         layer.register_parameter("w2_qweight_type", w2_qweight_type)
 
+    # overlay: Q4_K experts on vLLM's Marlin MoE (VLLM_GGUF_MOE_MARLIN=1)
+    def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
+        layer.gguf_marlin_experts = moe_marlin.convert_layer(layer, self.moe.in_dtype)
+
     def get_fused_moe_quant_config(
         self, layer: torch.nn.Module
     ) -> FusedMoEQuantConfig | None:
@@ -307,6 +312,11 @@ class GGUFMoEMethod(FusedMoEMethodBase):
 
         from . import fused_moe_gguf as fused_moe_gguf_op
 
+        marlin = getattr(layer, "gguf_marlin_experts", None)  # overlay: as above
+        if marlin is not None:  # overlay: as above
+            return moe_marlin.fused_moe(
+                x, *marlin, topk_weights, topk_ids, layer.activation
+            )
         return fused_moe_gguf_op(
             x,
             layer.w13_qweight,

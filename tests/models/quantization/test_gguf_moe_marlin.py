@@ -1,0 +1,231 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Q4_K routed experts on vLLM's Marlin MoE (vllm_gguf_plugin.quantization.moe_marlin).
+
+CPU: the Q4_K blocks' codes and group values against gguf-py's dequantization (exactly,
+in float32), Marlin's form s * (q - 8) + b within the 16-bit rounding of s and b, the
+GPTQ packing against vLLM's gptq_pack, the b-part's product on vLLM's Triton fused-MoE
+kernel under the interpreter against a float32 loop (one pair a block, and the pairs
+sorted by expert), the whole routed MoE with float32 stand-ins for the CUDA ops (the
+b-parts' places in fused_marlin_moe's hooks), and which layers convert. GPU: the routed
+MoE against float32 products of gguf-py's dequantization, float16 and bfloat16, 1 to 300
+tokens.
+"""
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as T
+
+from benchmarks.kernels import benchmark_gguf_ops as bench
+from tests.models.quantization.test_gguf_moe_large_experts import _align
+
+
+def q4_k_blocks(rows: int, cols: int, seed: int) -> torch.Tensor:
+    """[rows, cols / 256 * 144] Q4_K blocks: every bit of the codes and of the packed
+    6-bit scales and mins random, d and dmin finite float16 values of a real file's size."""
+    gen = torch.Generator().manual_seed(seed)
+    nb = rows * cols // 256
+    raw = torch.randint(0, 256, (nb, 144), dtype=torch.uint8, generator=gen)
+    d = (torch.rand(nb, 2, generator=gen) * 2e-4 + 1e-5).half()
+    raw[:, 0:4] = d.view(torch.uint8)
+    return raw.view(rows, -1)
+
+
+def dequantize(blocks: torch.Tensor) -> torch.Tensor:
+    return torch.from_numpy(gguf.quants.dequantize(blocks.cpu().numpy(), T.Q4_K)
+                            .astype(np.float32))
+
+
+def test_q4_k_parts_are_gguf_pys_values():
+    from vllm_gguf_plugin.quantization.moe_marlin import q4_k_parts
+
+    blocks = q4_k_blocks(6, 512, 0)
+    q, d_sc, dmin_m = q4_k_parts(blocks)
+    assert q.shape == (6, 512) and d_sc.shape == dmin_m.shape == (6, 16)
+    assert q.dtype == torch.uint8 and int(q.max()) == 15 and int(q.min()) == 0
+    w = (d_sc.repeat_interleave(32, 1) * q.float() - dmin_m.repeat_interleave(32, 1))
+    torch.testing.assert_close(w, dequantize(blocks), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("dtype,eps", [(torch.float16, 2.0**-11), (torch.bfloat16, 2.0**-8)])
+def test_marlin_form_within_its_rounding(dtype, eps):
+    from vllm_gguf_plugin.quantization.moe_marlin import marlin_parts, q4_k_parts
+
+    blocks = q4_k_blocks(8, 1024, 1)
+    q, s, b = marlin_parts(blocks, dtype)
+    assert s.dtype == b.dtype == dtype
+    w = (s.float().repeat_interleave(32, 1) * (q.float() - 8)
+         + b.float().repeat_interleave(32, 1))
+    ref = dequantize(blocks)
+    _, d_sc, dmin_m = q4_k_parts(blocks)
+    # s's rounding times a code (up to 15), b's rounding: half an ulp each
+    bound = (eps * (15 * d_sc + (8 * d_sc - dmin_m).abs())).repeat_interleave(32, 1)
+    err = (w - ref).abs()
+    assert bool((err <= bound).all()), float((err / bound).max())
+    assert float(err.max()) > 0  # the rounding is there: the bound is what is tested
+
+
+def test_pack_int4_rows_is_gptqs_packing():
+    from vllm.model_executor.layers.quantization.utils.quant_utils import gptq_pack
+    from vllm_gguf_plugin.quantization.moe_marlin import pack_int4_rows
+
+    q = torch.randint(0, 16, (2, 64, 24), generator=torch.Generator().manual_seed(1),
+                      dtype=torch.uint8)
+    packed = pack_int4_rows(q)
+    assert packed.dtype == torch.int32 and packed.shape == (2, 8, 24)
+    for e in range(2):
+        assert torch.equal(packed[e], gptq_pack(q[e].int(), 4, 64, 24))
+
+
+@pytest.mark.parametrize("experts,sorted_pairs", [(64, False), (8, True)])
+@pytest.mark.parametrize("weighted", [False, True])
+def test_bias_product_matches_float32(experts, sorted_pairs, weighted):
+    """The b-part: gs[p // top_k] @ b[expert].T per pair, on upstream's Triton kernel
+    (interpreted on the CPU), gate_up-like (top_k 2) and down-like (weighted)."""
+    from vllm_gguf_plugin.quantization import moe_marlin
+
+    gen = torch.Generator().manual_seed(2)
+    tokens, top_k, n, groups = 3, 2, 80, 24  # n, groups: not whole tiles
+    topk_ids = torch.stack([torch.randperm(experts, generator=gen)[:top_k]
+                            for _ in range(tokens)]).to(torch.int32)
+    gs = torch.randn(tokens, groups, generator=gen).half()
+    bias = torch.randn(experts, n, groups, generator=gen).half()
+    topk_w = torch.rand(tokens, top_k, generator=gen) if weighted else None
+    if sorted_pairs:  # as moe_align_block_size returns them, for 16-row blocks
+        assignment = _align(topk_ids, moe_marlin.BIAS_CONFIG["BLOCK_SIZE_M"], experts)
+    else:  # the tokens touch few experts: one pair a block
+        assert topk_ids.numel() * 4 <= experts
+        assignment = moe_marlin.bias_assignment(topk_ids, experts)
+        assert assignment[0] is None
+    out = moe_marlin.bias_product(gs, bias, assignment, top_k, topk_w)
+    ref = torch.stack([gs[p // top_k].float() @ bias[e].float().T
+                       * (topk_w.flatten()[p] if weighted else 1)
+                       for p, e in enumerate(topk_ids.flatten().tolist())])
+    assert out.shape == (tokens * top_k, n) and out.dtype == torch.float16
+    torch.testing.assert_close(out.float(), ref, rtol=2e-3, atol=2e-3 * ref.abs().max().item())
+
+
+@pytest.mark.parametrize("types,cap,converts", [
+    ((T.Q4_K, T.Q4_K), 90, True),
+    ((T.Q4_K, T.Q4_K), 120, True),
+    ((T.Q4_K, T.Q4_K), 80, True),
+    ((T.Q4_K, T.Q4_K), 75, False),  # Marlin's MoE: SM80 on
+    ((T.Q4_K, T.Q6_K), 90, False),  # half of a Q4_K_M file's layers
+    ((T.Q6_K, T.Q4_K), 90, False),
+    ((T.Q8_0, T.Q8_0), 90, False),
+])
+def test_which_layers_convert(monkeypatch, types, cap, converts):
+    from vllm.platforms import current_platform
+    from vllm_gguf_plugin.quantization import moe_marlin
+
+    monkeypatch.setattr(current_platform, "is_cuda", lambda: True)
+    monkeypatch.setattr(current_platform, "has_device_capability",
+                        lambda c, device_id=0: cap >= c)
+    assert moe_marlin.marlin_takes(*map(int, types)) == converts
+
+
+def test_off_unless_asked(monkeypatch):
+    """VLLM_GGUF_MOE_MARLIN unset or 0, or batch invariance asked for: convert_layer
+    leaves every layer to the GGUF kernels without reading it."""
+    from vllm_gguf_plugin.quantization import moe_marlin
+
+    monkeypatch.delenv(moe_marlin.MARLIN_ENV, raising=False)
+    assert moe_marlin.convert_layer(object(), torch.float16) is None
+    monkeypatch.setenv(moe_marlin.MARLIN_ENV, "0")
+    assert moe_marlin.convert_layer(object(), torch.float16) is None
+    monkeypatch.setenv(moe_marlin.MARLIN_ENV, "1")
+    assert moe_marlin.enabled()
+    # batch invariance keeps the GGUF kernels: Marlin's tiles follow the token count
+    monkeypatch.setattr("vllm.envs.VLLM_BATCH_INVARIANT", True, raising=False)
+    assert moe_marlin.convert_layer(object(), torch.float16) is None
+
+
+@pytest.mark.parametrize("tokens", [1, 5])  # one pair a block; pairs sorted by expert
+def test_marlin_moe_hooks_on_the_cpu(monkeypatch, tokens):
+    """fused_moe's b-parts around vLLM's fused_marlin_moe with the CUDA ops standing in:
+    Marlin's GEMM a float32 product of s * (q - 8) per pair (a stand-in that reads the
+    experts unpacked), the routing alignment the tests' _align, the workspace a zero and
+    the activation torch's silu-and-mul. The MoE must be gguf-py's dequantization's: each
+    b-part added once, before the activation (gate_up) and with the top-k weight (down)."""
+    import vllm._custom_ops as ops
+    from vllm.model_executor.layers.fused_moe.activation import MoEActivation
+    from vllm.model_executor.layers.fused_moe.experts import marlin_moe
+    from vllm_gguf_plugin.quantization import moe_marlin
+
+    e, h, i, top_k, dtype = 8, 256, 256, 2, torch.float16
+    stacks = {"w13": q4_k_blocks(e * 2 * i, h, 6).view(e, 2 * i, -1),
+              "w2": q4_k_blocks(e * h, i, 7).view(e, h, -1)}
+    unpacked, experts = {}, []
+    for name, blocks in stacks.items():
+        q, s, b = moe_marlin.marlin_parts(blocks, dtype)
+        # Marlin's packed shape [e, k / 16, 2n], which fused_marlin_moe checks and reads
+        # its sizes from
+        qweight = torch.zeros(e, q.shape[2] // 16, 2 * q.shape[1], dtype=torch.int32)
+        unpacked[qweight.data_ptr()] = s.float().repeat_interleave(32, -1) * (q.float() - 8)
+        experts.append(moe_marlin.MarlinExperts(qweight, s, b))
+
+    def marlin_gemm(a, c, b_q, b_bias, b_scales, a_scales, global_scale, zeros, g_idx, perm,
+                    workspace, sorted_ids, expert_ids, padded, topk_w, *, moe_block_size,
+                    top_k, mul_topk_weights, size_m, size_n, size_k, **_):
+        w = unpacked[b_q.data_ptr()]
+        out = c.view(-1, size_n)
+        for blk, ex in enumerate(expert_ids.tolist()):
+            for p in sorted_ids[blk * moe_block_size:(blk + 1) * moe_block_size].tolist():
+                if p < size_m * top_k:
+                    row = a[p // top_k].float() @ w[ex].T
+                    out[p] = row * (topk_w.flatten()[p] if mul_topk_weights else 1)
+        return c
+
+    def align(topk_ids, block_m, experts, *args, **kwargs):
+        return _align(topk_ids, block_m, experts)
+
+    def silu_and_mul(activation, output, input, **kwargs):
+        output.copy_(bench._silu_and_mul(input))
+
+    monkeypatch.setattr(ops, "moe_wna16_marlin_gemm", marlin_gemm, raising=False)
+    monkeypatch.setattr(marlin_moe, "moe_align_block_size", align)
+    monkeypatch.setattr(marlin_moe, "marlin_make_workspace_new", lambda *a: torch.zeros(1))
+    monkeypatch.setattr(moe_marlin, "moe_align_block_size", align)
+    monkeypatch.setattr(moe_marlin, "apply_moe_activation", silu_and_mul)
+    gen = torch.Generator().manual_seed(8)
+    x = (torch.randn(tokens, h, generator=gen) * h ** -0.5).to(dtype)
+    topk_ids = torch.stack([torch.randperm(e, generator=gen)[:top_k]
+                            for _ in range(tokens)]).to(torch.int32)
+    topk_w = torch.rand(tokens, top_k, generator=gen).softmax(dim=1)
+    assert (moe_marlin.bias_assignment(topk_ids, e)[0] is None) == (tokens == 1)
+
+    out = moe_marlin.fused_moe(x, *experts, topk_w, topk_ids, MoEActivation.SILU)
+    ref = bench._moe_reference(
+        x, dequantize(stacks["w13"].reshape(e * 2 * i, -1)).view(e, 2 * i, h),
+        dequantize(stacks["w2"].reshape(e * h, -1)).view(e, h, i), topk_w, topk_ids)
+    assert out.shape == (tokens, h) and out.dtype == dtype
+    assert bench.rel_error(out, ref) < 0.005
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype,limit", [(torch.float16, 0.005), (torch.bfloat16, 0.02)])
+@pytest.mark.parametrize("tokens", [1, 8, 33, 300])
+def test_marlin_moe_matches_float32(dtype, limit, tokens):
+    """The routed MoE on Marlin + the b-part against float32 products of gguf-py's
+    dequantization of the same blocks; within the 16-bit rounding, far below the int8
+    kernels' 1% (docs/results.md)."""
+    from vllm.model_executor.layers.fused_moe.activation import MoEActivation
+    from vllm_gguf_plugin.quantization import moe_marlin
+
+    e, h, i, top_k = 16, 512, 256, 4
+    w13 = q4_k_blocks(e * 2 * i, h, 3).view(e, 2 * i, -1)
+    w2 = q4_k_blocks(e * h, i, 4).view(e, h, -1)
+    gen = torch.Generator().manual_seed(5)
+    x = (torch.randn(tokens, h, generator=gen) * h ** -0.5).to(dtype).cuda()
+    topk_ids = torch.rand(tokens, e, generator=gen).topk(top_k, dim=1).indices
+    topk_ids = topk_ids.to(torch.int32).cuda()
+    topk_w = torch.rand(tokens, top_k, generator=gen).softmax(dim=1).cuda()
+
+    experts = [moe_marlin.marlin_experts(w.cuda(), dtype) for w in (w13, w2)]
+    out = moe_marlin.fused_moe(x, *experts, topk_w, topk_ids, MoEActivation.SILU)
+    ref = bench._moe_reference(x, dequantize(w13.view(e * 2 * i, -1)).view(e, 2 * i, h).cuda(),
+                               dequantize(w2.view(e * h, -1)).view(e, h, i).cuda(), topk_w,
+                               topk_ids)
+    assert out.shape == (tokens, h) and out.dtype == dtype
+    assert bench.rel_error(out, ref) < limit

@@ -1,0 +1,215 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Q4_K routed experts on vLLM's Marlin MoE kernel, with the file's values.
+
+A Q4_K weight is w = d * sc * q - dmin * m: a 4-bit code q, 6-bit sc and m per 32
+values, d and dmin per 256. Marlin's uint4b8 with a scale per 32 values reads
+s * (q - 8); with s = d * sc the rest is one value per 32 weights, b = 8 * s - dmin * m:
+
+    x @ w.T = marlin(x; q, s) + G(x) @ b.T,  G(x): the sums of x over each group of 32.
+
+The second product has 1/32 of the first's inputs (11% more bytes than Q4_K) and runs
+on vLLM's Triton fused-MoE kernel with the same routing; it is added before the
+activation (gate_up) and before the top-k sum (down), through fused_marlin_moe's
+activation and sum hooks. s and b are rounded to the activations' dtype, as dequantized
+weights are. Marlin reads an expert once for all of its tokens on tensor cores: at
+GLM-5's shapes vLLM's Marlin MoE on int4 with this grouping ran 2-2.8x the plugin's
+fastest kernel at 8-64 tokens (docs/results.md, "Marlin's int4 bound").
+
+Opt-in (VLLM_GGUF_MOE_MARLIN=1) until it has run in the engine: a converted layer runs
+Marlin at every token count and keeps no GGUF bytes, so its prefill is Marlin's too.
+A layer converts when both of its products are Q4_K, on SM80 or later.
+"""
+
+import dataclasses
+import os
+
+import torch
+import triton.language as tl
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+from vllm.model_executor.layers.fused_moe.activation import (
+    MoEActivation,
+    apply_moe_activation,
+)
+from vllm.model_executor.layers.fused_moe.fused_moe import (
+    invoke_fused_moe_triton_kernel,
+    moe_align_block_size,
+)
+
+MARLIN_ENV = "VLLM_GGUF_MOE_MARLIN"
+GROUP = 32  # values a Marlin scale covers: Q4_K's sub-block
+Q4_K = int(GGMLQuantizationType.Q4_K)
+Q4_K_BLOCK, Q4_K_BYTES = GGML_QUANT_SIZES[GGMLQuantizationType.Q4_K]  # 256 values, 144 B
+# vLLM's Triton fused-MoE kernel on the bias product: 16 token rows (tl.dot's least)
+BIAS_CONFIG = {"BLOCK_SIZE_M": 16, "BLOCK_SIZE_N": 64, "BLOCK_SIZE_K": 64,
+               "GROUP_SIZE_M": 1, "num_warps": 4, "num_stages": 2}
+
+
+@dataclasses.dataclass(frozen=True)
+class MarlinExperts:
+    """One routed product's experts [E, n, k] in Marlin's layout."""
+
+    qweight: torch.Tensor  # Marlin-packed uint4b8 codes
+    scales: torch.Tensor  # s, a value per GROUP inputs, Marlin's permutation
+    bias: torch.Tensor  # b [E, n, k / GROUP], the activations' dtype
+
+
+def enabled() -> bool:
+    return os.environ.get(MARLIN_ENV, "0").strip() == "1"
+
+
+def q4_k_parts(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Q4_K blocks [..., nb * 144] uint8 as (q, d * sc, dmin * m): the codes [..., nb * 256]
+    (uint8, 0..15) and two float32 values per group of 32 [..., nb * 8], so that each
+    weight is (d * sc) * q - dmin * m (exactly, in float32)."""
+    *lead, nbytes = blocks.shape
+    b = blocks.reshape(-1, Q4_K_BYTES)
+    d = b[:, 0:2].contiguous().view(torch.float16).float()
+    dmin = b[:, 2:4].contiguous().view(torch.float16).float()
+    packed = b[:, 4:16].to(torch.int32)
+    low, mid, high = packed[:, 0:4], packed[:, 4:8], packed[:, 8:12]
+    # ggml's get_scale_min_k4: groups 0-3 in the low 6 bits, 4-7 in a nibble + 2 bits
+    sc = torch.cat([low & 63, (high & 15) | ((low >> 6) << 4)], dim=1)
+    m = torch.cat([mid & 63, (high >> 4) | ((mid >> 6) << 4)], dim=1)
+    # 32 bytes per 64 values: the low nibbles are group 2c, the high ones group 2c + 1
+    qs = b[:, 16:].reshape(-1, 4, 1, 32)
+    q = torch.cat([qs & 15, qs >> 4], dim=2).reshape(-1, Q4_K_BLOCK)
+    groups = nbytes // Q4_K_BYTES * (Q4_K_BLOCK // GROUP)
+    return (q.reshape(*lead, nbytes // Q4_K_BYTES * Q4_K_BLOCK), (d * sc).reshape(*lead, groups),
+            (dmin * m).reshape(*lead, groups))
+
+
+def marlin_parts(blocks: torch.Tensor, dtype: torch.dtype
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Q4_K blocks as Marlin's uint4b8 codes (q, 0..15), s and b in `dtype`: each weight
+    is s * (q - 8) + b; b is taken from the rounded s, so only b's own rounding remains."""
+    q, d_sc, dmin_m = q4_k_parts(blocks)
+    s = d_sc.to(dtype)
+    return q, s, (8 * s.float() - dmin_m).to(dtype)
+
+
+def pack_int4_rows(q: torch.Tensor) -> torch.Tensor:
+    """[experts, k, n] 4-bit codes packed 8 rows to an int32, row 8i + j in bits 4j to
+    4j + 3: GPTQ's packing along k, as Marlin's repack reads it."""
+    e, k, n = q.shape
+    rows = q.view(e, k // 8, 8, n).long()
+    packed = sum(rows[:, :, j] << (4 * j) for j in range(8))
+    return torch.where(packed >= 2**31, packed - 2**32, packed).to(torch.int32)
+
+
+def marlin_experts(w: torch.Tensor, dtype: torch.dtype) -> MarlinExperts:
+    """A GGUF Q4_K stack [E, n, k / 256 * 144] (on the GPU) in Marlin's layout, an
+    expert at a time (the packing goes through 64-bit integers)."""
+    from vllm import _custom_ops as ops
+    from vllm.model_executor.layers.quantization.utils.marlin_utils import (
+        marlin_moe_permute_scales,
+    )
+
+    e, n, nbytes = w.shape
+    k = nbytes // Q4_K_BYTES * Q4_K_BLOCK
+    no_act_order = torch.empty(1, 0, dtype=torch.int32, device=w.device)
+    qweight, scales = [], []
+    bias = torch.empty(e, n, k // GROUP, dtype=dtype, device=w.device)
+    for j in range(e):
+        q, s, bias[j] = marlin_parts(w[j], dtype)
+        packed = pack_int4_rows(q.T.contiguous()[None])
+        qweight.append(ops.gptq_marlin_moe_repack(packed, no_act_order, k, n, 4))
+        scales.append(marlin_moe_permute_scales(s.T.contiguous()[None], k, n, GROUP))
+    return MarlinExperts(torch.cat(qweight), torch.cat(scales), bias)
+
+
+def marlin_takes(qweight_type: int, qweight_type2: int) -> bool:
+    """Whether a layer of these types converts: both products Q4_K (whose 256-value blocks
+    make every shape whole tiles of Marlin's: 128 inputs, 64 outputs), on SM80 or later."""
+    from vllm.platforms import current_platform
+
+    return (qweight_type == Q4_K and qweight_type2 == Q4_K
+            and current_platform.is_cuda() and current_platform.has_device_capability(80))
+
+
+def group_sums(x: torch.Tensor) -> torch.Tensor:
+    """[rows, k] -> [rows, k / GROUP]: the sums of each group's inputs, in float32 then
+    rounded to x's dtype."""
+    return x.view(x.shape[0], -1, GROUP).float().sum(-1).to(x.dtype)
+
+
+def bias_assignment(topk_ids: torch.Tensor, experts: int):
+    """The routing of the bias products: one (token, expert) pair a block where the
+    tokens touch few of the experts, else the pairs sorted by expert in blocks of 16
+    (upstream's rule for its fused MoE)."""
+    block_m = BIAS_CONFIG["BLOCK_SIZE_M"]
+    if topk_ids.numel() * 4 <= experts:
+        padded = torch.full((1,), topk_ids.numel() * block_m, dtype=torch.int32,
+                            device=topk_ids.device)
+        return None, topk_ids.view(-1), padded
+    return moe_align_block_size(topk_ids, block_m, experts)
+
+
+def bias_product(gs: torch.Tensor, bias: torch.Tensor, assignment, top_k: int,
+                 topk_weights: torch.Tensor | None = None) -> torch.Tensor:
+    """[pairs, n]: for each (row, expert) pair p, gs[p // top_k] @ bias[expert].T, times
+    the pair's top-k weight where given; pairs are token * top_k + k."""
+    sorted_ids, expert_ids, padded = assignment
+    pairs, n = gs.shape[0] * top_k, bias.shape[1]
+    out = torch.empty(pairs, n, dtype=gs.dtype, device=gs.device)
+    invoke_fused_moe_triton_kernel(  # C's row stride is its dim 1's: pair p at p * n
+        gs, bias, out.view(pairs, 1, n), None, None, topk_weights, sorted_ids,
+        expert_ids, padded, topk_weights is not None, top_k, BIAS_CONFIG,
+        tl.bfloat16 if gs.dtype == torch.bfloat16 else tl.float16,
+        use_fp8_w8a8=False, use_int8_w8a8=False, use_int8_w8a16=False,
+        use_int4_w4a16=False, per_channel_quant=False)
+    return out
+
+
+def fused_moe(x: torch.Tensor, w13: MarlinExperts, w2: MarlinExperts,
+              topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+              activation: MoEActivation) -> torch.Tensor:
+    """The routed experts: vLLM's fused_marlin_moe on (q, s), each product's b-part
+    added in its hooks."""
+    from vllm.model_executor.layers.fused_moe.experts.marlin_moe import fused_marlin_moe
+    from vllm.scalar_type import scalar_types
+
+    experts, top_k = w13.bias.shape[0], topk_ids.shape[1]
+    assignment = bias_assignment(topk_ids, experts)
+    gs1 = group_sums(x)
+    down = []
+
+    def act(activation, output, input, **kwargs):
+        input += bias_product(gs1, w13.bias, assignment, top_k)
+        apply_moe_activation(activation, output, input, **kwargs)
+        down.append(bias_product(group_sums(output), w2.bias, assignment, 1,
+                                 topk_weights))
+
+    def moe_sum(moe_output, output, topk_ids, expert_map):
+        del topk_ids, expert_map
+        moe_output += down.pop().view_as(moe_output)
+        return torch.sum(moe_output, dim=1, out=output)
+
+    return fused_marlin_moe(
+        x, w13.qweight, w2.qweight, None, None, w13.scales, w2.scales, topk_weights,
+        topk_ids, quant_type_id=scalar_types.uint4b8.id, global_num_experts=experts,
+        activation=activation, activation_func=act, moe_sum=moe_sum)
+
+
+def convert_layer(layer: torch.nn.Module, dtype: torch.dtype
+                  ) -> tuple[MarlinExperts, MarlinExperts] | None:
+    """A GGUF MoE layer's experts in Marlin's layout for activations of `dtype` where
+    enabled and taken, the GGUF stacks then released; None leaves the layer on the GGUF
+    kernels."""
+    import vllm.envs as envs
+
+    from .utils import logger
+
+    if not enabled():
+        return None
+    if envs.VLLM_BATCH_INVARIANT:  # Marlin's tiles follow the token count
+        logger.warning_once("%s=1 is ignored under VLLM_BATCH_INVARIANT=1", MARLIN_ENV)
+        return None
+    w13, w2 = layer.w13_qweight, layer.w2_qweight
+    if not marlin_takes(layer.w13_qweight_type.weight_type, layer.w2_qweight_type.weight_type):
+        return None
+    logger.info_once("GGUF MoE layers whose experts are all Q4_K run vLLM's Marlin MoE (%s=1)",
+                     MARLIN_ENV)
+    experts = marlin_experts(w13.data, dtype), marlin_experts(w2.data, dtype)
+    for w in (w13, w2):  # the GGUF bytes are not read again
+        w.data = torch.empty(0, dtype=w.dtype, device=w.device)
+    return experts
