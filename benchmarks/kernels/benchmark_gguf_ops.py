@@ -20,9 +20,11 @@ Ops (GLM-5 at TP 1, float16 activations):
 Paths (a path a type has no kernel for is left out):
 - dense: `plugin` (the plugin's own choice by M, torch.ops.vllm._fused_mul_mat_gguf),
   `mmvq` (CUDA, int8 activations, a row at a time), `mmq` (CUDA, int8 activations,
-  tiled), `triton` (the plugin's Triton GEMM, 16-bit activations), `dequant` (dequantize
-  to 16 bits, then torch.mm), and `mm16` (torch.mm on the weights dequantized beforehand:
-  the 16-bit tensor-core bound, not a path);
+  tiled), `triton` (the plugin's Triton GEMM, 16-bit activations), `marlin` (Q4_K: the
+  file's values on vLLM's Marlin GEMM plus their b-part, as moe_marlin splits them; a
+  candidate, not in the engine), `dequant` (dequantize to 16 bits, then torch.mm), and
+  `mm16` (torch.mm on the weights dequantized beforehand: the 16-bit tensor-core bound,
+  not a path);
 - moe: `plugin` (torch.ops.vllm._fused_moe_gguf), `vec` (CUDA ggml_moe_a8_vec), `mmq`
   (CUDA ggml_moe_a8), `triton-bm<B>` (the plugin's Triton MoE kernel with BLOCK_M B
   tokens per tile; the plugin runs B = 4), `marlin` (Q4_K: the overlay's moe_marlin, the
@@ -162,11 +164,14 @@ def dense_case(qtype: str, name: str, tokens, dtype=torch.float16, gen=None,
     w = random_blocks(qtype, n, k, gen).cuda()
     w16 = ops.ggml_dequantize(w, t, n, k, dtype)
     w32 = w16.float()
+    marlin = []  # the marlin path's weight, made on first use, then kept
     rows = []
     for m in tokens:
         x = (torch.randn(m, k, device="cuda") * k ** -0.5).to(dtype)  # outputs of order 1
         ref = x.float() @ w32.T
         paths = {"plugin": lambda: fused_mul_mat_gguf(x, w, t)}
+        if qtype == "Q4_K":
+            paths["marlin"] = functools.partial(_marlin_dense, marlin, w, x)
         if t in MMVQ_QUANT_TYPES and m <= 16:
             paths["mmvq"] = lambda: ops.ggml_mul_mat_vec_a8(w, x, t, n)
         if t in MMQ_QUANT_TYPES:
@@ -183,6 +188,29 @@ def dense_case(qtype: str, name: str, tokens, dtype=torch.float16, gen=None,
     del w, w16, w32
     torch.cuda.empty_cache()
     return rows
+
+
+def _marlin_dense(marlin: list, w, x) -> torch.Tensor:
+    """A Q4_K weight on vLLM's Marlin GEMM with the file's values: moe_marlin's parts, s *
+    (q - 8) on Marlin and b times the activations' group sums beside it (made into
+    `marlin` once)."""
+    from vllm import _custom_ops as ops
+    from vllm.model_executor.layers.quantization.utils import marlin_utils as mu
+    from vllm.scalar_type import scalar_types
+    from vllm_gguf_plugin.quantization import moe_marlin
+
+    n, k = w.shape[0], w.shape[1] // moe_marlin.Q4_K_BYTES * moe_marlin.Q4_K_BLOCK
+    if not marlin:
+        q, s, b = moe_marlin.marlin_parts(w, x.dtype)
+        empty = torch.empty(0, dtype=torch.int, device=w.device)
+        packed = moe_marlin.pack_int4_rows(q.T.contiguous()[None])[0]
+        marlin += [ops.gptq_marlin_repack(packed, empty, k, n, 4),
+                   mu.marlin_permute_scales(s.T.contiguous(), k, n, moe_marlin.GROUP), b,
+                   empty, mu.marlin_make_workspace_new(w.device)]
+    qweight, scales, b, empty, workspace = marlin
+    y = mu.apply_gptq_marlin_linear(x, qweight, scales, empty, empty, empty, workspace,
+                                    scalar_types.uint4b8, n, k, is_k_full=True)
+    return y + moe_marlin.group_sums(x) @ b.T
 
 
 def _call_with_block_m(wrapper, block_m, x, w, sorted_ids, expert_ids, padded, rows, top_k,
