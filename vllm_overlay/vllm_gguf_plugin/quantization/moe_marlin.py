@@ -169,6 +169,7 @@ def fused_moe(x: torch.Tensor, w13: MarlinExperts, w2: MarlinExperts,
     from vllm.scalar_type import scalar_types
 
     experts, top_k = w13.bias.shape[0], topk_ids.shape[1]
+    topk_weights = topk_weights.float()  # fused_marlin_moe takes float32 weights only
     assignment = bias_assignment(topk_ids, experts)
     gs1 = group_sums(x)
     down = []
