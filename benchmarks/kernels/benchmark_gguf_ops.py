@@ -348,19 +348,11 @@ def int4_groups(w16: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def marlin4_experts(w16: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """[experts, n, k] 16-bit experts as int4_groups' codes and scales in the layout of
     vLLM's Marlin MoE kernel (its CUDA repack; a GPU op): (qweight, scales)."""
-    from vllm import _custom_ops as ops
-    from vllm.model_executor.layers.quantization.utils.marlin_utils import (
-        marlin_moe_permute_scales,
-    )
-    from vllm_gguf_plugin.quantization.moe_marlin import pack_int4_rows
+    from vllm_gguf_plugin.quantization.moe_marlin import marlin_layout
 
-    e, n, k = w16.shape
-    no_act_order = torch.empty(1, 0, dtype=torch.int32, device=w16.device)
-    qweight, scales = [], []
-    for j in range(e):  # an expert at a time: the packing goes through 64-bit integers
-        q, s = int4_groups(w16[j:j + 1])
-        qweight.append(ops.gptq_marlin_moe_repack(pack_int4_rows(q), no_act_order, k, n, 4))
-        scales.append(marlin_moe_permute_scales(s, k, n, MARLIN_GROUP))
+    # an expert at a time: the packing goes through 64-bit integers
+    qweight, scales = zip(*(marlin_layout(*int4_groups(w16[j:j + 1]))
+                            for j in range(w16.shape[0])))
     return torch.cat(qweight), torch.cat(scales)
 
 

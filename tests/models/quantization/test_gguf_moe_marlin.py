@@ -11,14 +11,13 @@ MoE against float32 products of gguf-py's dequantization, float16 and bfloat16, 
 tokens.
 """
 
-import gguf
-import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType as T
 
 from benchmarks.kernels import benchmark_gguf_ops as bench
 from tests.models.quantization.test_gguf_moe_large_experts import _align
+from tests.models.quantization.test_gguf_moe_prefill import _float32_moe, _gguf_dequantize
 
 
 def q4_k_blocks(rows: int, cols: int, seed: int) -> torch.Tensor:
@@ -33,8 +32,9 @@ def q4_k_blocks(rows: int, cols: int, seed: int) -> torch.Tensor:
 
 
 def dequantize(blocks: torch.Tensor) -> torch.Tensor:
-    return torch.from_numpy(gguf.quants.dequantize(blocks.cpu().numpy(), T.Q4_K)
-                            .astype(np.float32))
+    """gguf-py's float32 values of Q4_K blocks [rows, bytes]."""
+    rows, nbytes = blocks.shape
+    return _gguf_dequantize(blocks, T.Q4_K, rows, nbytes // 144 * 256, torch.float32)
 
 
 def test_q4_k_parts_are_gguf_pys_values():
@@ -83,6 +83,7 @@ def test_pack_int4_rows_is_gptqs_packing():
 def test_bias_product_matches_float32(experts, sorted_pairs, weighted):
     """The b-part: gs[p // top_k] @ b[expert].T per pair, on upstream's Triton kernel
     (interpreted on the CPU), gate_up-like (top_k 2) and down-like (weighted)."""
+    from vllm.model_executor.layers.fused_moe.fused_moe import _prepare_expert_assignment
     from vllm_gguf_plugin.quantization import moe_marlin
 
     gen = torch.Generator().manual_seed(2)
@@ -95,8 +96,8 @@ def test_bias_product_matches_float32(experts, sorted_pairs, weighted):
     if sorted_pairs:  # as moe_align_block_size returns them, for 16-row blocks
         assignment = _align(topk_ids, moe_marlin.BIAS_CONFIG["BLOCK_SIZE_M"], experts)
     else:  # the tokens touch few experts: one pair a block
-        assert topk_ids.numel() * 4 <= experts
-        assignment = moe_marlin.bias_assignment(topk_ids, experts)
+        assignment = _prepare_expert_assignment(topk_ids, moe_marlin.BIAS_CONFIG, tokens,
+                                                top_k, experts, None)
         assert assignment[0] is None
     out = moe_marlin.bias_product(gs, bias, assignment, top_k, topk_w)
     ref = torch.stack([gs[p // top_k].float() @ bias[e].float().T
@@ -149,6 +150,7 @@ def test_marlin_moe_hooks_on_the_cpu(monkeypatch, tokens):
     the activation torch's silu-and-mul. The MoE must be gguf-py's dequantization's: each
     b-part added once, before the activation (gate_up) and with the top-k weight (down)."""
     import vllm._custom_ops as ops
+    from vllm.model_executor.layers.fused_moe import fused_moe as upstream_fused_moe
     from vllm.model_executor.layers.fused_moe.activation import MoEActivation
     from vllm.model_executor.layers.fused_moe.experts import marlin_moe
     from vllm_gguf_plugin.quantization import moe_marlin
@@ -186,19 +188,19 @@ def test_marlin_moe_hooks_on_the_cpu(monkeypatch, tokens):
     monkeypatch.setattr(ops, "moe_wna16_marlin_gemm", marlin_gemm, raising=False)
     monkeypatch.setattr(marlin_moe, "moe_align_block_size", align)
     monkeypatch.setattr(marlin_moe, "marlin_make_workspace_new", lambda *a: torch.zeros(1))
-    monkeypatch.setattr(moe_marlin, "moe_align_block_size", align)
+    monkeypatch.setattr(upstream_fused_moe, "moe_align_block_size", align)
     monkeypatch.setattr(moe_marlin, "apply_moe_activation", silu_and_mul)
     gen = torch.Generator().manual_seed(8)
     x = (torch.randn(tokens, h, generator=gen) * h ** -0.5).to(dtype)
     topk_ids = torch.stack([torch.randperm(e, generator=gen)[:top_k]
                             for _ in range(tokens)]).to(torch.int32)
     topk_w = torch.rand(tokens, top_k, generator=gen).softmax(dim=1)
-    assert (moe_marlin.bias_assignment(topk_ids, e)[0] is None) == (tokens == 1)
+    assignment = upstream_fused_moe._prepare_expert_assignment(
+        topk_ids, moe_marlin.BIAS_CONFIG, tokens, top_k, e, None)
+    assert (assignment[0] is None) == (tokens == 1)
 
     out = moe_marlin.fused_moe(x, *experts, topk_w, topk_ids, MoEActivation.SILU)
-    ref = bench._moe_reference(
-        x, dequantize(stacks["w13"].reshape(e * 2 * i, -1)).view(e, 2 * i, h),
-        dequantize(stacks["w2"].reshape(e * h, -1)).view(e, h, i), topk_w, topk_ids)
+    ref = _float32_moe(x, stacks["w13"], stacks["w2"], (T.Q4_K, T.Q4_K), topk_w, topk_ids)
     assert out.shape == (tokens, h) and out.dtype == dtype
     assert bench.rel_error(out, ref) < 0.005
 
@@ -222,10 +224,9 @@ def test_marlin_moe_matches_float32(dtype, limit, tokens):
     topk_ids = topk_ids.to(torch.int32).cuda()
     topk_w = torch.rand(tokens, top_k, generator=gen).softmax(dim=1).cuda()
 
-    experts = [moe_marlin.marlin_experts(w.cuda(), dtype) for w in (w13, w2)]
+    w13, w2 = w13.cuda(), w2.cuda()
+    experts = [moe_marlin.marlin_experts(w, dtype) for w in (w13, w2)]
     out = moe_marlin.fused_moe(x, *experts, topk_w, topk_ids, MoEActivation.SILU)
-    ref = bench._moe_reference(x, dequantize(w13.view(e * 2 * i, -1)).view(e, 2 * i, h).cuda(),
-                               dequantize(w2.view(e * h, -1)).view(e, h, i).cuda(), topk_w,
-                               topk_ids)
+    ref = _float32_moe(x, w13, w2, (T.Q4_K, T.Q4_K), topk_w, topk_ids)
     assert out.shape == (tokens, h) and out.dtype == dtype
     assert bench.rel_error(out, ref) < limit

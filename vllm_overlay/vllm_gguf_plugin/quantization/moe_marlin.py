@@ -25,15 +25,20 @@ import os
 
 import torch
 import triton.language as tl
+import vllm.envs as envs
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from vllm.model_executor.layers.fused_moe.activation import (
     MoEActivation,
     apply_moe_activation,
 )
+from vllm.model_executor.layers.fused_moe.experts.marlin_moe import fused_marlin_moe
 from vllm.model_executor.layers.fused_moe.fused_moe import (
+    _prepare_expert_assignment,
     invoke_fused_moe_triton_kernel,
-    moe_align_block_size,
 )
+from vllm.scalar_type import scalar_types
+
+from .utils import logger
 
 MARLIN_ENV = "VLLM_GGUF_MOE_MARLIN"
 GROUP = 32  # values a Marlin scale covers: Q4_K's sub-block
@@ -96,24 +101,32 @@ def pack_int4_rows(q: torch.Tensor) -> torch.Tensor:
     return torch.where(packed >= 2**31, packed - 2**32, packed).to(torch.int32)
 
 
-def marlin_experts(w: torch.Tensor, dtype: torch.dtype) -> MarlinExperts:
-    """A GGUF Q4_K stack [E, n, k / 256 * 144] (on the GPU) in Marlin's layout, an
-    expert at a time (the packing goes through 64-bit integers)."""
+def marlin_layout(q: torch.Tensor, s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One expert's 4-bit codes q [1, k, n] and scales s [1, k / GROUP, n] (on the GPU) as
+    vLLM's Marlin MoE kernel reads them: (qweight, scales), by its CUDA repack."""
     from vllm import _custom_ops as ops
     from vllm.model_executor.layers.quantization.utils.marlin_utils import (
         marlin_moe_permute_scales,
     )
 
+    k, n = q.shape[1], q.shape[2]
+    no_act_order = torch.empty(1, 0, dtype=torch.int32, device=q.device)
+    return (ops.gptq_marlin_moe_repack(pack_int4_rows(q), no_act_order, k, n, 4),
+            marlin_moe_permute_scales(s, k, n, GROUP))
+
+
+def marlin_experts(w: torch.Tensor, dtype: torch.dtype) -> MarlinExperts:
+    """A GGUF Q4_K stack [E, n, k / 256 * 144] (on the GPU) in Marlin's layout, an
+    expert at a time (the packing goes through 64-bit integers)."""
     e, n, nbytes = w.shape
-    k = nbytes // Q4_K_BYTES * Q4_K_BLOCK
-    no_act_order = torch.empty(1, 0, dtype=torch.int32, device=w.device)
     qweight, scales = [], []
-    bias = torch.empty(e, n, k // GROUP, dtype=dtype, device=w.device)
+    bias = torch.empty(e, n, nbytes // Q4_K_BYTES * Q4_K_BLOCK // GROUP, dtype=dtype,
+                       device=w.device)
     for j in range(e):
         q, s, bias[j] = marlin_parts(w[j], dtype)
-        packed = pack_int4_rows(q.T.contiguous()[None])
-        qweight.append(ops.gptq_marlin_moe_repack(packed, no_act_order, k, n, 4))
-        scales.append(marlin_moe_permute_scales(s.T.contiguous()[None], k, n, GROUP))
+        qw, sc = marlin_layout(q.T.contiguous()[None], s.T.contiguous()[None])
+        qweight.append(qw)
+        scales.append(sc)
     return MarlinExperts(torch.cat(qweight), torch.cat(scales), bias)
 
 
@@ -130,18 +143,6 @@ def group_sums(x: torch.Tensor) -> torch.Tensor:
     """[rows, k] -> [rows, k / GROUP]: the sums of each group's inputs, in float32 then
     rounded to x's dtype."""
     return x.view(x.shape[0], -1, GROUP).float().sum(-1).to(x.dtype)
-
-
-def bias_assignment(topk_ids: torch.Tensor, experts: int):
-    """The routing of the bias products: one (token, expert) pair a block where the
-    tokens touch few of the experts, else the pairs sorted by expert in blocks of 16
-    (upstream's rule for its fused MoE)."""
-    block_m = BIAS_CONFIG["BLOCK_SIZE_M"]
-    if topk_ids.numel() * 4 <= experts:
-        padded = torch.full((1,), topk_ids.numel() * block_m, dtype=torch.int32,
-                            device=topk_ids.device)
-        return None, topk_ids.view(-1), padded
-    return moe_align_block_size(topk_ids, block_m, experts)
 
 
 def bias_product(gs: torch.Tensor, bias: torch.Tensor, assignment, top_k: int,
@@ -165,12 +166,12 @@ def fused_moe(x: torch.Tensor, w13: MarlinExperts, w2: MarlinExperts,
               activation: MoEActivation) -> torch.Tensor:
     """The routed experts: vLLM's fused_marlin_moe on (q, s), each product's b-part
     added in its hooks."""
-    from vllm.model_executor.layers.fused_moe.experts.marlin_moe import fused_marlin_moe
-    from vllm.scalar_type import scalar_types
-
     experts, top_k = w13.bias.shape[0], topk_ids.shape[1]
     topk_weights = topk_weights.float()  # fused_marlin_moe takes float32 weights only
-    assignment = bias_assignment(topk_ids, experts)
+    # the b-parts' routing, as upstream's fused MoE routes: one (token, expert) pair a
+    # block where the tokens touch few experts, else the pairs sorted by expert
+    assignment = _prepare_expert_assignment(topk_ids, BIAS_CONFIG, topk_ids.shape[0], top_k,
+                                            experts, None)
     gs1 = group_sums(x)
     down = []
 
@@ -196,10 +197,6 @@ def convert_layer(layer: torch.nn.Module, dtype: torch.dtype
     """A GGUF MoE layer's experts in Marlin's layout for activations of `dtype` where
     enabled and taken, the GGUF stacks then released; None leaves the layer on the GGUF
     kernels."""
-    import vllm.envs as envs
-
-    from .utils import logger
-
     if not enabled():
         return None
     if envs.VLLM_BATCH_INVARIANT:  # Marlin's tiles follow the token count
