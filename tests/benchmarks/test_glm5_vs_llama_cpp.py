@@ -426,3 +426,14 @@ def test_per_layer():
     assert "| prefill 512 | 4.000 | 3.000 | 1.33 |" in md
     with pytest.raises(ValueError, match="layers"):
         bench.per_layer(deep, shallow)
+
+
+def test_only_reported_capabilities_need_the_test_plugin(monkeypatch):
+    """The as-on-SM120 path needs tests/plugins/vllm_report_capability installed; a path
+    that only sets the overlay's own variables (the Marlin MoE's) does not (twelfth run:
+    `portable-marlin` refused to start for want of it)."""
+    monkeypatch.setattr(bench.importlib.util, "find_spec", lambda name: None)
+    missing = {p for p in bench.PATHS if bench.capability_plugin_missing(p)}
+    assert missing == {"sm120"}
+    monkeypatch.setattr(bench.importlib.util, "find_spec", lambda name: object())
+    assert not any(bench.capability_plugin_missing(p) for p in bench.PATHS)
