@@ -3,7 +3,7 @@
 
     python -m benchmarks.glm5_gguf_accuracy --out DIR --llama-lib DIR [--bindings DIR]
         [--paths portable-fp16 portable-bf16 upstream-bf16 portable-fp16-bi
-                 upstream-bf16-marlin portable-fp16-marlin] [--eager]
+                 upstream-bf16-gguf-moe portable-fp16-gguf-moe] [--eager]
         [--json FILE]
         [--rounding bfloat16 float16] [--device cuda] [--llama-gpu-layers N]
         [--max-tokens 32] [--llama-runner ctypes|c] [--llama-src DIR]
@@ -17,8 +17,9 @@ index_topk, then 32 greedy tokens):
 - the overlay: tests/models/glm5_generate.py (vLLM, CUDA graphs unless --eager) on each
   path of PATHS (`portable-fp16-bi`: under VLLM_BATCH_INVARIANT=1, every GGUF product on
   16-bit activations, where `portable-fp16`'s kernels quantize activations to int8 for dense
-  products below 256 tokens and experts below 1024; `-marlin`: VLLM_GGUF_MOE_MARLIN=1, the
-  layers whose experts are all Q4_K on vLLM's Marlin MoE with 16-bit activations);
+  products below 256 tokens and experts below 1024 (the layers whose experts are all Q4_K
+  run vLLM's Marlin MoE on 16-bit activations, except under batch invariance);
+  `-gguf-moe`: VLLM_GGUF_MOE_MARLIN=0, those layers on the GGUF kernels too);
 - llama.cpp: benchmarks/llama_cpp_logits.py on libllama.so of `--llama-lib` (all layers
   on the GPU unless --llama-gpu-layers, prompt in one batch);
 - rounding alone: transformers on the same dequantized weights in each dtype of
@@ -56,14 +57,22 @@ PATHS = {
     # Triton kernels), where the plugin's MMVQ/MMQ kernels quantize activations to int8
     "portable-fp16-bi": {"attention_backend": "TRITON_MLA_SPARSE", "indexer": "triton",
                          "dtype": "float16"},
-    # the paths above with the Q4_K experts on vLLM's Marlin MoE (moe_marlin, opt-in)
-    "upstream-bf16-marlin": {"dtype": "bfloat16"},
-    "portable-fp16-marlin": {"attention_backend": "TRITON_MLA_SPARSE", "indexer": "triton",
-                             "dtype": "float16"},
+    # two paths above with the all-Q4_K experts on the GGUF kernels instead of Marlin
+    "upstream-bf16-gguf-moe": {"dtype": "bfloat16"},
+    "portable-fp16-gguf-moe": {"attention_backend": "TRITON_MLA_SPARSE", "indexer": "triton",
+                               "dtype": "float16"},
 }
 PATH_ENV = {"portable-fp16-bi": {"VLLM_BATCH_INVARIANT": "1"},
-            "upstream-bf16-marlin": {"VLLM_GGUF_MOE_MARLIN": "1"},
-            "portable-fp16-marlin": {"VLLM_GGUF_MOE_MARLIN": "1"}}
+            "upstream-bf16-gguf-moe": {"VLLM_GGUF_MOE_MARLIN": "0"},
+            "portable-fp16-gguf-moe": {"VLLM_GGUF_MOE_MARLIN": "0"}}
+
+
+def runs_marlin(path: str) -> bool:
+    """Whether a path runs the all-Q4_K MoE layers on vLLM's Marlin MoE (the default; not
+    under batch invariance or VLLM_GGUF_MOE_MARLIN=0)."""
+    env = {**os.environ, **PATH_ENV.get(path, {})}
+    return env.get("VLLM_GGUF_MOE_MARLIN", "1") != "0" and env.get("VLLM_BATCH_INVARIANT",
+                                                                    "0") != "1"
 
 
 def path_env(path: str) -> dict | None:
@@ -148,7 +157,7 @@ def main():
         res = generate(f, out / f"{source}-{path}.json", eager=args.eager,
                        env=path_env(path), max_tokens=str(args.max_tokens), **PATHS[path])
         marlin = res.get("marlin_moe_calls")
-        if path.endswith("-marlin") and source == "gguf-Q4_K_M" and not marlin:
+        if source == "gguf-Q4_K_M" and runs_marlin(path) and not marlin:
             raise RuntimeError(f"{path}: no MoE call ran on Marlin ({marlin!r})")
         return {**compare(ref, res), "attention_backend": res.get("attention_backend"),
                 "indexer_backend": res["indexer_backend"], "dtype": res["dtype"],

@@ -3,7 +3,7 @@
 
     python -m benchmarks.glm5_vs_llama_cpp --gguf FILE.gguf --llama-bench BIN
         [--llama-batched-bench BIN2] [--json out.json] [--md out.md]
-        [--paths portable upstream sm120 portable-marlin]
+        [--paths portable upstream sm120 portable-gguf-moe]
         [--prompts 512 8192] [--depths 0 8192] [--batches 1 8 32] [--gen 128] [--profile]
         [--llama-profile NCU]
     python -m benchmarks.glm5_vs_llama_cpp --per-layer SHALLOW.json DEEP.json [--md out.md]
@@ -19,9 +19,9 @@ llama-bench from tools/gpu-host/build-llama-cpp-cuda.sh (CUDA, the pinned sdist)
   `portable`: TRITON_MLA_SPARSE + the portable (Triton) indexer, fp16 (the SM120 path,
   forced); `upstream`: vLLM's own choice on the H200 (FLASH_ATTN_MLA_SPARSE + DeepGEMM
   at bf16); `sm120`: capability 12.0 reported (tests/plugins/vllm_report_capability,
-  installed with `pip install --no-deps`), dtype auto, nothing forced; `portable-marlin`:
-  `portable` with VLLM_GGUF_MOE_MARLIN=1 (layers whose experts are all Q4_K on vLLM's
-  Marlin MoE).
+  installed with `pip install --no-deps`), dtype auto, nothing forced; `portable-gguf-moe`:
+  `portable` with VLLM_GGUF_MOE_MARLIN=0 (every MoE layer on the GGUF kernels, where
+  those whose experts are all Q4_K run vLLM's Marlin MoE by default).
   Prefill: one new PROMPT-token request, max_tokens 1, best of three: PROMPT / TTFT.
   Decode at DEPTH and batch B: B requests of max(DEPTH, 1) tokens, their prompts first
   put in the prefix cache, then 1 + GEN tokens each; the step time is
@@ -71,9 +71,9 @@ PATHS = {
     "sm120": {"backend": None, "indexer": "auto", "dtype": "auto",
               "env": {"VLLM_TEST_REPORT_CAPABILITY": "12.0",
                       "VLLM_TEST_REPORT_SHARED_MEM": "101376"}},
-    # portable, with the layers whose experts are all Q4_K on vLLM's Marlin MoE (opt-in)
-    "portable-marlin": {"backend": "TRITON_MLA_SPARSE", "indexer": "triton",
-                        "dtype": "float16", "env": {"VLLM_GGUF_MOE_MARLIN": "1"}},
+    # portable, with the all-Q4_K MoE layers on the GGUF kernels instead of Marlin
+    "portable-gguf-moe": {"backend": "TRITON_MLA_SPARSE", "indexer": "triton",
+                          "dtype": "float16", "env": {"VLLM_GGUF_MOE_MARLIN": "0"}},
 }
 TARGETS = {"decode_b1": 1.0, "decode_b32_aggregate": 3.0, "prefill": 1.0}
 LLAMA_PROFILE_GEN = 8  # tokens decoded in llama.cpp's profiled tg run

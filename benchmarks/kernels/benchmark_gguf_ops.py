@@ -28,8 +28,8 @@ Paths (a path a type has no kernel for is left out):
 - moe: `plugin` (torch.ops.vllm._fused_moe_gguf), `vec` (CUDA ggml_moe_a8_vec), `mmq`
   (CUDA ggml_moe_a8), `triton-bm<B>` (the plugin's Triton MoE kernel with BLOCK_M B
   tokens per tile; the plugin runs B = 4), `marlin` (Q4_K: the overlay's moe_marlin, the
-  file's values on vLLM's Marlin MoE plus their b-part, VLLM_GGUF_MOE_MARLIN=1 in the
-  engine), `dequant` (all experts dequantized, then vLLM's fused_experts), `fused16`
+  file's values on vLLM's Marlin MoE plus their b-part, what the engine runs for layers
+  whose experts are all Q4_K unless VLLM_GGUF_MOE_MARLIN=0), `dequant` (all experts dequantized, then vLLM's fused_experts), `fused16`
   (vLLM's fused_experts on weights dequantized beforehand: the 16-bit bound) and `marlin4`
   (vLLM's Marlin MoE, a tensor-core int4 kernel, on the dequantized experts quantized
   again to GPTQ's symmetric int4 with a scale per group of 32: the speed an int4 kernel

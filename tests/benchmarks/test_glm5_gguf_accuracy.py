@@ -14,23 +14,35 @@ def test_paths_name_the_sm120_path_and_upstreams():
     assert set(acc.SOURCES) == {"gguf-bf16", "gguf-q8_0", "gguf-Q4_K_M"}
 
 
-@pytest.mark.parametrize("path,base,var", [
-    ("portable-fp16-bi", "portable-fp16", "VLLM_BATCH_INVARIANT"),
-    ("portable-fp16-marlin", "portable-fp16", "VLLM_GGUF_MOE_MARLIN"),
-    ("upstream-bf16-marlin", "upstream-bf16", "VLLM_GGUF_MOE_MARLIN"),
+@pytest.mark.parametrize("path,base,var,value", [
+    ("portable-fp16-bi", "portable-fp16", "VLLM_BATCH_INVARIANT", "1"),
+    ("portable-fp16-gguf-moe", "portable-fp16", "VLLM_GGUF_MOE_MARLIN", "0"),
+    ("upstream-bf16-gguf-moe", "upstream-bf16", "VLLM_GGUF_MOE_MARLIN", "0"),
 ])
-def test_paths_that_differ_only_in_their_environment(monkeypatch, path, base, var):
+def test_paths_that_differ_only_in_their_environment(monkeypatch, path, base, var, value):
     """`portable-fp16-bi` is `portable-fp16` with VLLM_BATCH_INVARIANT=1 added to the
-    engine's environment (the rest of it kept), the `-marlin` paths theirs with
-    VLLM_GGUF_MOE_MARLIN=1; the other paths inherit this process's."""
+    engine's environment (the rest of it kept), the `-gguf-moe` paths theirs with
+    VLLM_GGUF_MOE_MARLIN=0; the other paths inherit this process's."""
     monkeypatch.setenv("VLLM_OVERLAY_SOMETHING", "kept")
     monkeypatch.delenv(var, raising=False)
     assert acc.PATHS[path] == acc.PATHS[base]
     env = acc.path_env(path)
-    assert env[var] == "1" and env["VLLM_OVERLAY_SOMETHING"] == "kept"
+    assert env[var] == value and env["VLLM_OVERLAY_SOMETHING"] == "kept"
     assert acc.path_env(base) is None
-    assert sorted(acc.PATH_ENV) == sorted(["portable-fp16-bi", "portable-fp16-marlin",
-                                           "upstream-bf16-marlin"])
+    assert sorted(acc.PATH_ENV) == sorted(["portable-fp16-bi", "portable-fp16-gguf-moe",
+                                           "upstream-bf16-gguf-moe"])
+
+
+def test_which_paths_must_show_marlin_calls(monkeypatch):
+    """On the Q4_K_M file every path runs its all-Q4_K MoE layers on Marlin (and the row
+    fails without a counted call) but the batch-invariant and `-gguf-moe` ones, and none
+    where this process turned it off."""
+    monkeypatch.delenv("VLLM_GGUF_MOE_MARLIN", raising=False)
+    monkeypatch.delenv("VLLM_BATCH_INVARIANT", raising=False)
+    assert {p for p in acc.PATHS if acc.runs_marlin(p)} == {
+        "portable-fp16", "portable-bf16", "upstream-bf16"}
+    monkeypatch.setenv("VLLM_GGUF_MOE_MARLIN", "0")
+    assert not any(acc.runs_marlin(p) for p in acc.PATHS)
 
 
 def test_table():

@@ -9,7 +9,7 @@ Prompts are fixed random token ids (300 to 1000 tokens, longer than the tiny
 model's index_topk, so the indexer's selection matters). Greedy, 32 new tokens,
 top-5 logprobs for prompt and output tokens. The engine runs in this process
 (VLLM_ENABLE_V1_MULTIPROCESSING=0) so that the calls into the portable indexer
-kernels (and, under VLLM_GGUF_MOE_MARLIN=1, into the Marlin MoE) can be counted.
+kernels and into the Q4_K experts' Marlin MoE can be counted.
 """
 
 import argparse
@@ -44,11 +44,12 @@ def count_triton_indexer_calls() -> dict[str, int]:
 
 
 def count_marlin_moe_calls() -> dict[str, int] | None:
-    """Count the calls into the Q4_K experts' Marlin MoE (in-process engine), where
-    VLLM_GGUF_MOE_MARLIN=1 asks for it; None elsewhere."""
-    if os.environ.get("VLLM_GGUF_MOE_MARLIN") != "1":
-        return None
+    """Count the calls into the Q4_K experts' Marlin MoE (in-process engine); None where
+    VLLM_GGUF_MOE_MARLIN=0 turns it off."""
     from vllm_gguf_plugin.quantization import moe_marlin
+
+    if not moe_marlin.enabled():
+        return None
 
     calls = {"moe": 0}
     fn = moe_marlin.fused_moe

@@ -126,14 +126,15 @@ def test_which_layers_convert(monkeypatch, types, cap, converts):
     assert moe_marlin.marlin_takes(*map(int, types)) == converts
 
 
-def test_off_unless_asked(monkeypatch):
-    """VLLM_GGUF_MOE_MARLIN unset or 0, or batch invariance asked for: convert_layer
-    leaves every layer to the GGUF kernels without reading it."""
+def test_on_unless_turned_off(monkeypatch):
+    """On with VLLM_GGUF_MOE_MARLIN unset or 1; with 0, or batch invariance asked for,
+    convert_layer leaves every layer to the GGUF kernels without reading it."""
     from vllm_gguf_plugin.quantization import moe_marlin
 
     monkeypatch.delenv(moe_marlin.MARLIN_ENV, raising=False)
-    assert moe_marlin.convert_layer(object(), torch.float16) is None
+    assert moe_marlin.enabled()
     monkeypatch.setenv(moe_marlin.MARLIN_ENV, "0")
+    assert not moe_marlin.enabled()
     assert moe_marlin.convert_layer(object(), torch.float16) is None
     monkeypatch.setenv(moe_marlin.MARLIN_ENV, "1")
     assert moe_marlin.enabled()

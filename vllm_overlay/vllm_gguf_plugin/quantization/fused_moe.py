@@ -27,7 +27,7 @@ from . import batch_invariant  # overlay: batch-invariant products
 from .moe_expert_groups import moe_by_expert_group  # overlay: experts past 2 GiB
 from . import moe_prefill  # overlay: long prefills dequantize the experts
 from . import moe_triton_tiles  # overlay: MMQ and Triton MoE tiles where measured faster
-from . import moe_marlin  # overlay: Q4_K experts on vLLM's Marlin MoE (opt-in)
+from . import moe_marlin  # overlay: Q4_K experts on vLLM's Marlin MoE
 from .params import (
     GGUFUninitializedWeightParameter,
     GGUFUninitializedWeightTypeParameter,
@@ -284,7 +284,7 @@ class GGUFMoEMethod(FusedMoEMethodBase):
         set_weight_attrs(w2_qweight_type, extra_weight_attrs)
         layer.register_parameter("w2_qweight_type", w2_qweight_type)
 
-    # overlay: Q4_K experts on vLLM's Marlin MoE (VLLM_GGUF_MOE_MARLIN=1)
+    # overlay: all-Q4_K experts converted for vLLM's Marlin MoE (moe_marlin.py)
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
         layer.gguf_marlin_experts = moe_marlin.convert_layer(layer, self.moe.in_dtype)
 

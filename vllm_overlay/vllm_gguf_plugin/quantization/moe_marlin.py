@@ -11,13 +11,15 @@ The second product has 1/32 of the first's inputs (11% more bytes than Q4_K) and
 on vLLM's Triton fused-MoE kernel with the same routing; it is added before the
 activation (gate_up) and before the top-k sum (down), through fused_marlin_moe's
 activation and sum hooks. s and b are rounded to the activations' dtype, as dequantized
-weights are. Marlin reads an expert once for all of its tokens on tensor cores: at
-GLM-5's shapes vLLM's Marlin MoE on int4 with this grouping ran 2-2.8x the plugin's
-fastest kernel at 8-64 tokens (docs/results.md, "Marlin's int4 bound").
+weights are. Marlin reads an expert once for all of its tokens on tensor cores, and
+keeps the activations in 16 bits where the GGUF kernels round them to int8: at GLM-5's
+shapes it ran faster than every GGUF kernel at every token count measured, with a tenth
+of their error (docs/results.md, "the twelfth run").
 
-Opt-in (VLLM_GGUF_MOE_MARLIN=1) until it has run in the engine: a converted layer runs
-Marlin at every token count and keeps no GGUF bytes, so its prefill is Marlin's too.
-A layer converts when both of its products are Q4_K, on SM80 or later.
+On by default; VLLM_GGUF_MOE_MARLIN=0 keeps every layer on the GGUF kernels. A layer
+converts when both of its products are Q4_K, on SM80 or later, outside batch-invariant
+mode; it then runs Marlin at every token count and keeps no GGUF bytes (its experts take
+5 bits a value where Q4_K takes 4.5: the b-part).
 """
 
 import dataclasses
@@ -59,7 +61,8 @@ class MarlinExperts:
 
 
 def enabled() -> bool:
-    return os.environ.get(MARLIN_ENV, "0").strip() == "1"
+    """On unless VLLM_GGUF_MOE_MARLIN=0."""
+    return os.environ.get(MARLIN_ENV, "1").strip() != "0"
 
 
 def q4_k_parts(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -194,8 +197,8 @@ def fused_moe(x: torch.Tensor, w13: MarlinExperts, w2: MarlinExperts,
 
 def convert_layer(layer: torch.nn.Module, dtype: torch.dtype
                   ) -> tuple[MarlinExperts, MarlinExperts] | None:
-    """A GGUF MoE layer's experts in Marlin's layout for activations of `dtype` where
-    enabled and taken, the GGUF stacks then released; None leaves the layer on the GGUF
+    """A GGUF MoE layer's experts in Marlin's layout for activations of `dtype` unless
+    turned off, where taken, the GGUF stacks then released; None leaves the layer on the GGUF
     kernels."""
     if not enabled():
         return None
@@ -205,8 +208,8 @@ def convert_layer(layer: torch.nn.Module, dtype: torch.dtype
     w13, w2 = layer.w13_qweight, layer.w2_qweight
     if not marlin_takes(layer.w13_qweight_type.weight_type, layer.w2_qweight_type.weight_type):
         return None
-    logger.info_once("GGUF MoE layers whose experts are all Q4_K run vLLM's Marlin MoE (%s=1)",
-                     MARLIN_ENV)
+    logger.info_once("GGUF MoE layers whose experts are all Q4_K run vLLM's Marlin MoE "
+                     "(%s=0 keeps the GGUF kernels)", MARLIN_ENV)
     experts = marlin_experts(w13.data, dtype), marlin_experts(w2.data, dtype)
     for w in (w13, w2):  # the GGUF bytes are not read again
         w.data = torch.empty(0, dtype=w.dtype, device=w.device)
