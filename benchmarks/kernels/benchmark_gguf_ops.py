@@ -27,9 +27,10 @@ Paths (a path a type has no kernel for is left out):
   not a path);
 - moe: `plugin` (torch.ops.vllm._fused_moe_gguf), `vec` (CUDA ggml_moe_a8_vec), `mmq`
   (CUDA ggml_moe_a8), `triton-bm<B>` (the plugin's Triton MoE kernel with BLOCK_M B
-  tokens per tile; the plugin runs B = 4), `marlin` (Q4_K: the overlay's moe_marlin, the
-  file's values on vLLM's Marlin MoE plus their b-part, what the engine runs for layers
-  whose experts are all Q4_K unless VLLM_GGUF_MOE_MARLIN=0), `dequant` (all experts dequantized, then vLLM's fused_experts), `fused16`
+  tokens per tile; the plugin runs B = 4), `marlin` (Q4_K gate_up: the overlay's moe_marlin,
+  the file's values on vLLM's Marlin MoE plus their b-part, a down product of another
+  type on the GGUF kernels: what the engine runs for such layers unless
+  VLLM_GGUF_MOE_MARLIN=0), `dequant` (all experts dequantized, then vLLM's fused_experts), `fused16`
   (vLLM's fused_experts on weights dequantized beforehand: the 16-bit bound) and `marlin4`
   (vLLM's Marlin MoE, a tensor-core int4 kernel, on the dequantized experts quantized
   again to GPTQ's symmetric int4 with a scale per group of 32: the speed an int4 kernel
@@ -295,9 +296,9 @@ def moe_case(qtype: str, tokens, dtype=torch.float16, gen=None,
         if both <= TRITON_MOE_DISPATCH.keys():
             for bm in triton_block_m:
                 paths[f"triton-bm{bm}"] = triton_path(bm)
-        if q1 == q2 == "Q4_K":
+        if q1 == "Q4_K" and t2 in MMVQ_QUANT_TYPES:
             paths["marlin"] = functools.partial(_marlin_moe, marlin_q4k, w13, w2, x, topk_w,
-                                                topk_ids)
+                                                topk_ids, t2)
         paths["dequant"] = lambda: fused_experts(x, *deq(), topk_w, topk_ids, activation=silu)
         paths["fused16"] = lambda: fused_experts(x, w13_16, w2_16, topk_w, topk_ids,
                                                  activation=silu)
@@ -369,15 +370,19 @@ def _marlin4_moe(marlin: list, w13_16, w2_16, x, topk_w, topk_ids) -> torch.Tens
                             global_num_experts=w13_16.shape[0])
 
 
-def _marlin_moe(marlin: list, w13, w2, x, topk_w, topk_ids) -> torch.Tensor:
-    """The overlay's Marlin MoE on Q4_K experts (moe_marlin: the file's values in Marlin's
-    layout plus their b-part, made into `marlin` once)."""
+def _marlin_moe(marlin: list, w13, w2, x, topk_w, topk_ids, t2) -> torch.Tensor:
+    """The overlay's Marlin MoE as the engine runs it (moe_marlin: the Q4_K experts in
+    Marlin's layout plus their b-part, made into `marlin` once; a down product of another
+    type on the GGUF kernels, fused_moe._gguf_moe_down)."""
     from vllm.model_executor.layers.fused_moe.activation import MoEActivation
-    from vllm_gguf_plugin.quantization import moe_marlin
+    from vllm_gguf_plugin.quantization import fused_moe, moe_marlin
 
     if not marlin:
-        marlin += [moe_marlin.marlin_experts(w, x.dtype) for w in (w13, w2)]
-    return moe_marlin.fused_moe(x, *marlin, topk_w, topk_ids, MoEActivation.SILU)
+        marlin += [moe_marlin.marlin_experts(w13, x.dtype),
+                   moe_marlin.marlin_experts(w2, x.dtype) if t2 == moe_marlin.Q4_K else None]
+    down = functools.partial(fused_moe._gguf_moe_down, w=w2, qweight_type=t2,
+                             topk_ids=topk_ids)
+    return moe_marlin.fused_moe(x, *marlin, topk_w, topk_ids, MoEActivation.SILU, down)
 
 
 def _cuda_moe(ops, kind, x, w13, w2, topk_w, topk_ids, t1, t2) -> torch.Tensor:

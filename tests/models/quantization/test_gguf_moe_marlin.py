@@ -4,12 +4,15 @@
 CPU: the Q4_K blocks' codes and group values against gguf-py's dequantization (exactly,
 in float32), Marlin's form s * (q - 8) + b within the 16-bit rounding of s and b, the
 GPTQ packing against vLLM's gptq_pack, the b-part's product on vLLM's Triton fused-MoE
-kernel under the interpreter against a float32 loop (one pair a block, and the pairs
-sorted by expert), the whole routed MoE with float32 stand-ins for the CUDA ops (the
-b-parts' places in fused_marlin_moe's hooks), and which layers convert. GPU: the routed
-MoE against float32 products of gguf-py's dequantization, float16 and bfloat16, 1 to 300
-tokens.
+kernel under the interpreter against a float32 loop (one pair a block, the pairs sorted
+by expert, an expert group), the whole routed MoE with float32 stand-ins for the CUDA ops
+(the b-parts' places in fused_marlin_moe's hooks; with a Q6_K down product, Marlin's
+gate_up alone before it), which layers and products convert and which GGUF bytes go.
+GPU: the routed MoE against float32 products of gguf-py's dequantization, float16 and
+bfloat16, 1 to 3100 tokens, with a Q4_K and a Q6_K down product.
 """
+
+import functools
 
 import pytest
 import torch
@@ -17,7 +20,11 @@ from gguf import GGMLQuantizationType as T
 
 from benchmarks.kernels import benchmark_gguf_ops as bench
 from tests.models.quantization.test_gguf_moe_large_experts import _align
-from tests.models.quantization.test_gguf_moe_prefill import _float32_moe, _gguf_dequantize
+from tests.models.quantization.test_gguf_moe_prefill import (
+    _float32_moe,
+    _gguf_dequantize,
+    _random_blocks,
+)
 
 
 def q4_k_blocks(rows: int, cols: int, seed: int) -> torch.Tensor:
@@ -78,11 +85,14 @@ def test_pack_int4_rows_is_gptqs_packing():
         assert torch.equal(packed[e], gptq_pack(q[e].int(), 4, 64, 24))
 
 
-@pytest.mark.parametrize("experts,sorted_pairs", [(64, False), (8, True)])
+@pytest.mark.parametrize("experts,sorted_pairs,group", [(64, False, None), (8, True, None),
+                                                       (8, True, (2, 5))])
 @pytest.mark.parametrize("weighted", [False, True])
-def test_bias_product_matches_float32(experts, sorted_pairs, weighted):
+def test_routed_product_matches_float32(experts, sorted_pairs, group, weighted):
     """The b-part: gs[p // top_k] @ b[expert].T per pair, on upstream's Triton kernel
-    (interpreted on the CPU), gate_up-like (top_k 2) and down-like (weighted)."""
+    (interpreted on the CPU), gate_up-like (top_k 2) and down-like (weighted); with an
+    expert group (the dequantized down product's, moe_prefill), the group's experts by
+    their local ids and zeros for the other pairs."""
     from vllm.model_executor.layers.fused_moe.fused_moe import _prepare_expert_assignment
     from vllm_gguf_plugin.quantization import moe_marlin
 
@@ -99,22 +109,29 @@ def test_bias_product_matches_float32(experts, sorted_pairs, weighted):
         assignment = _prepare_expert_assignment(topk_ids, moe_marlin.BIAS_CONFIG, tokens,
                                                 top_k, experts, None)
         assert assignment[0] is None
-    out = moe_marlin.bias_product(gs, bias, assignment, top_k, topk_w)
+    first, end = group or (0, experts)
+    if group:  # as moe_align_block_size marks them with an expert map
+        ids = assignment[1]
+        local = torch.where((ids >= first) & (ids < end), ids - first, -1)
+        assignment = (assignment[0], local.to(ids.dtype), assignment[2])
+    out = moe_marlin.routed_product(gs, bias[first:end], assignment, top_k, topk_w)
     ref = torch.stack([gs[p // top_k].float() @ bias[e].float().T
-                       * (topk_w.flatten()[p] if weighted else 1)
+                       * (topk_w.flatten()[p] if weighted else 1) * (first <= e < end)
                        for p, e in enumerate(topk_ids.flatten().tolist())])
     assert out.shape == (tokens * top_k, n) and out.dtype == torch.float16
     torch.testing.assert_close(out.float(), ref, rtol=2e-3, atol=2e-3 * ref.abs().max().item())
 
 
-@pytest.mark.parametrize("types,cap,converts", [
-    ((T.Q4_K, T.Q4_K), 90, True),
-    ((T.Q4_K, T.Q4_K), 120, True),
-    ((T.Q4_K, T.Q4_K), 80, True),
-    ((T.Q4_K, T.Q4_K), 75, False),  # Marlin's MoE: SM80 on
-    ((T.Q4_K, T.Q6_K), 90, False),  # half of a Q4_K_M file's layers
-    ((T.Q6_K, T.Q4_K), 90, False),
-    ((T.Q8_0, T.Q8_0), 90, False),
+@pytest.mark.parametrize("types,cap,converts", [  # (the layer, its down product)
+    ((T.Q4_K, T.Q4_K), 90, (True, True)),
+    ((T.Q4_K, T.Q4_K), 120, (True, True)),
+    ((T.Q4_K, T.Q4_K), 80, (True, True)),
+    ((T.Q4_K, T.Q4_K), 75, (False, False)),  # Marlin's MoE: SM80 on
+    ((T.Q4_K, T.Q6_K), 90, (True, False)),  # half of a Q4_K_M file's layers
+    ((T.Q4_K, T.Q6_K), 75, (False, False)),
+    ((T.Q4_K, T.BF16), 90, (False, False)),  # a down type the one-pair kernel lacks
+    ((T.Q6_K, T.Q4_K), 90, (False, False)),  # gate_up routes the layer: Marlin or none
+    ((T.Q8_0, T.Q8_0), 90, (False, False)),
 ])
 def test_which_layers_convert(monkeypatch, types, cap, converts):
     from vllm.platforms import current_platform
@@ -143,13 +160,45 @@ def test_on_unless_turned_off(monkeypatch):
     assert moe_marlin.convert_layer(object(), torch.float16) is None
 
 
+@pytest.mark.parametrize("down_type", [T.Q4_K, T.Q6_K])
+def test_convert_layer_keeps_a_gguf_down_product(monkeypatch, down_type):
+    """A converted layer's GGUF bytes are released product by product: a Q6_K down
+    product keeps its stack (the GGUF kernels read it after Marlin's gate_up)."""
+    from types import SimpleNamespace
+
+    from vllm.platforms import current_platform
+    from vllm_gguf_plugin.quantization import moe_marlin
+
+    monkeypatch.delenv(moe_marlin.MARLIN_ENV, raising=False)
+    monkeypatch.setattr("vllm.envs.VLLM_BATCH_INVARIANT", False, raising=False)
+    monkeypatch.setattr(current_platform, "is_cuda", lambda: True)
+    monkeypatch.setattr(current_platform, "has_device_capability", lambda c, device_id=0: True)
+    monkeypatch.setattr(moe_marlin, "marlin_experts", lambda w, dtype: ("marlin", w.shape))
+
+    def param(*shape):
+        return torch.nn.Parameter(torch.ones(*shape, dtype=torch.uint8), requires_grad=False)
+
+    layer = SimpleNamespace(w13_qweight=param(2, 512, 144), w2_qweight=param(2, 256, 288),
+                            w13_qweight_type=SimpleNamespace(weight_type=int(T.Q4_K)),
+                            w2_qweight_type=SimpleNamespace(weight_type=int(down_type)))
+    w13, w2 = moe_marlin.convert_layer(layer, torch.float16)
+    assert w13 == ("marlin", (2, 512, 144)) and layer.w13_qweight.numel() == 0
+    if down_type == T.Q4_K:
+        assert w2 == ("marlin", (2, 256, 288)) and layer.w2_qweight.numel() == 0
+    else:
+        assert w2 is None and layer.w2_qweight.shape == (2, 256, 288)
+
+
 @pytest.mark.parametrize("tokens", [1, 5])  # one pair a block; pairs sorted by expert
-def test_marlin_moe_hooks_on_the_cpu(monkeypatch, tokens):
+@pytest.mark.parametrize("down_type", [T.Q4_K, T.Q6_K])
+def test_marlin_moe_hooks_on_the_cpu(monkeypatch, tokens, down_type):
     """fused_moe's b-parts around vLLM's fused_marlin_moe with the CUDA ops standing in:
     Marlin's GEMM a float32 product of s * (q - 8) per pair (a stand-in that reads the
     experts unpacked), the routing alignment the tests' _align, the workspace a zero and
     the activation torch's silu-and-mul. The MoE must be gguf-py's dequantization's: each
-    b-part added once, before the activation (gate_up) and with the top-k weight (down)."""
+    b-part added once, before the activation (gate_up) and with the top-k weight (down).
+    A Q6_K down product stays GGUF: Marlin's gate_up alone, then `gguf_down` (here gguf-py's
+    float32 product per pair) and the top-k weights."""
     import vllm._custom_ops as ops
     from vllm.model_executor.layers.fused_moe import fused_moe as upstream_fused_moe
     from vllm.model_executor.layers.fused_moe.activation import MoEActivation
@@ -158,9 +207,13 @@ def test_marlin_moe_hooks_on_the_cpu(monkeypatch, tokens):
 
     e, h, i, top_k, dtype = 8, 256, 256, 2, torch.float16
     stacks = {"w13": q4_k_blocks(e * 2 * i, h, 6).view(e, 2 * i, -1),
-              "w2": q4_k_blocks(e * h, i, 7).view(e, h, -1)}
+              "w2": (q4_k_blocks(e * h, i, 7) if down_type == T.Q4_K
+                     else _random_blocks(T.Q6_K, e * h, i, 7)).view(e, h, -1)}
     unpacked, experts = {}, []
     for name, blocks in stacks.items():
+        if name == "w2" and down_type != T.Q4_K:
+            experts.append(None)
+            continue
         q, s, b = moe_marlin.marlin_parts(blocks, dtype)
         # Marlin's packed shape [e, k / 16, 2n], which fused_marlin_moe checks and reads
         # its sizes from
@@ -186,9 +239,16 @@ def test_marlin_moe_hooks_on_the_cpu(monkeypatch, tokens):
     def silu_and_mul(activation, output, input, **kwargs):
         output.copy_(bench._silu_and_mul(input))
 
+    def gguf_down(a):  # float32 products of gguf-py's dequantization, a pair a row
+        w = {ex: _gguf_dequantize(stacks["w2"][ex], down_type, h, i, torch.float32)
+             for ex in set(topk_ids.flatten().tolist())}
+        return torch.stack([a[p].float() @ w[ex].T for p, ex in
+                            enumerate(topk_ids.flatten().tolist())]).to(a.dtype)
+
     monkeypatch.setattr(ops, "moe_wna16_marlin_gemm", marlin_gemm, raising=False)
-    monkeypatch.setattr(marlin_moe, "moe_align_block_size", align)
-    monkeypatch.setattr(marlin_moe, "marlin_make_workspace_new", lambda *a: torch.zeros(1))
+    for module in (marlin_moe, moe_marlin):
+        monkeypatch.setattr(module, "moe_align_block_size", align)
+        monkeypatch.setattr(module, "marlin_make_workspace_new", lambda *a: torch.zeros(1))
     monkeypatch.setattr(upstream_fused_moe, "moe_align_block_size", align)
     monkeypatch.setattr(moe_marlin, "apply_moe_activation", silu_and_mul)
     gen = torch.Generator().manual_seed(8)
@@ -200,25 +260,32 @@ def test_marlin_moe_hooks_on_the_cpu(monkeypatch, tokens):
         topk_ids, moe_marlin.BIAS_CONFIG, tokens, top_k, e, None)
     assert (assignment[0] is None) == (tokens == 1)
 
-    out = moe_marlin.fused_moe(x, *experts, topk_w, topk_ids, MoEActivation.SILU)
-    ref = _float32_moe(x, stacks["w13"], stacks["w2"], (T.Q4_K, T.Q4_K), topk_w, topk_ids)
+    out = moe_marlin.fused_moe(x, *experts, topk_w, topk_ids, MoEActivation.SILU, gguf_down)
+    ref = _float32_moe(x, stacks["w13"], stacks["w2"], (T.Q4_K, down_type), topk_w, topk_ids)
     assert out.shape == (tokens, h) and out.dtype == dtype
     assert bench.rel_error(out, ref) < 0.005
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype,limit", [(torch.float16, 0.005), (torch.bfloat16, 0.02)])
-@pytest.mark.parametrize("tokens", [1, 8, 33, 300])
-def test_marlin_moe_matches_float32(dtype, limit, tokens):
+@pytest.mark.parametrize("tokens", [1, 8, 33, 300, 1100, 3100])
+@pytest.mark.parametrize("down_type", [T.Q4_K, T.Q6_K])
+def test_marlin_moe_matches_float32(monkeypatch, dtype, limit, tokens, down_type):
     """The routed MoE on Marlin + the b-part against float32 products of gguf-py's
     dequantization of the same blocks; within the 16-bit rounding, far below the int8
-    kernels' 1% (docs/results.md)."""
+    kernels' 1% (docs/results.md). A Q6_K down product on the GGUF kernels after
+    Marlin's gate_up: the one-pair kernel, MMQ, a Triton tile and (3100 tokens) the
+    dequantized experts in 3 groups; below 768 tokens int8 activations set its bound."""
     from vllm.model_executor.layers.fused_moe.activation import MoEActivation
-    from vllm_gguf_plugin.quantization import moe_marlin
+    from vllm_gguf_plugin.quantization import fused_moe, moe_marlin, moe_prefill
 
     e, h, i, top_k = 16, 512, 256, 4
+    monkeypatch.setattr(moe_prefill, "DEQUANT_MOE_GROUP_VALUES", 6 * h * i)
     w13 = q4_k_blocks(e * 2 * i, h, 3).view(e, 2 * i, -1)
-    w2 = q4_k_blocks(e * h, i, 4).view(e, h, -1)
+    w2 = (q4_k_blocks(e * h, i, 4) if down_type == T.Q4_K
+          else _random_blocks(T.Q6_K, e * h, i, 4)).view(e, h, -1)
+    if down_type != T.Q4_K and tokens < 768:
+        limit = 0.02  # int8 activations of the one-pair kernel and MMQ
     gen = torch.Generator().manual_seed(5)
     x = (torch.randn(tokens, h, generator=gen) * h ** -0.5).to(dtype).cuda()
     topk_ids = torch.rand(tokens, e, generator=gen).topk(top_k, dim=1).indices
@@ -226,8 +293,11 @@ def test_marlin_moe_matches_float32(dtype, limit, tokens):
     topk_w = torch.rand(tokens, top_k, generator=gen).softmax(dim=1).cuda()
 
     w13, w2 = w13.cuda(), w2.cuda()
-    experts = [moe_marlin.marlin_experts(w, dtype) for w in (w13, w2)]
-    out = moe_marlin.fused_moe(x, *experts, topk_w, topk_ids, MoEActivation.SILU)
-    ref = _float32_moe(x, w13, w2, (T.Q4_K, T.Q4_K), topk_w, topk_ids)
+    experts = [moe_marlin.marlin_experts(w13, dtype),
+               moe_marlin.marlin_experts(w2, dtype) if down_type == T.Q4_K else None]
+    down = functools.partial(fused_moe._gguf_moe_down, w=w2, qweight_type=int(down_type),
+                             topk_ids=topk_ids)
+    out = moe_marlin.fused_moe(x, *experts, topk_w, topk_ids, MoEActivation.SILU, down)
+    ref = _float32_moe(x, w13, w2, (T.Q4_K, down_type), topk_w, topk_ids)
     assert out.shape == (tokens, h) and out.dtype == dtype
     assert bench.rel_error(out, ref) < limit

@@ -21,6 +21,7 @@ import torch
 from gguf import GGMLQuantizationType as T
 
 from benchmarks.kernels import benchmark_gguf_ops as bench
+from tests.models.quantization.test_gguf_moe_large_experts import _align
 
 
 def _moe_mapped(x, w13, w2, topk_weights, topk_ids, expert_map) -> torch.Tensor:
@@ -128,6 +129,91 @@ def test_kernel_by_token_count(monkeypatch, types):
                 int(types[0]), int(types[1]), "silu")
             assert calls == expected, rows
             assert torch.equal(out, torch.full_like(x, 7.0)) == (expected == ["dequant"])
+
+
+# the down product alone, after a gate_up on Marlin (moe_marlin), at COUNTS: its own
+# type's choice (MMQ from 16 tokens for Q6_K, not the layer's later of two types)
+DOWN_PATHS = {
+    T.Q6_K: ["vec"] + ["mmq"] * 4 + ["triton-bm64"] * 2 + ["dequant"] * 2,
+    T.Q5_K: ["vec"] * 3 + ["mmq"] * 3 + ["dequant"] * 3,
+    T.IQ3_S: ["vec"] * 6 + ["dequant"] * 3,
+}
+
+
+@pytest.mark.parametrize("qtype", list(DOWN_PATHS))
+def test_down_kernel_by_token_count(monkeypatch, qtype):
+    """A layer whose gate_up runs on Marlin keeps its down product on the kernel
+    _fused_moe_gguf would pick for that type alone, a row per (token, expert) pair:
+    the one-pair kernel, MMQ, a Triton tile, or from DEQUANT_MOE_MIN_TOKENS on the
+    dequantized experts (dequant_moe_product), whose result is returned."""
+    from vllm_gguf_plugin import ops
+    from vllm_gguf_plugin.quantization import fused_moe, moe_prefill, moe_triton_tiles
+
+    calls = []
+
+    def kernel(name, top_k_at):
+        def run(x, w, *args):
+            calls.append(name)
+            assert args[top_k_at] == 1 and args[-1] == x.shape[0]  # a row per pair
+            return torch.zeros(x.shape[0], w.shape[1], dtype=x.dtype)
+        return run
+
+    def triton(x, w, qweight_type, tile, topk_ids, rows, top_k, tokens):
+        calls.append(f"triton-bm{tile.block_m}")
+        assert top_k == 1 and tokens == x.shape[0]
+        return torch.zeros(tokens, rows, dtype=x.dtype)
+
+    def dequant(x, w, qweight_type, topk_ids):
+        calls.append("dequant")
+        return torch.full((x.shape[0], w.shape[1]), 7.0, dtype=x.dtype)
+
+    monkeypatch.setattr(ops, "ggml_moe_a8", kernel("mmq", -2))
+    monkeypatch.setattr(ops, "ggml_moe_a8_vec", kernel("vec", 1))
+    monkeypatch.setattr(moe_prefill, "dequant_moe_product", dequant)
+    monkeypatch.setattr(moe_triton_tiles, "triton_moe_product", triton)
+    align = "vllm.model_executor.layers.fused_moe.fused_moe.moe_align_block_size"
+    with patch(align, lambda ids, block, e: (torch.zeros(1), torch.zeros(1), torch.zeros(1))):
+        for tokens, expected in zip(COUNTS, DOWN_PATHS[qtype], strict=True):
+            calls.clear()
+            a = torch.zeros(tokens * 2, 16, dtype=torch.float16)
+            out = fused_moe._gguf_moe_down(a, torch.zeros(4, 32, 4, dtype=torch.uint8),
+                                           int(qtype), torch.zeros(tokens, 2, dtype=torch.int32))
+            assert calls == [expected], tokens
+            assert out.shape == (tokens * 2, 32)
+            assert bool((out == 7.0).all()) == (expected == "dequant")
+
+
+@pytest.mark.parametrize("group_values,groups", [(1 << 28, 1), (3 * 256 * 256, 3)])
+def test_down_expert_groups_add_up(monkeypatch, group_values, groups):
+    """dequant_moe_product: each group's pairs on vLLM's Triton fused-MoE kernel
+    (interpreted on the CPU) with the group's expert map, zeros for the other pairs, the
+    groups added: every pair's row a[p] @ w[expert].T of gguf-py's dequantization."""
+    from vllm_gguf_plugin import ops
+    from vllm_gguf_plugin.quantization import moe_prefill
+
+    e, h, i, top_k, m = 8, 256, 256, 3, 4
+    w2 = _random_blocks(T.Q6_K, e * h, i, 1).view(e, h, -1)
+    gen = torch.Generator().manual_seed(3)
+    a = (torch.randn(m * top_k, i, generator=gen) * i ** -0.5).to(torch.float16)
+    topk_ids = torch.rand(m, e, generator=gen).topk(top_k, dim=1).indices.to(torch.int32)
+    maps = []
+
+    def align(ids, block, experts, expert_map):  # moe_align_block_size's, mapped
+        maps.append(expert_map)
+        sorted_ids, expert_ids, padded = _align(ids, block, experts)
+        return sorted_ids, expert_map[expert_ids.long()].to(expert_ids.dtype), padded
+
+    config = {"BLOCK_SIZE_M": 16, "BLOCK_SIZE_N": 32, "BLOCK_SIZE_K": 64, "GROUP_SIZE_M": 1}
+    monkeypatch.setattr(ops, "ggml_dequantize", _gguf_dequantize)
+    monkeypatch.setattr(moe_prefill, "moe_align_block_size", align)
+    monkeypatch.setattr(moe_prefill, "try_get_optimal_moe_config", lambda *args: config)
+    monkeypatch.setattr(moe_prefill, "DEQUANT_MOE_GROUP_VALUES", group_values)
+    out = moe_prefill.dequant_moe_product(a, w2, int(T.Q6_K), topk_ids)
+    assert len(maps) == groups and sum(int((mp >= 0).sum()) for mp in maps) == e
+    w32 = _gguf_dequantize(w2.reshape(e * h, -1), T.Q6_K, e * h, i, torch.float32).view(e, h, i)
+    ref = torch.stack([a[p].float() @ w32[ex].T
+                       for p, ex in enumerate(topk_ids.flatten().tolist())])
+    torch.testing.assert_close(out.float(), ref, rtol=0.01, atol=0.01 * ref.abs().max().item())
 
 
 def test_triton_tiles_cover_rising_counts():

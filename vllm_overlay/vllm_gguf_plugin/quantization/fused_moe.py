@@ -175,6 +175,34 @@ def _fused_moe_gguf(
     return out_hidden_states
 
 
+# overlay: the down product of a layer whose gate_up runs on Marlin (moe_marlin.py), a
+# row per (token, expert) pair, on the GGUF kernel _fused_moe_gguf picks for its type
+def _gguf_moe_down(
+    x: torch.Tensor, w: torch.Tensor, qweight_type: int, topk_ids: torch.Tensor
+) -> torch.Tensor:
+    from vllm.model_executor.layers.fused_moe.fused_moe import moe_align_block_size
+
+    tokens, rows, n = topk_ids.shape[0], x.shape[0], w.shape[1]
+    tile = moe_triton_tiles.triton_tile(qweight_type, tokens)
+    if tile:
+        return moe_triton_tiles.triton_moe_product(
+            x, w, qweight_type, tile, topk_ids, n, 1, rows
+        )
+    if tokens >= moe_prefill.DEQUANT_MOE_MIN_TOKENS and qweight_type in DEQUANT_TYPES:
+        return moe_prefill.dequant_moe_product(x, w, qweight_type, topk_ids)
+    if qweight_type in MMQ_QUANT_TYPES and tokens >= moe_triton_tiles.mmq_min_tokens(
+        qweight_type, qweight_type
+    ):
+        sorted_token_ids, expert_ids, num_tokens_post_padded = moe_align_block_size(
+            topk_ids, ops.ggml_moe_get_block_size(qweight_type), w.shape[0]
+        )
+        return moe_by_expert_group(
+            ops.ggml_moe_a8, x, w, sorted_token_ids, expert_ids,
+            num_tokens_post_padded, topk_ids, qweight_type, n, 1, rows,
+        )
+    return ops.ggml_moe_a8_vec(x, w, topk_ids, 1, qweight_type, n, rows)
+
+
 def _fused_moe_gguf_fake(
     x: torch.Tensor,
     w1: torch.Tensor,
@@ -314,8 +342,14 @@ class GGUFMoEMethod(FusedMoEMethodBase):
 
         marlin = getattr(layer, "gguf_marlin_experts", None)  # overlay: as above
         if marlin is not None:  # overlay: as above
+            down = partial(  # overlay: where the down product stays GGUF
+                _gguf_moe_down,
+                w=layer.w2_qweight,
+                qweight_type=layer.w2_qweight_type.weight_type,
+                topk_ids=topk_ids,
+            )
             return moe_marlin.fused_moe(
-                x, *marlin, topk_weights, topk_ids, layer.activation
+                x, *marlin, topk_weights, topk_ids, layer.activation, down
             )
         return fused_moe_gguf_op(
             x,

@@ -17,9 +17,11 @@ shapes it ran faster than every GGUF kernel at every token count measured, with 
 of their error (docs/results.md, "the twelfth run").
 
 On by default; VLLM_GGUF_MOE_MARLIN=0 keeps every layer on the GGUF kernels. A layer
-converts when both of its products are Q4_K, on SM80 or later, outside batch-invariant
-mode; it then runs Marlin at every token count and keeps no GGUF bytes (its experts take
-5 bits a value where Q4_K takes 4.5: the b-part).
+converts when its gate_up product is Q4_K, on SM80 or later, outside batch-invariant
+mode; its down product converts too where it is Q4_K, else it stays on the GGUF kernels
+(Q4_K_M gives about half of a file's layers Q6_K down projections) and runs after
+Marlin's gate_up. A converted product runs Marlin at every token count and keeps no GGUF
+bytes (its experts take 5 bits a value where Q4_K takes 4.5: the b-part).
 """
 
 import dataclasses
@@ -38,9 +40,13 @@ from vllm.model_executor.layers.fused_moe.fused_moe import (
     _prepare_expert_assignment,
     invoke_fused_moe_triton_kernel,
 )
+from vllm.model_executor.layers.fused_moe.moe_align_block_size import moe_align_block_size
+from vllm.model_executor.layers.quantization.utils.marlin_utils import (
+    marlin_make_workspace_new,
+)
 from vllm.scalar_type import scalar_types
 
-from .utils import logger
+from .utils import MMVQ_QUANT_TYPES, logger
 
 MARLIN_ENV = "VLLM_GGUF_MOE_MARLIN"
 GROUP = 32  # values a Marlin scale covers: Q4_K's sub-block
@@ -120,26 +126,31 @@ def marlin_layout(q: torch.Tensor, s: torch.Tensor) -> tuple[torch.Tensor, torch
 
 def marlin_experts(w: torch.Tensor, dtype: torch.dtype) -> MarlinExperts:
     """A GGUF Q4_K stack [E, n, k / 256 * 144] (on the GPU) in Marlin's layout, an
-    expert at a time (the packing goes through 64-bit integers)."""
+    expert at a time (the packing goes through 64-bit integers) into tensors of all."""
     e, n, nbytes = w.shape
-    qweight, scales = [], []
     bias = torch.empty(e, n, nbytes // Q4_K_BYTES * Q4_K_BLOCK // GROUP, dtype=dtype,
                        device=w.device)
     for j in range(e):
         q, s, bias[j] = marlin_parts(w[j], dtype)
         qw, sc = marlin_layout(q.T.contiguous()[None], s.T.contiguous()[None])
-        qweight.append(qw)
-        scales.append(sc)
-    return MarlinExperts(torch.cat(qweight), torch.cat(scales), bias)
+        if j == 0:
+            qweight = qw.new_empty(e, *qw.shape[1:])
+            scales = sc.new_empty(e, *sc.shape[1:])
+        qweight[j], scales[j] = qw[0], sc[0]
+    return MarlinExperts(qweight, scales, bias)
 
 
-def marlin_takes(qweight_type: int, qweight_type2: int) -> bool:
-    """Whether a layer of these types converts: both products Q4_K (whose 256-value blocks
-    make every shape whole tiles of Marlin's: 128 inputs, 64 outputs), on SM80 or later."""
+def marlin_takes(qweight_type: int, qweight_type2: int) -> tuple[bool, bool]:
+    """Which products of a layer of these types convert, (gate_up, down): Q4_K ones (whose
+    256-value blocks make every shape whole tiles of Marlin's: 128 inputs, 64 outputs),
+    on SM80 or later; the down product only with its gate_up, and a layer whose down
+    product stays only where the GGUF one-pair kernel runs its type."""
     from vllm.platforms import current_platform
 
-    return (qweight_type == Q4_K and qweight_type2 == Q4_K
-            and current_platform.is_cuda() and current_platform.has_device_capability(80))
+    gate_up = (qweight_type == Q4_K and current_platform.is_cuda()
+               and current_platform.has_device_capability(80))
+    down = gate_up and qweight_type2 == Q4_K
+    return gate_up and (down or qweight_type2 in MMVQ_QUANT_TYPES), down
 
 
 def group_sums(x: torch.Tensor) -> torch.Tensor:
@@ -148,41 +159,73 @@ def group_sums(x: torch.Tensor) -> torch.Tensor:
     return x.view(x.shape[0], -1, GROUP).float().sum(-1).to(x.dtype)
 
 
-def bias_product(gs: torch.Tensor, bias: torch.Tensor, assignment, top_k: int,
-                 topk_weights: torch.Tensor | None = None) -> torch.Tensor:
-    """[pairs, n]: for each (row, expert) pair p, gs[p // top_k] @ bias[expert].T, times
-    the pair's top-k weight where given; pairs are token * top_k + k."""
+def routed_product(a: torch.Tensor, w: torch.Tensor, assignment, top_k: int,
+                   topk_weights: torch.Tensor | None = None,
+                   config: dict = BIAS_CONFIG) -> torch.Tensor:
+    """[pairs, n]: for each (row, expert) pair p, a[p // top_k] @ w[expert].T on vLLM's
+    Triton fused-MoE kernel (16-bit w [E, n, k]), times the pair's top-k weight where
+    given; pairs are token * top_k + k, and a pair of an expert the assignment marks -1
+    gets zeros."""
     sorted_ids, expert_ids, padded = assignment
-    pairs, n = gs.shape[0] * top_k, bias.shape[1]
-    out = torch.empty(pairs, n, dtype=gs.dtype, device=gs.device)
+    pairs, n = a.shape[0] * top_k, w.shape[1]
+    out = torch.empty(pairs, n, dtype=a.dtype, device=a.device)
     invoke_fused_moe_triton_kernel(  # C's row stride is its dim 1's: pair p at p * n
-        gs, bias, out.view(pairs, 1, n), None, None, topk_weights, sorted_ids,
-        expert_ids, padded, topk_weights is not None, top_k, BIAS_CONFIG,
-        tl.bfloat16 if gs.dtype == torch.bfloat16 else tl.float16,
+        a, w, out.view(pairs, 1, n), None, None, topk_weights, sorted_ids,
+        expert_ids, padded, topk_weights is not None, top_k, config,
+        tl.bfloat16 if a.dtype == torch.bfloat16 else tl.float16,
         use_fp8_w8a8=False, use_int8_w8a8=False, use_int8_w8a16=False,
         use_int4_w4a16=False, per_channel_quant=False)
     return out
 
 
-def fused_moe(x: torch.Tensor, w13: MarlinExperts, w2: MarlinExperts,
+def gate_up_product(x: torch.Tensor, w13: MarlinExperts, topk_weights: torch.Tensor,
+                    topk_ids: torch.Tensor, assignment) -> torch.Tensor:
+    """[tokens * top_k, n]: each (token, expert) pair's gate_up product on vLLM's Marlin
+    MoE GEMM, its b-part added; for a layer whose down product is not Marlin's."""
+    from vllm import _custom_ops as ops
+
+    (m, k), (experts, n, _) = x.shape, w13.bias.shape
+    top_k = topk_ids.shape[1]
+    # fused_marlin_moe's tile of token rows: the smallest that most experts' pairs fill
+    block = next((b for b in (8, 16, 32, 48) if m * top_k / experts / b < 0.9), 64)
+    sorted_ids, expert_ids, padded = moe_align_block_size(
+        topk_ids, block, experts, None, ignore_invalid_experts=True)
+    out = torch.empty(m * top_k, n, dtype=x.dtype, device=x.device)
+    ops.moe_wna16_marlin_gemm(
+        x, out, w13.qweight, None, w13.scales, None, None, None, None, None,
+        marlin_make_workspace_new(x.device, 4), sorted_ids, expert_ids, padded,
+        topk_weights, moe_block_size=block, top_k=top_k, mul_topk_weights=False,
+        b_q_type=scalar_types.uint4b8, size_m=m, size_n=n, size_k=k, is_k_full=True,
+        use_atomic_add=False, use_fp32_reduce=True, is_zp_float=False)
+    return out.add_(routed_product(group_sums(x), w13.bias, assignment, top_k))
+
+
+def fused_moe(x: torch.Tensor, w13: MarlinExperts, w2: MarlinExperts | None,
               topk_weights: torch.Tensor, topk_ids: torch.Tensor,
-              activation: MoEActivation) -> torch.Tensor:
+              activation: MoEActivation, gguf_down=None) -> torch.Tensor:
     """The routed experts: vLLM's fused_marlin_moe on (q, s), each product's b-part
-    added in its hooks."""
+    added in its hooks; where w2 is None, Marlin's gate_up, the activation and
+    `gguf_down` (the GGUF kernels' down product: [pairs, n] -> [pairs, hidden])."""
     experts, top_k = w13.bias.shape[0], topk_ids.shape[1]
     topk_weights = topk_weights.float()  # fused_marlin_moe takes float32 weights only
     # the b-parts' routing, as upstream's fused MoE routes: one (token, expert) pair a
     # block where the tokens touch few experts, else the pairs sorted by expert
     assignment = _prepare_expert_assignment(topk_ids, BIAS_CONFIG, topk_ids.shape[0], top_k,
                                             experts, None)
+    if w2 is None:
+        h = gate_up_product(x, w13, topk_weights, topk_ids, assignment)
+        a = h.new_empty(h.shape[0], h.shape[1] // 2 if activation.is_gated else h.shape[1])
+        apply_moe_activation(activation, a, h)
+        y = gguf_down(a).view(x.shape[0], top_k, -1)
+        return y.mul_(topk_weights.unsqueeze(-1)).sum(dim=1)
     gs1 = group_sums(x)
     down = []
 
     def act(activation, output, input, **kwargs):
-        input += bias_product(gs1, w13.bias, assignment, top_k)
+        input += routed_product(gs1, w13.bias, assignment, top_k)
         apply_moe_activation(activation, output, input, **kwargs)
-        down.append(bias_product(group_sums(output), w2.bias, assignment, 1,
-                                 topk_weights))
+        down.append(routed_product(group_sums(output), w2.bias, assignment, 1,
+                                   topk_weights))
 
     def moe_sum(moe_output, output, topk_ids, expert_map):
         del topk_ids, expert_map
@@ -205,12 +248,14 @@ def convert_layer(layer: torch.nn.Module, dtype: torch.dtype
     if envs.VLLM_BATCH_INVARIANT:  # Marlin's tiles follow the token count
         logger.warning_once("%s=1 is ignored under VLLM_BATCH_INVARIANT=1", MARLIN_ENV)
         return None
-    w13, w2 = layer.w13_qweight, layer.w2_qweight
-    if not marlin_takes(layer.w13_qweight_type.weight_type, layer.w2_qweight_type.weight_type):
+    gate_up, down = marlin_takes(layer.w13_qweight_type.weight_type,
+                                 layer.w2_qweight_type.weight_type)
+    if not gate_up:
         return None
-    logger.info_once("GGUF MoE layers whose experts are all Q4_K run vLLM's Marlin MoE "
+    logger.info_once("GGUF MoE layers with Q4_K experts run vLLM's Marlin MoE "
                      "(%s=0 keeps the GGUF kernels)", MARLIN_ENV)
-    experts = marlin_experts(w13.data, dtype), marlin_experts(w2.data, dtype)
-    for w in (w13, w2):  # the GGUF bytes are not read again
-        w.data = torch.empty(0, dtype=w.dtype, device=w.device)
-    return experts
+    experts = []
+    for w in (layer.w13_qweight, layer.w2_qweight)[:2 if down else 1]:
+        experts.append(marlin_experts(w.data, dtype))
+        w.data = torch.empty(0, dtype=w.dtype, device=w.device)  # not read again
+    return experts[0], (experts[1] if down else None)

@@ -8,15 +8,21 @@ with every token, while dequantizing the experts costs the same at any count
 the experts are dequantized a group at a time, at most DEQUANT_MOE_GROUP_VALUES 16-bit
 values of the gate_up stack per group so that the transient stays bounded, and each
 group runs vLLM's fused_experts with an expert map of its own experts; the groups'
-outputs add up to the whole.
+outputs add up to the whole. A down product after Marlin's gate_up (moe_marlin.py) runs
+the same way alone (dequant_moe_product).
 """
 
 import gguf
 import torch
 from vllm.model_executor.layers.fused_moe.activation import MoEActivation
-from vllm.model_executor.layers.fused_moe.fused_moe import fused_experts
+from vllm.model_executor.layers.fused_moe.fused_moe import (
+    fused_experts,
+    try_get_optimal_moe_config,
+)
+from vllm.model_executor.layers.fused_moe.moe_align_block_size import moe_align_block_size
 
 from .. import ops
+from .moe_marlin import routed_product
 
 DEQUANT_MOE_MIN_TOKENS = 1024
 DEQUANT_MOE_GROUP_VALUES = 1 << 28
@@ -52,5 +58,29 @@ def dequant_fused_moe(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
                           dequantize_experts(w2, qweight_type2, first, end, x.dtype),
                           topk_weights, topk_ids, activation=activation,
                           global_num_experts=experts, expert_map=expert_map)
+        out = y if out is None else out.add_(y)
+    return out
+
+
+def dequant_moe_product(x: torch.Tensor, w: torch.Tensor, qweight_type: int,
+                        topk_ids: torch.Tensor) -> torch.Tensor:
+    """The down product of a layer whose gate_up runs on Marlin (moe_marlin.py): x a row
+    per (token, expert) pair [tokens * top_k, k], on the experts dequantized a group at a
+    time, each group's pairs on vLLM's Triton fused-MoE kernel, which gives the other
+    pairs zeros, so the groups' outputs add up to the whole."""
+    (tokens, top_k), (experts, n, _) = topk_ids.shape, w.shape
+    size = max(1, DEQUANT_MOE_GROUP_VALUES // (n * x.shape[1]))
+    # the tile fused_experts takes for a layer of these shapes (gate_up [E, 2k, n])
+    config = try_get_optimal_moe_config((experts, 2 * x.shape[1], n), tuple(w.shape), top_k,
+                                        None, tokens)
+    out = None
+    for first in range(0, experts, size):
+        end = min(first + size, experts)
+        expert_map = torch.full((experts,), -1, dtype=torch.int32, device=x.device)
+        expert_map[first:end] = torch.arange(end - first, dtype=torch.int32, device=x.device)
+        assignment = moe_align_block_size(topk_ids, config["BLOCK_SIZE_M"], experts,
+                                          expert_map)
+        y = routed_product(x, dequantize_experts(w, qweight_type, first, end, x.dtype),
+                           assignment, 1, config=config)
         out = y if out is None else out.add_(y)
     return out
