@@ -312,7 +312,7 @@ class GGUFMoEMethod(FusedMoEMethodBase):
         set_weight_attrs(w2_qweight_type, extra_weight_attrs)
         layer.register_parameter("w2_qweight_type", w2_qweight_type)
 
-    # overlay: all-Q4_K experts converted for vLLM's Marlin MoE (moe_marlin.py)
+    # overlay: Q4_K experts converted for vLLM's Marlin MoE (moe_marlin.py)
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
         layer.gguf_marlin_experts = moe_marlin.convert_layer(layer, self.moe.in_dtype)
 

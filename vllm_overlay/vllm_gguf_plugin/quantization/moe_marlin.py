@@ -239,14 +239,15 @@ def fused_moe(x: torch.Tensor, w13: MarlinExperts, w2: MarlinExperts | None,
 
 
 def convert_layer(layer: torch.nn.Module, dtype: torch.dtype
-                  ) -> tuple[MarlinExperts, MarlinExperts] | None:
-    """A GGUF MoE layer's experts in Marlin's layout for activations of `dtype` unless
-    turned off, where taken, the GGUF stacks then released; None leaves the layer on the GGUF
-    kernels."""
+                  ) -> tuple[MarlinExperts, MarlinExperts | None] | None:
+    """A GGUF MoE layer's products that convert, in Marlin's layout for activations of
+    `dtype`, their GGUF stacks then released (gate_up, and down or None where it stays
+    GGUF); None leaves the layer on the GGUF kernels."""
     if not enabled():
         return None
     if envs.VLLM_BATCH_INVARIANT:  # Marlin's tiles follow the token count
-        logger.warning_once("%s=1 is ignored under VLLM_BATCH_INVARIANT=1", MARLIN_ENV)
+        if os.environ.get(MARLIN_ENV, "").strip() == "1":
+            logger.warning_once("%s=1 is ignored under VLLM_BATCH_INVARIANT=1", MARLIN_ENV)
         return None
     gate_up, down = marlin_takes(layer.w13_qweight_type.weight_type,
                                  layer.w2_qweight_type.weight_type)
