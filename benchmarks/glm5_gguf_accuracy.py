@@ -17,9 +17,9 @@ index_topk, then 32 greedy tokens):
 - the overlay: tests/models/glm5_generate.py (vLLM, CUDA graphs unless --eager) on each
   path of PATHS (`portable-fp16-bi`: under VLLM_BATCH_INVARIANT=1, every GGUF product on
   16-bit activations, where `portable-fp16`'s kernels quantize activations to int8 for dense
-  products below 256 tokens and experts below 1024 (the layers whose experts are all Q4_K
-  run vLLM's Marlin MoE on 16-bit activations, except under batch invariance);
-  `-gguf-moe`: VLLM_GGUF_MOE_MARLIN=0, those layers on the GGUF kernels too);
+  products below 256 tokens and experts below 1024 (Q4_K experts run vLLM's Marlin MoE on
+  16-bit activations, except under batch invariance); `-gguf-moe`: VLLM_GGUF_MOE_MARLIN=0,
+  those on the GGUF kernels too);
 - llama.cpp: benchmarks/llama_cpp_logits.py on libllama.so of `--llama-lib` (all layers
   on the GPU unless --llama-gpu-layers, prompt in one batch);
 - rounding alone: transformers on the same dequantized weights in each dtype of
@@ -57,7 +57,7 @@ PATHS = {
     # Triton kernels), where the plugin's MMVQ/MMQ kernels quantize activations to int8
     "portable-fp16-bi": {"attention_backend": "TRITON_MLA_SPARSE", "indexer": "triton",
                          "dtype": "float16"},
-    # two paths above with the all-Q4_K experts on the GGUF kernels instead of Marlin
+    # two paths above with the Q4_K experts on the GGUF kernels instead of Marlin
     "upstream-bf16-gguf-moe": {"dtype": "bfloat16"},
     "portable-fp16-gguf-moe": {"attention_backend": "TRITON_MLA_SPARSE", "indexer": "triton",
                                "dtype": "float16"},
@@ -68,8 +68,8 @@ PATH_ENV = {"portable-fp16-bi": {"VLLM_BATCH_INVARIANT": "1"},
 
 
 def runs_marlin(path: str) -> bool:
-    """Whether a path runs the all-Q4_K MoE layers on vLLM's Marlin MoE (the default; not
-    under batch invariance or VLLM_GGUF_MOE_MARLIN=0)."""
+    """Whether a path runs the Q4_K experts on vLLM's Marlin MoE (the default; not under
+    batch invariance or VLLM_GGUF_MOE_MARLIN=0)."""
     env = {**os.environ, **PATH_ENV.get(path, {})}
     return env.get("VLLM_GGUF_MOE_MARLIN", "1") != "0" and env.get("VLLM_BATCH_INVARIANT",
                                                                     "0") != "1"

@@ -21,7 +21,7 @@ llama-bench from tools/gpu-host/build-llama-cpp-cuda.sh (CUDA, the pinned sdist)
   at bf16); `sm120`: capability 12.0 reported (tests/plugins/vllm_report_capability,
   installed with `pip install --no-deps`), dtype auto, nothing forced; `portable-gguf-moe`:
   `portable` with VLLM_GGUF_MOE_MARLIN=0 (every MoE layer on the GGUF kernels, where
-  those whose experts are all Q4_K run vLLM's Marlin MoE by default).
+  Q4_K experts run vLLM's Marlin MoE by default).
   Prefill: one new PROMPT-token request, max_tokens 1, best of three: PROMPT / TTFT.
   Decode at DEPTH and batch B: B requests of max(DEPTH, 1) tokens, their prompts first
   put in the prefix cache, then 1 + GEN tokens each; the step time is
@@ -71,7 +71,7 @@ PATHS = {
     "sm120": {"backend": None, "indexer": "auto", "dtype": "auto",
               "env": {"VLLM_TEST_REPORT_CAPABILITY": "12.0",
                       "VLLM_TEST_REPORT_SHARED_MEM": "101376"}},
-    # portable, with the all-Q4_K MoE layers on the GGUF kernels instead of Marlin
+    # portable, with the Q4_K experts on the GGUF kernels instead of Marlin
     "portable-gguf-moe": {"backend": "TRITON_MLA_SPARSE", "indexer": "triton",
                           "dtype": "float16", "env": {"VLLM_GGUF_MOE_MARLIN": "0"}},
 }

@@ -373,16 +373,14 @@ def _marlin4_moe(marlin: list, w13_16, w2_16, x, topk_w, topk_ids) -> torch.Tens
 def _marlin_moe(marlin: list, w13, w2, x, topk_w, topk_ids, t2) -> torch.Tensor:
     """The overlay's Marlin MoE as the engine runs it (moe_marlin: the Q4_K experts in
     Marlin's layout plus their b-part, made into `marlin` once; a down product of another
-    type on the GGUF kernels, fused_moe._gguf_moe_down)."""
+    type on the GGUF kernels, fused_moe.marlin_fused_moe)."""
     from vllm.model_executor.layers.fused_moe.activation import MoEActivation
     from vllm_gguf_plugin.quantization import fused_moe, moe_marlin
 
     if not marlin:
         marlin += [moe_marlin.marlin_experts(w13, x.dtype),
                    moe_marlin.marlin_experts(w2, x.dtype) if t2 == moe_marlin.Q4_K else None]
-    down = functools.partial(fused_moe._gguf_moe_down, w=w2, qweight_type=t2,
-                             topk_ids=topk_ids)
-    return moe_marlin.fused_moe(x, *marlin, topk_w, topk_ids, MoEActivation.SILU, down)
+    return fused_moe.marlin_fused_moe(x, marlin, w2, t2, topk_w, topk_ids, MoEActivation.SILU)
 
 
 def _cuda_moe(ops, kind, x, w13, w2, topk_w, topk_ids, t1, t2) -> torch.Tensor:

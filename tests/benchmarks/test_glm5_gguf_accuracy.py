@@ -34,7 +34,7 @@ def test_paths_that_differ_only_in_their_environment(monkeypatch, path, base, va
 
 
 def test_which_paths_must_show_marlin_calls(monkeypatch):
-    """On the Q4_K_M file every path runs its all-Q4_K MoE layers on Marlin (and the row
+    """On the Q4_K_M file every path runs its Q4_K experts on Marlin (and the row
     fails without a counted call) but the batch-invariant and `-gguf-moe` ones, and none
     where this process turned it off."""
     monkeypatch.delenv("VLLM_GGUF_MOE_MARLIN", raising=False)

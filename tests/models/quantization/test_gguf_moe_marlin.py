@@ -12,8 +12,6 @@ GPU: the routed MoE against float32 products of gguf-py's dequantization, float1
 bfloat16, 1 to 3100 tokens, with a Q4_K and a Q6_K down product.
 """
 
-import functools
-
 import pytest
 import torch
 from gguf import GGMLQuantizationType as T
@@ -189,6 +187,24 @@ def test_convert_layer_keeps_a_gguf_down_product(monkeypatch, down_type):
         assert w2 is None and layer.w2_qweight.shape == (2, 256, 288)
 
 
+def test_marlin_fused_moe_passes_a_gguf_down_only_where_it_stayed(monkeypatch):
+    """The engine's entry (GGUFMoEMethod.apply): a layer with both products converted runs
+    moe_marlin.fused_moe with no GGUF down product; one whose down stayed GGUF hands it
+    _gguf_moe_down on that stack and type."""
+    from vllm_gguf_plugin.quantization import fused_moe, moe_marlin
+
+    seen = []
+    monkeypatch.setattr(moe_marlin, "fused_moe", lambda *args: seen.append(args) or "out")
+    monkeypatch.setattr(fused_moe, "_gguf_moe_down", lambda x, **kw: ("down", x, kw))
+    w2, ids = torch.zeros(2, 4, 8), torch.zeros(3, 2, dtype=torch.int32)
+    for marlin in (("w13", "w2"), ("w13", None)):
+        assert fused_moe.marlin_fused_moe("x", marlin, w2, 14, "weights", ids, "silu") == "out"
+    (full, mixed) = seen
+    assert full == ("x", "w13", "w2", "weights", ids, "silu", None)
+    assert mixed[:6] == ("x", "w13", None, "weights", ids, "silu")
+    assert mixed[6]("a") == ("down", "a", {"w": w2, "qweight_type": 14, "topk_ids": ids})
+
+
 @pytest.mark.parametrize("tokens", [1, 5])  # one pair a block; pairs sorted by expert
 @pytest.mark.parametrize("down_type", [T.Q4_K, T.Q6_K])
 def test_marlin_moe_hooks_on_the_cpu(monkeypatch, tokens, down_type):
@@ -295,9 +311,8 @@ def test_marlin_moe_matches_float32(monkeypatch, dtype, limit, tokens, down_type
     w13, w2 = w13.cuda(), w2.cuda()
     experts = [moe_marlin.marlin_experts(w13, dtype),
                moe_marlin.marlin_experts(w2, dtype) if down_type == T.Q4_K else None]
-    down = functools.partial(fused_moe._gguf_moe_down, w=w2, qweight_type=int(down_type),
-                             topk_ids=topk_ids)
-    out = moe_marlin.fused_moe(x, *experts, topk_w, topk_ids, MoEActivation.SILU, down)
+    out = fused_moe.marlin_fused_moe(x, experts, w2, int(down_type), topk_w, topk_ids,
+                                     MoEActivation.SILU)
     ref = _float32_moe(x, w13, w2, (T.Q4_K, down_type), topk_w, topk_ids)
     assert out.shape == (tokens, h) and out.dtype == dtype
     assert bench.rel_error(out, ref) < limit

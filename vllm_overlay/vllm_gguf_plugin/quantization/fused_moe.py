@@ -203,6 +203,26 @@ def _gguf_moe_down(
     return ops.ggml_moe_a8_vec(x, w, topk_ids, 1, qweight_type, n, rows)
 
 
+# overlay: a converted layer's MoE (moe_marlin.convert_layer's experts), its down
+# product on _gguf_moe_down where that stayed GGUF
+def marlin_fused_moe(
+    x: torch.Tensor,
+    marlin: tuple,
+    w2: torch.Tensor,
+    qweight_type2: int,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    activation: MoEActivation,
+) -> torch.Tensor:
+    w13_marlin, w2_marlin = marlin
+    down = None
+    if w2_marlin is None:
+        down = partial(_gguf_moe_down, w=w2, qweight_type=qweight_type2, topk_ids=topk_ids)
+    return moe_marlin.fused_moe(
+        x, w13_marlin, w2_marlin, topk_weights, topk_ids, activation, down
+    )
+
+
 def _fused_moe_gguf_fake(
     x: torch.Tensor,
     w1: torch.Tensor,
@@ -342,14 +362,14 @@ class GGUFMoEMethod(FusedMoEMethodBase):
 
         marlin = getattr(layer, "gguf_marlin_experts", None)  # overlay: as above
         if marlin is not None:  # overlay: as above
-            down = partial(  # overlay: where the down product stays GGUF
-                _gguf_moe_down,
-                w=layer.w2_qweight,
-                qweight_type=layer.w2_qweight_type.weight_type,
-                topk_ids=topk_ids,
-            )
-            return moe_marlin.fused_moe(
-                x, *marlin, topk_weights, topk_ids, layer.activation, down
+            return marlin_fused_moe(
+                x,
+                marlin,
+                layer.w2_qweight,
+                layer.w2_qweight_type.weight_type,
+                topk_weights,
+                topk_ids,
+                layer.activation,
             )
         return fused_moe_gguf_op(
             x,
