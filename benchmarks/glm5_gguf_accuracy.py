@@ -3,7 +3,8 @@
 
     python -m benchmarks.glm5_gguf_accuracy --out DIR --llama-lib DIR [--bindings DIR]
         [--paths portable-fp16 portable-bf16 upstream-bf16 portable-fp16-bi
-                 upstream-bf16-gguf-moe portable-fp16-gguf-moe] [--eager]
+                 upstream-bf16-gguf-moe portable-fp16-gguf-moe upstream-bf16-dense-marlin
+                 portable-fp16-dense-marlin] [--eager]
         [--json FILE]
         [--rounding bfloat16 float16] [--device cuda] [--llama-gpu-layers N]
         [--max-tokens 32] [--llama-runner ctypes|c] [--llama-src DIR]
@@ -61,10 +62,16 @@ PATHS = {
     "upstream-bf16-gguf-moe": {"dtype": "bfloat16"},
     "portable-fp16-gguf-moe": {"attention_backend": "TRITON_MLA_SPARSE", "indexer": "triton",
                                "dtype": "float16"},
+    # two paths above with the Q4_K linear layers on vLLM's Marlin GEMM (off by default)
+    "upstream-bf16-dense-marlin": {"dtype": "bfloat16"},
+    "portable-fp16-dense-marlin": {"attention_backend": "TRITON_MLA_SPARSE",
+                                   "indexer": "triton", "dtype": "float16"},
 }
 PATH_ENV = {"portable-fp16-bi": {"VLLM_BATCH_INVARIANT": "1"},
             "upstream-bf16-gguf-moe": {"VLLM_GGUF_MOE_MARLIN": "0"},
-            "portable-fp16-gguf-moe": {"VLLM_GGUF_MOE_MARLIN": "0"}}
+            "portable-fp16-gguf-moe": {"VLLM_GGUF_MOE_MARLIN": "0"},
+            "upstream-bf16-dense-marlin": {"VLLM_GGUF_DENSE_MARLIN": "1"},
+            "portable-fp16-dense-marlin": {"VLLM_GGUF_DENSE_MARLIN": "1"}}
 
 
 def runs_marlin(path: str) -> bool:

@@ -3,7 +3,7 @@
 
     python -m benchmarks.glm5_vs_llama_cpp --gguf FILE.gguf --llama-bench BIN
         [--llama-batched-bench BIN2] [--json out.json] [--md out.md]
-        [--paths portable upstream sm120 portable-gguf-moe]
+        [--paths portable upstream sm120 portable-gguf-moe portable-dense-marlin]
         [--prompts 512 8192] [--depths 0 8192] [--batches 1 8 32] [--gen 128] [--profile]
         [--llama-profile NCU]
     python -m benchmarks.glm5_vs_llama_cpp --per-layer SHALLOW.json DEEP.json [--md out.md]
@@ -21,7 +21,8 @@ llama-bench from tools/gpu-host/build-llama-cpp-cuda.sh (CUDA, the pinned sdist)
   at bf16); `sm120`: capability 12.0 reported (tests/plugins/vllm_report_capability,
   installed with `pip install --no-deps`), dtype auto, nothing forced; `portable-gguf-moe`:
   `portable` with VLLM_GGUF_MOE_MARLIN=0 (every MoE layer on the GGUF kernels, where
-  Q4_K experts run vLLM's Marlin MoE by default).
+  Q4_K experts run vLLM's Marlin MoE by default); `portable-dense-marlin`: `portable` with
+  VLLM_GGUF_DENSE_MARLIN=1 (Q4_K linear layers on vLLM's Marlin GEMM).
   Prefill: one new PROMPT-token request, max_tokens 1, best of three: PROMPT / TTFT.
   Decode at DEPTH and batch B: B requests of max(DEPTH, 1) tokens, their prompts first
   put in the prefix cache, then 1 + GEN tokens each; the step time is
@@ -74,6 +75,9 @@ PATHS = {
     # portable, with the Q4_K experts on the GGUF kernels instead of Marlin
     "portable-gguf-moe": {"backend": "TRITON_MLA_SPARSE", "indexer": "triton",
                           "dtype": "float16", "env": {"VLLM_GGUF_MOE_MARLIN": "0"}},
+    # portable, with the Q4_K linear layers on vLLM's Marlin GEMM too (off by default)
+    "portable-dense-marlin": {"backend": "TRITON_MLA_SPARSE", "indexer": "triton",
+                              "dtype": "float16", "env": {"VLLM_GGUF_DENSE_MARLIN": "1"}},
 }
 TARGETS = {"decode_b1": 1.0, "decode_b32_aggregate": 3.0, "prefill": 1.0}
 LLAMA_PROFILE_GEN = 8  # tokens decoded in llama.cpp's profiled tg run

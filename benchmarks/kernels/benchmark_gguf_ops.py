@@ -21,8 +21,8 @@ Paths (a path a type has no kernel for is left out):
 - dense: `plugin` (the plugin's own choice by M, torch.ops.vllm._fused_mul_mat_gguf),
   `mmvq` (CUDA, int8 activations, a row at a time), `mmq` (CUDA, int8 activations,
   tiled), `triton` (the plugin's Triton GEMM, 16-bit activations), `marlin` (Q4_K: the
-  file's values on vLLM's Marlin GEMM plus their b-part, as moe_marlin splits them; a
-  candidate, not in the engine), `dequant` (dequantize to 16 bits, then torch.mm), and
+  file's values on vLLM's Marlin GEMM plus their b-part, linear_marlin's; what the engine
+  runs under VLLM_GGUF_DENSE_MARLIN=1), `dequant` (dequantize to 16 bits, then torch.mm), and
   `mm16` (torch.mm on the weights dequantized beforehand: the 16-bit tensor-core bound,
   not a path);
 - moe: `plugin` (torch.ops.vllm._fused_moe_gguf), `vec` (CUDA ggml_moe_a8_vec), `mmq`
@@ -192,26 +192,15 @@ def dense_case(qtype: str, name: str, tokens, dtype=torch.float16, gen=None,
 
 
 def _marlin_dense(marlin: list, w, x) -> torch.Tensor:
-    """A Q4_K weight on vLLM's Marlin GEMM with the file's values: moe_marlin's parts, s *
-    (q - 8) on Marlin and b times the activations' group sums beside it (made into
-    `marlin` once)."""
-    from vllm import _custom_ops as ops
-    from vllm.model_executor.layers.quantization.utils import marlin_utils as mu
-    from vllm.scalar_type import scalar_types
-    from vllm_gguf_plugin.quantization import moe_marlin
+    """A Q4_K weight as the engine runs it under VLLM_GGUF_DENSE_MARLIN=1 (linear_marlin:
+    s * (q - 8) on Marlin and b times the activations' group sums beside it; the
+    converted layer made into `marlin` once)."""
+    from vllm_gguf_plugin.quantization import linear_marlin
 
-    n, k = w.shape[0], w.shape[1] // moe_marlin.Q4_K_BYTES * moe_marlin.Q4_K_BLOCK
     if not marlin:
-        q, s, b = moe_marlin.marlin_parts(w, x.dtype)
-        empty = torch.empty(0, dtype=torch.int, device=w.device)
-        packed = moe_marlin.pack_int4_rows(q.T.contiguous()[None])[0]
-        marlin += [ops.gptq_marlin_repack(packed, empty, k, n, 4),
-                   mu.marlin_permute_scales(s.T.contiguous(), k, n, moe_marlin.GROUP), b,
-                   empty, mu.marlin_make_workspace_new(w.device)]
-    qweight, scales, b, empty, workspace = marlin
-    y = mu.apply_gptq_marlin_linear(x, qweight, scales, empty, empty, empty, workspace,
-                                    scalar_types.uint4b8, n, k, is_k_full=True)
-    return y + moe_marlin.group_sums(x) @ b.T
+        marlin.append(torch.nn.Module())
+        linear_marlin.attach(marlin[0], w, x.dtype)
+    return linear_marlin.apply(marlin[0], x)
 
 
 def _call_with_block_m(wrapper, block_m, x, w, sorted_ids, expert_ids, padded, rows, top_k,

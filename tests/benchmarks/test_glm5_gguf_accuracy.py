@@ -18,11 +18,14 @@ def test_paths_name_the_sm120_path_and_upstreams():
     ("portable-fp16-bi", "portable-fp16", "VLLM_BATCH_INVARIANT", "1"),
     ("portable-fp16-gguf-moe", "portable-fp16", "VLLM_GGUF_MOE_MARLIN", "0"),
     ("upstream-bf16-gguf-moe", "upstream-bf16", "VLLM_GGUF_MOE_MARLIN", "0"),
+    ("portable-fp16-dense-marlin", "portable-fp16", "VLLM_GGUF_DENSE_MARLIN", "1"),
+    ("upstream-bf16-dense-marlin", "upstream-bf16", "VLLM_GGUF_DENSE_MARLIN", "1"),
 ])
 def test_paths_that_differ_only_in_their_environment(monkeypatch, path, base, var, value):
     """`portable-fp16-bi` is `portable-fp16` with VLLM_BATCH_INVARIANT=1 added to the
     engine's environment (the rest of it kept), the `-gguf-moe` paths theirs with
-    VLLM_GGUF_MOE_MARLIN=0; the other paths inherit this process's."""
+    VLLM_GGUF_MOE_MARLIN=0, the `-dense-marlin` ones with VLLM_GGUF_DENSE_MARLIN=1; the
+    other paths inherit this process's."""
     monkeypatch.setenv("VLLM_OVERLAY_SOMETHING", "kept")
     monkeypatch.delenv(var, raising=False)
     assert acc.PATHS[path] == acc.PATHS[base]
@@ -30,7 +33,9 @@ def test_paths_that_differ_only_in_their_environment(monkeypatch, path, base, va
     assert env[var] == value and env["VLLM_OVERLAY_SOMETHING"] == "kept"
     assert acc.path_env(base) is None
     assert sorted(acc.PATH_ENV) == sorted(["portable-fp16-bi", "portable-fp16-gguf-moe",
-                                           "upstream-bf16-gguf-moe"])
+                                           "upstream-bf16-gguf-moe",
+                                           "portable-fp16-dense-marlin",
+                                           "upstream-bf16-dense-marlin"])
 
 
 def test_which_paths_must_show_marlin_calls(monkeypatch):
@@ -40,7 +45,8 @@ def test_which_paths_must_show_marlin_calls(monkeypatch):
     monkeypatch.delenv("VLLM_GGUF_MOE_MARLIN", raising=False)
     monkeypatch.delenv("VLLM_BATCH_INVARIANT", raising=False)
     assert {p for p in acc.PATHS if acc.runs_marlin(p)} == {
-        "portable-fp16", "portable-bf16", "upstream-bf16"}
+        "portable-fp16", "portable-bf16", "upstream-bf16", "portable-fp16-dense-marlin",
+        "upstream-bf16-dense-marlin"}
     monkeypatch.setenv("VLLM_GGUF_MOE_MARLIN", "0")
     assert not any(acc.runs_marlin(p) for p in acc.PATHS)
 

@@ -14,6 +14,7 @@ from vllm.utils.torch_utils import direct_register_custom_op
 
 from .. import ops
 from . import batch_invariant  # overlay: batch-invariant products
+from . import linear_marlin  # overlay: Q4_K weights on vLLM's Marlin GEMM
 from .params import (
     GGUFUninitializedWeightParameter,
     GGUFUninitializedWeightTypeParameter,
@@ -155,6 +156,8 @@ class GGUFLinearMethod(LinearMethodBase):
                 f"Unsupported GGUF quantization type {qweight_type} in layer {layer}."
             )
         self._create_padded_weight_param(layer)
+        # overlay: Q4_K weights converted for vLLM's Marlin GEMM where asked (linear_marlin.py)
+        linear_marlin.convert_layer(layer, self.params_dtype)
 
     def _materialize_gguf_parameters(self, layer: torch.nn.Module) -> None:
         self._materialize_qweight(layer)
@@ -223,6 +226,9 @@ class GGUFLinearMethod(LinearMethodBase):
     ) -> torch.Tensor:
         from . import fused_mul_mat_gguf as fused_mul_mat_gguf_op
 
+        # overlay: a layer linear_marlin converted has no GGUF bytes left
+        if hasattr(layer, "marlin_qweight"):
+            return linear_marlin.apply(layer, x, bias)
         shard_id = layer.qweight.shard_id
         if shard_id:
             shard_id = ["q", "k", "v"] if "q" in shard_id else shard_id
