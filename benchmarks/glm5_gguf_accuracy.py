@@ -74,6 +74,14 @@ PATH_ENV = {"portable-fp16-bi": {"VLLM_BATCH_INVARIANT": "1"},
             "portable-fp16-dense-marlin": {"VLLM_GGUF_DENSE_MARLIN": "1"}}
 
 
+def runs_dense_marlin(path: str) -> bool:
+    """Whether a path converts Q4_K linear layers for vLLM's Marlin GEMM (only with
+    VLLM_GGUF_DENSE_MARLIN=1, not under batch invariance)."""
+    env = {**os.environ, **PATH_ENV.get(path, {})}
+    return env.get("VLLM_GGUF_DENSE_MARLIN", "0") == "1" and env.get(
+        "VLLM_BATCH_INVARIANT", "0") != "1"
+
+
 def runs_marlin(path: str) -> bool:
     """Whether a path runs the Q4_K experts on vLLM's Marlin MoE (the default; not under
     batch invariance or VLLM_GGUF_MOE_MARLIN=0)."""
@@ -163,12 +171,14 @@ def main():
         f, ref = sources[source]
         res = generate(f, out / f"{source}-{path}.json", eager=args.eager,
                        env=path_env(path), max_tokens=str(args.max_tokens), **PATHS[path])
-        marlin = res.get("marlin_moe_calls")
+        marlin, dense = res.get("marlin_moe_calls"), res.get("dense_marlin_layers")
         if source == "gguf-Q4_K_M" and runs_marlin(path) and not marlin:
             raise RuntimeError(f"{path}: no MoE call ran on Marlin ({marlin!r})")
+        if source == "gguf-Q4_K_M" and runs_dense_marlin(path) and not dense:
+            raise RuntimeError(f"{path}: no linear layer converted for Marlin ({dense!r})")
         return {**compare(ref, res), "attention_backend": res.get("attention_backend"),
                 "indexer_backend": res["indexer_backend"], "dtype": res["dtype"],
-                "marlin_moe_calls": marlin}
+                "marlin_moe_calls": marlin, "dense_marlin_layers": dense}
 
     def llama(source):
         f, ref = sources[source]

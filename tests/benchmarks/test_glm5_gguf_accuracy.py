@@ -51,6 +51,18 @@ def test_which_paths_must_show_marlin_calls(monkeypatch):
     assert not any(acc.runs_marlin(p) for p in acc.PATHS)
 
 
+def test_which_paths_must_show_dense_marlin_layers(monkeypatch):
+    """Only the `-dense-marlin` paths must convert a linear layer on the Q4_K_M file (the
+    row fails without one counted), or every path where this process turned it on but
+    the batch-invariant one."""
+    monkeypatch.delenv("VLLM_GGUF_DENSE_MARLIN", raising=False)
+    monkeypatch.delenv("VLLM_BATCH_INVARIANT", raising=False)
+    assert {p for p in acc.PATHS if acc.runs_dense_marlin(p)} == {
+        "portable-fp16-dense-marlin", "upstream-bf16-dense-marlin"}
+    monkeypatch.setenv("VLLM_GGUF_DENSE_MARLIN", "1")
+    assert {p for p in acc.PATHS if not acc.runs_dense_marlin(p)} == {"portable-fp16-bi"}
+
+
 def test_table():
     r = {"mean": 0.5, "max": 3.0, "greedy_agreement": 0.75}
     results = {("gguf-bf16", "llama.cpp"): {"mean": 0.25, "max": 2.0, "greedy_agreement": 1.0},

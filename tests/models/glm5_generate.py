@@ -62,6 +62,26 @@ def count_marlin_moe_calls() -> dict[str, int] | None:
     return calls
 
 
+def count_dense_marlin_layers() -> dict[str, int] | None:
+    """Count the linear layers converted for vLLM's Marlin GEMM (in-process engine); None
+    unless VLLM_GGUF_DENSE_MARLIN=1 turns it on."""
+    from vllm_gguf_plugin.quantization import linear_marlin
+
+    if not linear_marlin.enabled():
+        return None
+
+    layers = {"converted": 0}
+    fn = linear_marlin.convert_layer
+
+    def counted(*a, **kw):
+        converted = fn(*a, **kw)
+        layers["converted"] += bool(converted)
+        return converted
+
+    linear_marlin.convert_layer = counted
+    return layers
+
+
 def attention_backend_name(llm, layer_filter=None) -> str | None:
     """The attention backend the engine's layers use (in-process engine only): those
     whose name `layer_filter` takes, else all."""
@@ -141,6 +161,7 @@ def main():
 
     calls = count_triton_indexer_calls()
     marlin_calls = count_marlin_moe_calls()
+    dense_marlin = count_dense_marlin_layers()
 
     # launches of Hopper's Gluon sparse MLA tiles (none where they cannot run): the
     # warp-specialized one and the 8-head fp8 one
@@ -201,6 +222,7 @@ def main():
         "indexer_dots": il.triton_indexer_dots(),
         "triton_indexer_calls": calls,
         "marlin_moe_calls": marlin_calls and marlin_calls["moe"],
+        "dense_marlin_layers": dense_marlin and dense_marlin["converted"],
         "outputs": [
             {
                 "prompt_len": len(o.prompt_token_ids),

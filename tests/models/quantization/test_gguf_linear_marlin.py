@@ -186,6 +186,29 @@ def test_gguf_linear_method_hooks(monkeypatch):
     assert method.apply(layer, "x", "bias") == ("marlin", layer, "x", "bias")
 
 
+def test_the_accuracy_runs_count_converted_layers(monkeypatch):
+    """glm5_generate's count (the accuracy stage fails a `-dense-marlin` row without one)
+    sees each layer GGUFLinearMethod converts, and none where the switch is off."""
+    from tests.models.glm5_generate import count_dense_marlin_layers
+    from vllm_gguf_plugin.quantization import linear, linear_marlin
+
+    converts = iter([True, False, True])
+    monkeypatch.setattr(linear_marlin, "convert_layer", lambda *a: next(converts))
+    monkeypatch.setattr(linear.GGUFLinearMethod, "_materialize_gguf_parameters",
+                        lambda self, layer: None)
+    monkeypatch.setattr(linear.GGUFLinearMethod, "_create_padded_weight_param",
+                        lambda self, layer: None)
+    monkeypatch.delenv(linear_marlin.MARLIN_ENV, raising=False)
+    assert count_dense_marlin_layers() is None
+    monkeypatch.setenv(linear_marlin.MARLIN_ENV, "1")
+    counted = count_dense_marlin_layers()
+    method = linear.GGUFLinearMethod(None)
+    method.params_dtype = torch.float16
+    for _ in range(3):
+        method.process_weights_after_loading(_gguf_layer(q4_k_blocks(64, 256, 9)))
+    assert counted == {"converted": 2}
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype,limit", [(torch.float16, 0.005), (torch.bfloat16, 0.02)])
 @pytest.mark.parametrize("tokens", [1, 8, 33, 300])
