@@ -77,7 +77,7 @@ PATH_ENV = {"portable-fp16-bi": {"VLLM_BATCH_INVARIANT": "1"},
 def runs_dense_marlin(path: str) -> bool:
     """Whether a path converts Q4_K linear layers for vLLM's Marlin GEMM (only with
     VLLM_GGUF_DENSE_MARLIN=1, not under batch invariance)."""
-    env = {**os.environ, **PATH_ENV.get(path, {})}
+    env = path_env(path) or os.environ
     return env.get("VLLM_GGUF_DENSE_MARLIN", "0") == "1" and env.get(
         "VLLM_BATCH_INVARIANT", "0") != "1"
 
@@ -85,7 +85,7 @@ def runs_dense_marlin(path: str) -> bool:
 def runs_marlin(path: str) -> bool:
     """Whether a path runs the Q4_K experts on vLLM's Marlin MoE (the default; not under
     batch invariance or VLLM_GGUF_MOE_MARLIN=0)."""
-    env = {**os.environ, **PATH_ENV.get(path, {})}
+    env = path_env(path) or os.environ
     return env.get("VLLM_GGUF_MOE_MARLIN", "1") != "0" and env.get("VLLM_BATCH_INVARIANT",
                                                                     "0") != "1"
 

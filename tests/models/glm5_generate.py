@@ -26,6 +26,20 @@ def prompts(vocab: int) -> list[list[int]]:
     return [[rng.randrange(3, vocab) for _ in range(n)] for n in PROMPT_LENS]
 
 
+def count_into(counts: dict[str, int], key: str, module, name: str,
+               counts_result=lambda result: True) -> None:
+    """Replace module.name with a wrapper that adds one to counts[key] at each call
+    (each call whose result counts_result takes)."""
+    fn = getattr(module, name)
+
+    def counted(*a, **kw):
+        result = fn(*a, **kw)
+        counts[key] += bool(counts_result(result))
+        return result
+
+    setattr(module, name, counted)
+
+
 def count_triton_indexer_calls() -> dict[str, int]:
     """Count the portable indexer's prefill and decode calls (in-process engine):
     {"prefill": n, "decode": n}, updated as the engine runs."""
@@ -33,13 +47,7 @@ def count_triton_indexer_calls() -> dict[str, int]:
 
     calls = {"prefill": 0, "decode": 0}
     for kind, name in (("prefill", "triton_mqa_logits"), ("decode", "triton_paged_mqa_logits")):
-        fn = getattr(il, name)
-
-        def counted(*a, _fn=fn, _kind=kind, **kw):
-            calls[_kind] += 1
-            return _fn(*a, **kw)
-
-        setattr(il, name, counted)
+        count_into(calls, kind, il, name)
     return calls
 
 
@@ -52,13 +60,7 @@ def count_marlin_moe_calls() -> dict[str, int] | None:
         return None
 
     calls = {"moe": 0}
-    fn = moe_marlin.fused_moe
-
-    def counted(*a, **kw):
-        calls["moe"] += 1
-        return fn(*a, **kw)
-
-    moe_marlin.fused_moe = counted
+    count_into(calls, "moe", moe_marlin, "fused_moe")
     return calls
 
 
@@ -71,14 +73,7 @@ def count_dense_marlin_layers() -> dict[str, int] | None:
         return None
 
     layers = {"converted": 0}
-    fn = linear_marlin.convert_layer
-
-    def counted(*a, **kw):
-        converted = fn(*a, **kw)
-        layers["converted"] += bool(converted)
-        return converted
-
-    linear_marlin.convert_layer = counted
+    count_into(layers, "converted", linear_marlin, "convert_layer", lambda converted: converted)
     return layers
 
 
@@ -173,12 +168,7 @@ def main():
             module = importlib.import_module(f"vllm.v1.attention.ops.{module_name}")
         except ImportError:
             continue
-
-        def counted_launch(*a, _launch=getattr(module, fn_name), _key=key, **kw):
-            gluon_calls[_key] += 1
-            return _launch(*a, **kw)
-
-        setattr(module, fn_name, counted_launch)
+        count_into(gluon_calls, key, module, fn_name)
 
     if args.model.endswith(".gguf"):
         from vllm_gguf_plugin.gguf_model import config_from_gguf

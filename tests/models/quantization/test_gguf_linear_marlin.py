@@ -67,10 +67,13 @@ def test_off_unless_asked(monkeypatch):
 
 
 def unpack_int4_rows(packed: torch.Tensor) -> torch.Tensor:
-    """[k / 8, n] int32 -> [k, n] codes: row 8i + j from bits 4j to 4j + 3 (GPTQ's packing,
-    read back independently of pack_int4_rows)."""
-    p = packed.long() & 0xFFFFFFFF
-    return torch.stack([(p >> (4 * j)) & 15 for j in range(8)], dim=1).reshape(-1, p.shape[1])
+    """[k / 8, n] int32 -> [k, n] codes, by vLLM's own unpacking of GPTQ's layout."""
+    from vllm.model_executor.layers.quantization.utils.quant_utils import (
+        unpack_quantized_values_into_int32,
+    )
+    from vllm.scalar_type import scalar_types
+
+    return unpack_quantized_values_into_int32(packed, scalar_types.uint4b8, packed_dim=0)
 
 
 def _cpu_stand_ins(monkeypatch):
@@ -165,20 +168,29 @@ def test_convert_layer_leaves_other_layers(monkeypatch):
     assert layer.qweight.shape == (128, 288) and not hasattr(layer, "marlin_qweight")
 
 
-def test_gguf_linear_method_hooks(monkeypatch):
-    """GGUFLinearMethod converts after loading (with the layer's dtype) and sends a
-    converted layer to linear_marlin.apply; an unconverted one to the GGUF op."""
-    from vllm_gguf_plugin.quantization import linear, linear_marlin
+def _loaded_method(monkeypatch, dtype: torch.dtype):
+    """A GGUFLinearMethod whose process_weights_after_loading takes a layer as it is
+    (its parameters already materialized, no shards to pad)."""
+    from vllm_gguf_plugin.quantization import linear
 
-    seen = []
-    monkeypatch.setattr(linear_marlin, "convert_layer", lambda *a: seen.append(a) or False)
-    monkeypatch.setattr(linear_marlin, "apply", lambda *a: ("marlin",) + a)
     monkeypatch.setattr(linear.GGUFLinearMethod, "_materialize_gguf_parameters",
                         lambda self, layer: None)
     monkeypatch.setattr(linear.GGUFLinearMethod, "_create_padded_weight_param",
                         lambda self, layer: None)
     method = linear.GGUFLinearMethod(None)
-    method.params_dtype = torch.bfloat16
+    method.params_dtype = dtype
+    return method
+
+
+def test_gguf_linear_method_hooks(monkeypatch):
+    """GGUFLinearMethod converts after loading (with the layer's dtype) and sends a
+    converted layer to linear_marlin.apply; an unconverted one to the GGUF op."""
+    from vllm_gguf_plugin.quantization import linear_marlin
+
+    seen = []
+    monkeypatch.setattr(linear_marlin, "convert_layer", lambda *a: seen.append(a) or False)
+    monkeypatch.setattr(linear_marlin, "apply", lambda *a: ("marlin",) + a)
+    method = _loaded_method(monkeypatch, torch.bfloat16)
     layer = _gguf_layer(q4_k_blocks(64, 256, 6))
     method.process_weights_after_loading(layer)
     assert seen == [(layer, torch.bfloat16)]
@@ -190,20 +202,15 @@ def test_the_accuracy_runs_count_converted_layers(monkeypatch):
     """glm5_generate's count (the accuracy stage fails a `-dense-marlin` row without one)
     sees each layer GGUFLinearMethod converts, and none where the switch is off."""
     from tests.models.glm5_generate import count_dense_marlin_layers
-    from vllm_gguf_plugin.quantization import linear, linear_marlin
+    from vllm_gguf_plugin.quantization import linear_marlin
 
     converts = iter([True, False, True])
     monkeypatch.setattr(linear_marlin, "convert_layer", lambda *a: next(converts))
-    monkeypatch.setattr(linear.GGUFLinearMethod, "_materialize_gguf_parameters",
-                        lambda self, layer: None)
-    monkeypatch.setattr(linear.GGUFLinearMethod, "_create_padded_weight_param",
-                        lambda self, layer: None)
     monkeypatch.delenv(linear_marlin.MARLIN_ENV, raising=False)
     assert count_dense_marlin_layers() is None
     monkeypatch.setenv(linear_marlin.MARLIN_ENV, "1")
     counted = count_dense_marlin_layers()
-    method = linear.GGUFLinearMethod(None)
-    method.params_dtype = torch.float16
+    method = _loaded_method(monkeypatch, torch.float16)
     for _ in range(3):
         method.process_weights_after_loading(_gguf_layer(q4_k_blocks(64, 256, 9)))
     assert counted == {"converted": 2}
