@@ -120,8 +120,10 @@ def test_marlin_weight_in_slices_is_the_files(monkeypatch, dtype, eps):
     assert bool(((w - ref).abs() <= bound + 1e-12).all())
 
 
-def _gguf_layer(blocks: torch.Tensor, types: dict | None = None) -> torch.nn.Module:
-    layer = torch.nn.Module()
+def _gguf_layer(blocks: torch.Tensor, types: dict | None = None,
+                kind: type = torch.nn.Module) -> torch.nn.Module:
+    layer = kind.__new__(kind)  # the class alone: vLLM's layers need a TP group to build
+    torch.nn.Module.__init__(layer)
     layer.qweight = torch.nn.Parameter(blocks, requires_grad=False)
     layer.qweight_type = SimpleNamespace(weight_type=int(T.Q4_K), shard_weight_type=types or {})
     return layer
@@ -166,6 +168,27 @@ def test_convert_layer_leaves_other_layers(monkeypatch):
     layer = _gguf_layer(q4_k_blocks(128, 512, 5), {0: int(T.Q4_K), 1: int(T.Q6_K)})
     assert linear_marlin.convert_layer(layer, torch.float16) is False
     assert layer.qweight.shape == (128, 288) and not hasattr(layer, "marlin_qweight")
+
+
+def test_input_embedding_keeps_its_gguf_rows(monkeypatch):
+    """GGUFEmbeddingMethod runs GGUFLinearMethod's hook too: the input embedding, whose
+    lookup reads the GGUF rows, stays as loaded; the output head (a product) converts."""
+    from vllm.model_executor.layers.vocab_parallel_embedding import (
+        ParallelLMHead,
+        VocabParallelEmbedding,
+    )
+    from vllm_gguf_plugin.quantization import linear_marlin
+
+    _cpu_stand_ins(monkeypatch)
+    monkeypatch.setenv(linear_marlin.MARLIN_ENV, "1")
+    monkeypatch.setattr("vllm.envs.VLLM_BATCH_INVARIANT", False, raising=False)
+    blocks = q4_k_blocks(128, 512, 8)
+    embedding = _gguf_layer(blocks.clone(), kind=VocabParallelEmbedding)
+    assert linear_marlin.convert_layer(embedding, torch.float16) is False
+    assert torch.equal(embedding.qweight, blocks) and not hasattr(embedding, "marlin_qweight")
+    head = _gguf_layer(blocks.clone(), kind=ParallelLMHead)
+    assert linear_marlin.convert_layer(head, torch.float16) is True
+    assert head.qweight.numel() == 0 and head.marlin_b.shape == (128, 16)
 
 
 def _loaded_method(monkeypatch, dtype: torch.dtype):

@@ -11,7 +11,8 @@ projections lose (docs/results.md, "the thirteenth run").
 Off unless VLLM_GGUF_DENSE_MARLIN=1: its effect on a whole decode step is not measured
 yet. Then a linear layer converts when every shard of its weight is Q4_K, on SM80 or
 later, with its output rows a multiple of Marlin's 64, outside batch-invariant mode; it
-runs Marlin at every token count and keeps no GGUF bytes.
+runs Marlin at every token count and keeps no GGUF bytes. The output head converts as a
+linear layer; an input embedding (GGUFEmbeddingMethod's lookup) never does.
 """
 
 import os
@@ -24,6 +25,10 @@ from vllm.model_executor.layers.quantization.utils.marlin_utils import (
     marlin_make_empty_g_idx,
     marlin_make_workspace_new,
     marlin_permute_scales,
+)
+from vllm.model_executor.layers.vocab_parallel_embedding import (
+    ParallelLMHead,
+    VocabParallelEmbedding,
 )
 from vllm.scalar_type import scalar_types
 
@@ -95,6 +100,8 @@ def convert_layer(layer: torch.nn.Module, dtype: torch.dtype) -> bool:
     if envs.VLLM_BATCH_INVARIANT:  # Marlin's tiles follow the token count
         logger.warning_once("%s=1 is ignored under VLLM_BATCH_INVARIANT=1", MARLIN_ENV)
         return False
+    if isinstance(layer, VocabParallelEmbedding) and not isinstance(layer, ParallelLMHead):
+        return False  # an input embedding's lookup reads its GGUF rows
     if not marlin_takes(weight_types(layer), layer.qweight.shape[0]):
         return False
     logger.info_once("GGUF linear layers with Q4_K weights run vLLM's Marlin GEMM (%s=1)",
