@@ -11,9 +11,9 @@
 #               unpacks them outside the checkout, starts llama-side.sh (CUDA build; the 2- and
 #               3-layer Q4_K_M files)
 #   part N      carry .bundle/part-0N, for N in 0 1 2 3 4
-#   stages      gpu-checks.sh's stages: install; the Marlin GPU tests (MoE and dense, MARLIN_S
-#               seconds); ggufops, the MoE kernel benchmark (MOE_TYPES, MOE_TOKENS, MOE_BM,
-#               MOE_S seconds) while llama.cpp builds; then llamaacc, the accuracy stage
+#   stages      gpu-checks.sh's stages: install; the Marlin GPU tests (MoE and dense, or the
+#               files in MARLIN_TESTS; MARLIN_S seconds); ggufops, the MoE kernel benchmark
+#               (MOE_TYPES, MOE_TOKENS, MOE_BM, MOE_S seconds; MOE_S=0 skips it) while llama.cpp builds; then llamaacc, the accuracy stage
 #               (ACC_PATHS, ACC_ROUND), detached so that the call's end does not cut it
 #   compare 2L  (then compare 3L, compare 3Lq6) waits for the accuracy stage and the file,
 #               runs glm5_vs_llama_cpp.py (PATHS_VS, REPS; PROFILE=1: both sides profiled,
@@ -86,11 +86,12 @@ EOF
     bash tools/gpu-host/gpu-checks.sh /tmp/parts $keep/checks install > $keep/install.log 2>&1 \
       || { tail -20 $keep/install.log; exit 1; }
     env_; mkdir -p "$out/moe" $keep/acc
-    timeout "${MARLIN_S:-150}" python3 -m pytest tests/models/quantization/test_gguf_moe_marlin.py \
-      tests/models/quantization/test_gguf_linear_marlin.py -m gpu -q \
+    # shellcheck disable=SC2086
+    timeout "${MARLIN_S:-150}" python3 -m pytest ${MARLIN_TESTS:-tests/models/quantization/test_gguf_moe_marlin.py \
+      tests/models/quantization/test_gguf_linear_marlin.py} -m gpu -v \
       -p no:cacheprovider -p no:warnings > "$out/moe/marlin-tests.log" 2>&1
-    echo "marlin tests rc=$?"; tail -3 "$out/moe/marlin-tests.log"
-    GGUF_OPS_TIMEOUT="${MOE_S:-200}" GGUF_OPS_ARGS="--ops moe --types ${MOE_TYPES:-Q4_K Q4_K/Q6_K} \
+    echo "marlin tests rc=$?"; grep -cE "PASSED|FAILED" "$out/moe/marlin-tests.log"; tail -3 "$out/moe/marlin-tests.log"
+    [ "${MOE_S:-200}" = 0 ] || GGUF_OPS_TIMEOUT="${MOE_S:-200}" GGUF_OPS_ARGS="--ops moe --types ${MOE_TYPES:-Q4_K Q4_K/Q6_K} \
 --tokens ${MOE_TOKENS:-8 32 64} --triton-block-m ${MOE_BM:-16}" \
       bash tools/gpu-host/gpu-checks.sh /tmp/parts "$out/moe" ggufops
     echo "moe rc=$?"
