@@ -13,8 +13,9 @@
 #   part N      carry .bundle/part-0N, for N in 0 1 2 3 4
 #   stages      gpu-checks.sh's stages: install; the Marlin GPU tests (MoE and dense, or the
 #               files in MARLIN_TESTS; MARLIN_S seconds); ggufops, the MoE kernel benchmark
-#               (MOE_TYPES, MOE_TOKENS, MOE_BM, MOE_S seconds; MOE_S=0 skips it) while llama.cpp builds; then llamaacc, the accuracy stage
-#               (ACC_PATHS, ACC_ROUND), detached so that the call's end does not cut it
+#               (MOE_TYPES, MOE_TOKENS, MOE_BM, MOE_S seconds; MOE_S=0 skips it) while
+#               llama.cpp builds; then llamaacc, the accuracy stage (ACC_PATHS, ACC_ROUND),
+#               detached so that the call's end does not cut it
 #   compare 2L  (then compare 3L, compare 3Lq6) waits for the accuracy stage and the file,
 #               runs glm5_vs_llama_cpp.py (PATHS_VS, REPS; PROFILE=1: both sides profiled,
 #               NCU), and --per-layer for 2L against each 3-layer report present (3L adds
