@@ -4,7 +4,7 @@
     python -m benchmarks.glm5_gguf_accuracy --out DIR --llama-lib DIR [--bindings DIR]
         [--paths portable-fp16 portable-bf16 upstream-bf16 portable-fp16-bi
                  upstream-bf16-gguf-moe portable-fp16-gguf-moe upstream-bf16-dense-marlin
-                 portable-fp16-dense-marlin] [--eager]
+                 portable-fp16-dense-marlin upstream-bf16-dense portable-fp16-dense] [--eager]
         [--json FILE]
         [--rounding bfloat16 float16] [--device cuda] [--llama-gpu-layers N]
         [--max-tokens 32] [--llama-runner ctypes|c] [--llama-src DIR]
@@ -20,7 +20,9 @@ index_topk, then 32 greedy tokens):
   16-bit activations, where `portable-fp16`'s kernels quantize activations to int8 for dense
   products below 256 tokens and experts below 1024 (Q4_K experts run vLLM's Marlin MoE on
   16-bit activations, except under batch invariance); `-gguf-moe`: VLLM_GGUF_MOE_MARLIN=0,
-  those on the GGUF kernels too);
+  those on the GGUF kernels too; `-dense-marlin`: VLLM_GGUF_DENSE_MARLIN=1, the Q4_K linear
+  layers on vLLM's Marlin GEMM; `-dense`: that and VLLM_GGUF_Q6_K_TRITON=1, the Q6_K ones
+  of 2-255 tokens on linear_q6_k's Triton GEMM);
 - llama.cpp: benchmarks/llama_cpp_logits.py on libllama.so of `--llama-lib` (all layers
   on the GPU unless --llama-gpu-layers, prompt in one batch);
 - rounding alone: transformers on the same dequantized weights in each dtype of
@@ -66,12 +68,18 @@ PATHS = {
     "upstream-bf16-dense-marlin": {"dtype": "bfloat16"},
     "portable-fp16-dense-marlin": {"attention_backend": "TRITON_MLA_SPARSE",
                                    "indexer": "triton", "dtype": "float16"},
+    # the same with the Q6_K linear layers of 2-255 tokens on linear_q6_k's GEMM too
+    "upstream-bf16-dense": {"dtype": "bfloat16"},
+    "portable-fp16-dense": {"attention_backend": "TRITON_MLA_SPARSE", "indexer": "triton",
+                            "dtype": "float16"},
 }
+DENSE = {"VLLM_GGUF_DENSE_MARLIN": "1", "VLLM_GGUF_Q6_K_TRITON": "1"}
 PATH_ENV = {"portable-fp16-bi": {"VLLM_BATCH_INVARIANT": "1"},
             "upstream-bf16-gguf-moe": {"VLLM_GGUF_MOE_MARLIN": "0"},
             "portable-fp16-gguf-moe": {"VLLM_GGUF_MOE_MARLIN": "0"},
             "upstream-bf16-dense-marlin": {"VLLM_GGUF_DENSE_MARLIN": "1"},
-            "portable-fp16-dense-marlin": {"VLLM_GGUF_DENSE_MARLIN": "1"}}
+            "portable-fp16-dense-marlin": {"VLLM_GGUF_DENSE_MARLIN": "1"},
+            "upstream-bf16-dense": DENSE, "portable-fp16-dense": DENSE}
 
 
 def runs_dense_marlin(path: str) -> bool:
@@ -79,6 +87,14 @@ def runs_dense_marlin(path: str) -> bool:
     VLLM_GGUF_DENSE_MARLIN=1, not under batch invariance)."""
     env = path_env(path) or os.environ
     return env.get("VLLM_GGUF_DENSE_MARLIN", "0") == "1" and env.get(
+        "VLLM_BATCH_INVARIANT", "0") != "1"
+
+
+def runs_q6_k_triton(path: str) -> bool:
+    """Whether a path runs Q6_K products of 2-255 tokens on linear_q6_k's GEMM (only with
+    VLLM_GGUF_Q6_K_TRITON=1, not under batch invariance)."""
+    env = path_env(path) or os.environ
+    return env.get("VLLM_GGUF_Q6_K_TRITON", "0") == "1" and env.get(
         "VLLM_BATCH_INVARIANT", "0") != "1"
 
 
@@ -176,9 +192,13 @@ def main():
             raise RuntimeError(f"{path}: no MoE call ran on Marlin ({marlin!r})")
         if source == "gguf-Q4_K_M" and runs_dense_marlin(path) and not dense:
             raise RuntimeError(f"{path}: no linear layer converted for Marlin ({dense!r})")
+        q6_k = res.get("q6_k_triton_calls")
+        if source == "gguf-Q4_K_M" and runs_q6_k_triton(path) and not q6_k:
+            raise RuntimeError(f"{path}: no Q6_K product ran on linear_q6_k ({q6_k!r})")
         return {**compare(ref, res), "attention_backend": res.get("attention_backend"),
                 "indexer_backend": res["indexer_backend"], "dtype": res["dtype"],
-                "marlin_moe_calls": marlin, "dense_marlin_layers": dense}
+                "marlin_moe_calls": marlin, "dense_marlin_layers": dense,
+                "q6_k_triton_calls": q6_k}
 
     def llama(source):
         f, ref = sources[source]

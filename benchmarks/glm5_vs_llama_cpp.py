@@ -3,7 +3,8 @@
 
     python -m benchmarks.glm5_vs_llama_cpp --gguf FILE.gguf --llama-bench BIN
         [--llama-batched-bench BIN2] [--json out.json] [--md out.md]
-        [--paths portable upstream sm120 portable-gguf-moe portable-dense-marlin]
+        [--paths portable upstream sm120 portable-gguf-moe portable-dense-marlin
+                 portable-dense]
         [--prompts 512 8192] [--depths 0 8192] [--batches 1 8 32] [--gen 128] [--profile]
         [--llama-profile NCU]
     python -m benchmarks.glm5_vs_llama_cpp --per-layer SHALLOW.json DEEP.json [--md out.md]
@@ -22,7 +23,9 @@ llama-bench from tools/gpu-host/build-llama-cpp-cuda.sh (CUDA, the pinned sdist)
   installed with `pip install --no-deps`), dtype auto, nothing forced; `portable-gguf-moe`:
   `portable` with VLLM_GGUF_MOE_MARLIN=0 (every MoE layer on the GGUF kernels, where
   Q4_K experts run vLLM's Marlin MoE by default); `portable-dense-marlin`: `portable` with
-  VLLM_GGUF_DENSE_MARLIN=1 (Q4_K linear layers on vLLM's Marlin GEMM).
+  VLLM_GGUF_DENSE_MARLIN=1 (Q4_K linear layers on vLLM's Marlin GEMM); `portable-dense`:
+  that and VLLM_GGUF_Q6_K_TRITON=1 (Q6_K linear layers of 2-255 tokens on linear_q6_k's
+  Triton GEMM).
   Prefill: one new PROMPT-token request, max_tokens 1, best of three: PROMPT / TTFT.
   Decode at DEPTH and batch B: B requests of max(DEPTH, 1) tokens, their prompts first
   put in the prefix cache, then 1 + GEN tokens each; the step time is
@@ -78,6 +81,9 @@ PATHS = {
     # portable, with the Q4_K linear layers on vLLM's Marlin GEMM too (off by default)
     "portable-dense-marlin": {"backend": "TRITON_MLA_SPARSE", "indexer": "triton",
                               "dtype": "float16", "env": {"VLLM_GGUF_DENSE_MARLIN": "1"}},
+    # and the Q6_K linear layers of 2-255 tokens on linear_q6_k's Triton GEMM (off by default)
+    "portable-dense": {"backend": "TRITON_MLA_SPARSE", "indexer": "triton", "dtype": "float16",
+                       "env": {"VLLM_GGUF_DENSE_MARLIN": "1", "VLLM_GGUF_Q6_K_TRITON": "1"}},
 }
 TARGETS = {"decode_b1": 1.0, "decode_b32_aggregate": 3.0, "prefill": 1.0}
 LLAMA_PROFILE_GEN = 8  # tokens decoded in llama.cpp's profiled tg run

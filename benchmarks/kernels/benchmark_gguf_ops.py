@@ -22,7 +22,9 @@ Paths (a path a type has no kernel for is left out):
   `mmvq` (CUDA, int8 activations, a row at a time), `mmq` (CUDA, int8 activations,
   tiled), `triton` (the plugin's Triton GEMM, 16-bit activations), `marlin` (Q4_K: the
   file's values on vLLM's Marlin GEMM plus their b-part, linear_marlin's; what the engine
-  runs under VLLM_GGUF_DENSE_MARLIN=1), `dequant` (dequantize to 16 bits, then torch.mm), and
+  runs under VLLM_GGUF_DENSE_MARLIN=1), `q6k` (Q6_K: linear_q6_k's Triton GEMM over the
+  file's blocks, what the engine runs from 2 tokens under VLLM_GGUF_Q6_K_TRITON=1),
+  `dequant` (dequantize to 16 bits, then torch.mm), and
   `mm16` (torch.mm on the weights dequantized beforehand: the 16-bit tensor-core bound,
   not a path);
 - moe: `plugin` (torch.ops.vllm._fused_moe_gguf), `vec` (CUDA ggml_moe_a8_vec), `mmq`
@@ -157,6 +159,7 @@ def dense_case(qtype: str, name: str, tokens, dtype=torch.float16, gen=None,
     import gguf
     from vllm_gguf_plugin import ops
     from vllm_gguf_plugin.quantization import fused_mul_mat_gguf  # registers the op
+    from vllm_gguf_plugin.quantization import linear_q6_k
     from vllm_gguf_plugin.quantization.utils import MMQ_QUANT_TYPES, MMVQ_QUANT_TYPES
     from vllm_gguf_plugin.triton.gemm.interface import ggml_mul_mat_a8_triton
 
@@ -173,6 +176,8 @@ def dense_case(qtype: str, name: str, tokens, dtype=torch.float16, gen=None,
         paths = {"plugin": lambda: fused_mul_mat_gguf(x, w, t)}
         if qtype == "Q4_K":
             paths["marlin"] = functools.partial(_marlin_dense, marlin, w, x)
+        if qtype == "Q6_K":
+            paths["q6k"] = functools.partial(linear_q6_k.mul_mat, x, w)
         if t in MMVQ_QUANT_TYPES and m <= 16:
             paths["mmvq"] = lambda: ops.ggml_mul_mat_vec_a8(w, x, t, n)
         if t in MMQ_QUANT_TYPES:

@@ -20,12 +20,17 @@ def test_paths_name_the_sm120_path_and_upstreams():
     ("upstream-bf16-gguf-moe", "upstream-bf16", "VLLM_GGUF_MOE_MARLIN", "0"),
     ("portable-fp16-dense-marlin", "portable-fp16", "VLLM_GGUF_DENSE_MARLIN", "1"),
     ("upstream-bf16-dense-marlin", "upstream-bf16", "VLLM_GGUF_DENSE_MARLIN", "1"),
+    ("portable-fp16-dense", "portable-fp16", "VLLM_GGUF_DENSE_MARLIN", "1"),
+    ("portable-fp16-dense", "portable-fp16", "VLLM_GGUF_Q6_K_TRITON", "1"),
+    ("upstream-bf16-dense", "upstream-bf16", "VLLM_GGUF_DENSE_MARLIN", "1"),
+    ("upstream-bf16-dense", "upstream-bf16", "VLLM_GGUF_Q6_K_TRITON", "1"),
 ])
 def test_paths_that_differ_only_in_their_environment(monkeypatch, path, base, var, value):
     """`portable-fp16-bi` is `portable-fp16` with VLLM_BATCH_INVARIANT=1 added to the
     engine's environment (the rest of it kept), the `-gguf-moe` paths theirs with
-    VLLM_GGUF_MOE_MARLIN=0, the `-dense-marlin` ones with VLLM_GGUF_DENSE_MARLIN=1; the
-    other paths inherit this process's."""
+    VLLM_GGUF_MOE_MARLIN=0, the `-dense-marlin` ones with VLLM_GGUF_DENSE_MARLIN=1, the
+    `-dense` ones with that and VLLM_GGUF_Q6_K_TRITON=1; the other paths inherit this
+    process's."""
     monkeypatch.setenv("VLLM_OVERLAY_SOMETHING", "kept")
     monkeypatch.delenv(var, raising=False)
     assert acc.PATHS[path] == acc.PATHS[base]
@@ -35,7 +40,8 @@ def test_paths_that_differ_only_in_their_environment(monkeypatch, path, base, va
     assert sorted(acc.PATH_ENV) == sorted(["portable-fp16-bi", "portable-fp16-gguf-moe",
                                            "upstream-bf16-gguf-moe",
                                            "portable-fp16-dense-marlin",
-                                           "upstream-bf16-dense-marlin"])
+                                           "upstream-bf16-dense-marlin",
+                                           "portable-fp16-dense", "upstream-bf16-dense"])
 
 
 def test_which_paths_must_show_marlin_calls(monkeypatch):
@@ -46,7 +52,7 @@ def test_which_paths_must_show_marlin_calls(monkeypatch):
     monkeypatch.delenv("VLLM_BATCH_INVARIANT", raising=False)
     assert {p for p in acc.PATHS if acc.runs_marlin(p)} == {
         "portable-fp16", "portable-bf16", "upstream-bf16", "portable-fp16-dense-marlin",
-        "upstream-bf16-dense-marlin"}
+        "upstream-bf16-dense-marlin", "portable-fp16-dense", "upstream-bf16-dense"}
     monkeypatch.setenv("VLLM_GGUF_MOE_MARLIN", "0")
     assert not any(acc.runs_marlin(p) for p in acc.PATHS)
 
@@ -58,9 +64,22 @@ def test_which_paths_must_show_dense_marlin_layers(monkeypatch):
     monkeypatch.delenv("VLLM_GGUF_DENSE_MARLIN", raising=False)
     monkeypatch.delenv("VLLM_BATCH_INVARIANT", raising=False)
     assert {p for p in acc.PATHS if acc.runs_dense_marlin(p)} == {
-        "portable-fp16-dense-marlin", "upstream-bf16-dense-marlin"}
+        "portable-fp16-dense-marlin", "upstream-bf16-dense-marlin", "portable-fp16-dense",
+        "upstream-bf16-dense"}
     monkeypatch.setenv("VLLM_GGUF_DENSE_MARLIN", "1")
     assert {p for p in acc.PATHS if not acc.runs_dense_marlin(p)} == {"portable-fp16-bi"}
+
+
+def test_which_paths_must_show_q6_k_triton_calls(monkeypatch):
+    """Only the `-dense` paths must run a Q6_K product on linear_q6_k on the Q4_K_M file
+    (the row fails without one counted), or every path where this process turned it on
+    but the batch-invariant one."""
+    monkeypatch.delenv("VLLM_GGUF_Q6_K_TRITON", raising=False)
+    monkeypatch.delenv("VLLM_BATCH_INVARIANT", raising=False)
+    assert {p for p in acc.PATHS if acc.runs_q6_k_triton(p)} == {
+        "portable-fp16-dense", "upstream-bf16-dense"}
+    monkeypatch.setenv("VLLM_GGUF_Q6_K_TRITON", "1")
+    assert {p for p in acc.PATHS if not acc.runs_q6_k_triton(p)} == {"portable-fp16-bi"}
 
 
 def test_table():

@@ -77,6 +77,20 @@ def count_dense_marlin_layers() -> dict[str, int] | None:
     return layers
 
 
+def count_q6_k_triton_calls() -> dict[str, int] | None:
+    """Count the Q6_K products on linear_q6_k's Triton GEMM (in-process engine; with CUDA
+    graphs, the eager steps' and the captures'); None unless VLLM_GGUF_Q6_K_TRITON=1
+    turns it on."""
+    from vllm_gguf_plugin.quantization import linear_q6_k
+
+    if not linear_q6_k.enabled():
+        return None
+
+    calls = {"q6_k": 0}
+    count_into(calls, "q6_k", linear_q6_k, "mul_mat")
+    return calls
+
+
 def attention_backend_name(llm, layer_filter=None) -> str | None:
     """The attention backend the engine's layers use (in-process engine only): those
     whose name `layer_filter` takes, else all."""
@@ -157,6 +171,7 @@ def main():
     calls = count_triton_indexer_calls()
     marlin_calls = count_marlin_moe_calls()
     dense_marlin = count_dense_marlin_layers()
+    q6_k_calls = count_q6_k_triton_calls()
 
     # launches of Hopper's Gluon sparse MLA tiles (none where they cannot run): the
     # warp-specialized one and the 8-head fp8 one
@@ -213,6 +228,7 @@ def main():
         "triton_indexer_calls": calls,
         "marlin_moe_calls": marlin_calls and marlin_calls["moe"],
         "dense_marlin_layers": dense_marlin and dense_marlin["converted"],
+        "q6_k_triton_calls": q6_k_calls and q6_k_calls["q6_k"],
         "outputs": [
             {
                 "prompt_len": len(o.prompt_token_ids),

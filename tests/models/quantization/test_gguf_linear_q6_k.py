@@ -1,0 +1,243 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Q6_K products of a few tokens on a Triton GEMM (vllm_gguf_plugin.quantization.linear_q6_k).
+
+CPU: the kernel (Triton interpreter) against float32 products of gguf-py's dequantization
+of random blocks (every bit of the codes and scales random): token and weight row tails,
+K splits, tiles of 16-64 token rows, padded rows; its launches; where the GGUF product
+takes it (the switch, token counts, dtypes, types, batch invariance); every tile of the
+launch table compiled for SM80, SM90 and SM120 without register spills. GPU: the same
+products at GLM-5's shapes, float16 and bfloat16, 2 to 255 tokens.
+"""
+
+import json
+import sys
+
+import pytest
+import torch
+from gguf import GGMLQuantizationType as T
+
+from benchmarks.kernels import benchmark_gguf_ops as bench
+from tests.models.quantization.test_gguf_moe_prefill import _gguf_dequantize
+
+ARCHS = (80, 90, 120)
+
+
+def q6_k_blocks(rows: int, cols: int, seed: int) -> torch.Tensor:
+    """[rows, cols / 256 * 210] Q6_K blocks: every bit of ql, qh and the int8 scales
+    random, d a finite float16 value of a real file's size."""
+    gen = torch.Generator().manual_seed(seed)
+    nb = rows * cols // 256
+    raw = torch.randint(0, 256, (nb, 210), dtype=torch.uint8, generator=gen)
+    d = (torch.rand(nb, 1, generator=gen) * 2e-4 + 1e-5).half()
+    raw[:, 208:210] = d.view(torch.uint8)
+    return raw.view(rows, -1)
+
+
+def dequantize(blocks: torch.Tensor, k: int) -> torch.Tensor:
+    """gguf-py's float32 values of Q6_K blocks [rows, k / 256 * 210]."""
+    return _gguf_dequantize(blocks, T.Q6_K, blocks.shape[0], k, torch.float32)
+
+
+def _launch(*args):
+    from vllm_gguf_plugin.quantization.linear_q6_k import Q6KLaunch
+
+    return Q6KLaunch(*args)
+
+
+@pytest.mark.parametrize("m,n,k,config", [
+    (2, 64, 256, None),
+    (5, 80, 512, None),  # a tail of weight rows
+    (17, 64, 512, (16, 64, 2, 8)),  # two token tiles, two K splits
+    (40, 96, 768, (32, 64, 1, 8)),  # two token tiles, a tail of each
+    (3, 64, 512, (64, 32, 4, 4)),  # more splits than blocks: two of them empty
+])
+def test_product_is_gguf_pys(m, n, k, config):
+    from vllm_gguf_plugin.quantization import linear_q6_k
+
+    blocks = q6_k_blocks(n, k, m)
+    gen = torch.Generator().manual_seed(n + k)
+    x = (torch.randn(m, k, generator=gen) * k ** -0.5).half()
+    out = linear_q6_k.mul_mat(x, blocks, config=config and _launch(*config))
+    assert out.shape == (m, n) and out.dtype == torch.float16
+    ref = x.float() @ dequantize(blocks, k).T
+    assert bench.rel_error(out, ref) < 2e-3
+
+
+def test_padded_rows_are_read_to_k():
+    """A merged layer's rows may be padded past K's blocks: the tail is not read."""
+    from vllm_gguf_plugin.quantization import linear_q6_k
+
+    n, k = 64, 512
+    blocks = q6_k_blocks(n, k, 3)
+    padded = torch.full((n, blocks.shape[1] + 210), 0x7F, dtype=torch.uint8)
+    padded[:, :blocks.shape[1]] = blocks
+    x = (torch.randn(4, k, generator=torch.Generator().manual_seed(1)) * k ** -0.5).half()
+    torch.testing.assert_close(linear_q6_k.mul_mat(x, padded), linear_q6_k.mul_mat(x, blocks),
+                               rtol=0, atol=0)
+    with pytest.raises(ValueError, match="Q6_K product"):
+        linear_q6_k.mul_mat(x[:, :500], blocks)
+
+
+@pytest.mark.parametrize("m,n,k_blocks", [(2, 2624, 24), (8, 16384, 8), (32, 154880, 24),
+                                          (33, 6144, 64), (64, 6144, 48), (255, 2624, 24),
+                                          (4, 64, 2)])
+def test_launch_fills_the_gpu_within_its_splits(m, n, k_blocks):
+    from triton import cdiv
+    from vllm_gguf_plugin.quantization import linear_q6_k as q6
+
+    sms = 132
+    got = q6.launch(m, n, k_blocks, sms)
+    # the tile of the fewest token rows that holds m, the largest past it
+    fits = [t for most, t in q6.Q6_K_TILES if m <= most]
+    tile = fits[0] if fits else q6.Q6_K_TILES[-1][1]
+    assert (got.block_m, got.block_n, got.num_warps) == (tile.block_m, tile.block_n,
+                                                         tile.num_warps)
+    tiles = cdiv(m, got.block_m) * cdiv(n, got.block_n)
+    split = got.split_k
+    assert split & (split - 1) == 0
+    assert split == 1 or k_blocks // split >= q6.MIN_BLOCKS_A_SPLIT
+    # fewer splits would not fill the GPU; more would read too few blocks each
+    assert split == 1 or tiles * (split // 2) < q6.WAVES * sms
+    assert (tiles * split >= q6.WAVES * sms
+            or k_blocks // (2 * split) < q6.MIN_BLOCKS_A_SPLIT)
+
+
+@pytest.fixture
+def product(monkeypatch):
+    """linear._fused_mul_mat_gguf with each kernel a stand-in that records its name."""
+    from vllm_gguf_plugin.quantization import linear, linear_q6_k
+
+    calls = []
+
+    def named(name):
+        def kernel(*args, **kwargs):
+            calls.append(name)
+            return torch.zeros(1)
+        return kernel
+
+    def dequantize(w, t, n, k, dtype):
+        calls.append("dequant")
+        return torch.zeros(n, k, dtype=dtype)
+
+    monkeypatch.setattr(linear_q6_k, "mul_mat", named("q6_k"))
+    monkeypatch.setattr(linear.ops, "ggml_mul_mat_vec_a8", named("mmvq"))
+    monkeypatch.setattr(linear.ops, "ggml_mul_mat_a8", named("mmq"))
+    monkeypatch.setattr(linear.batch_invariant, "mul_mat", named("batch-invariant"))
+    monkeypatch.setattr(linear.ops, "ggml_dequantize", dequantize)
+    monkeypatch.setattr("vllm.envs.VLLM_BATCH_INVARIANT", False, raising=False)
+
+    def run(tokens, qtype=T.Q6_K, dtype=torch.float16, on=True):
+        monkeypatch.setattr(linear_q6_k, "enabled", lambda: on)
+        calls.clear()
+        linear._fused_mul_mat_gguf(torch.zeros(tokens, 256, dtype=dtype),
+                                   torch.zeros(6144, 210, dtype=torch.uint8), int(qtype))
+        assert len(calls) == 1
+        return calls[0]
+    return run
+
+
+def test_gguf_product_takes_it_where_asked(product, monkeypatch):
+    from vllm_gguf_plugin.quantization.linear import DEQUANT_GEMM_MIN_TOKENS
+
+    assert [product(t) for t in (2, 8, 64, DEQUANT_GEMM_MIN_TOKENS - 1)] == ["q6_k"] * 4
+    assert product(8, dtype=torch.bfloat16) == "q6_k"
+    assert product(1) == "mmvq"  # one token keeps the GEMV
+    assert product(DEQUANT_GEMM_MIN_TOKENS) == "dequant"
+    assert product(8, on=False) == "mmq"
+    assert product(8, qtype=T.Q4_K) == "mmq"
+    assert product(8, dtype=torch.float32) == "mmq"
+    monkeypatch.setattr("vllm.envs.VLLM_BATCH_INVARIANT", True, raising=False)
+    assert product(8) == "batch-invariant"
+
+
+def test_off_unless_asked(monkeypatch):
+    from vllm_gguf_plugin.quantization import linear_q6_k
+
+    for value, on in ((None, False), ("0", False), ("1", True)):
+        if value is None:
+            monkeypatch.delenv(linear_q6_k.Q6_K_ENV, raising=False)
+        else:
+            monkeypatch.setenv(linear_q6_k.Q6_K_ENV, value)
+        linear_q6_k.enabled.cache_clear()
+        assert linear_q6_k.enabled() is on
+    linear_q6_k.enabled.cache_clear()
+
+
+def test_the_accuracy_runs_count_its_calls(monkeypatch):
+    """glm5_generate's count (the accuracy stage fails a `-dense` row without one) sees
+    each product the GGUF op runs here, none of the others, and is off with the switch."""
+    from tests.models.glm5_generate import count_q6_k_triton_calls
+    from vllm_gguf_plugin.quantization import linear, linear_q6_k
+
+    monkeypatch.setattr(linear_q6_k, "mul_mat", linear_q6_k.mul_mat)  # restored after
+    monkeypatch.setattr(linear.ops, "ggml_mul_mat_vec_a8", lambda *a: torch.zeros(1))
+    monkeypatch.setattr("vllm.envs.VLLM_BATCH_INVARIANT", False, raising=False)
+    monkeypatch.setattr(linear_q6_k, "enabled", lambda: False)
+    assert count_q6_k_triton_calls() is None
+    monkeypatch.setattr(linear_q6_k, "enabled", lambda: True)
+    counted = count_q6_k_triton_calls()
+    blocks = q6_k_blocks(64, 256, 2)
+    for tokens in (3, 1, 2):
+        x = torch.randn(tokens, 256).half()
+        linear._fused_mul_mat_gguf(x, blocks, int(T.Q6_K))
+    assert counted == {"q6_k": 2}
+
+
+def compile_tiles(arch: int) -> list[dict]:
+    """Every tile of the launch table, float16 and bfloat16, one K split and several,
+    compiled for `arch` (in a plain process): registers and spills."""
+    from tests.v1.attention.test_triton_mla_sparse_targets import (
+        compile_kernel,
+        real_triton,
+        resource_usage,
+    )
+
+    real_triton()
+    from vllm_gguf_plugin.quantization import linear_q6_k as q6
+
+    out = []
+    for (_, tile), dtype, split in ((t, d, s) for t in q6.Q6_K_TILES
+                                    for d in ("fp16", "bf16") for s in (1, 2)):
+        sig = {"x_ptr": f"*{dtype}", "w_ptr": "*u8",
+               "y_ptr": f"*{dtype}" if split == 1 else "*fp32"}
+        sig.update({name: "i32" for name in ("M", "N", "K_BLOCKS", "stride_xm",
+                                             "stride_wn", "stride_ys", "stride_ym")})
+        kernel = compile_kernel(
+            q6._q6_k_gemm_kernel, arch, sig,
+            {"BLOCK_M": tile.block_m, "BLOCK_N": tile.block_n, "SPLIT_K": split},
+            ["x_ptr", "y_ptr", "stride_xm", "stride_ys", "stride_ym"],
+            {"num_warps": tile.num_warps})
+        out.append({"tile": [tile.block_m, tile.block_n, tile.num_warps], "dtype": dtype,
+                    "split": split, **resource_usage(kernel.asm["cubin"])})
+    return out
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_tiles_compile_without_spills(run_without_gpu, arch):
+    """A tile that spills registers goes through local memory in its main loop; the
+    table's tiles must not, on any GPU generation that runs them."""
+    from vllm_gguf_plugin.quantization.linear_q6_k import Q6_K_TILES
+
+    compiled = run_without_gpu(__name__, str(arch), timeout=900)
+    assert len(compiled) == len(Q6_K_TILES) * 4
+    assert [c for c in compiled if c["spills"]] == []
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype,limit", [(torch.float16, 0.002), (torch.bfloat16, 0.01)])
+@pytest.mark.parametrize("tokens", [2, 8, 33, 64, 255])
+@pytest.mark.parametrize("n,k", [(2624, 6144), (6144, 16384)])  # qkv_a, o_proj
+def test_product_matches_float32(dtype, limit, tokens, n, k):
+    from vllm_gguf_plugin.quantization import linear_q6_k
+
+    blocks = q6_k_blocks(n, k, tokens).cuda()
+    gen = torch.Generator(device="cuda").manual_seed(tokens)
+    x = (torch.randn(tokens, k, device="cuda", generator=gen) * k ** -0.5).to(dtype)
+    out = linear_q6_k.mul_mat(x, blocks)
+    assert out.dtype == dtype
+    ref = x.float() @ dequantize(blocks, k).T
+    assert bench.rel_error(out, ref) < limit
+
+
+if __name__ == "__main__":
+    print(json.dumps(compile_tiles(int(sys.argv[1]))))

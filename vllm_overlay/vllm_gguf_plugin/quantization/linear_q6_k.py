@@ -1,0 +1,152 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Q6_K linear products of a few tokens on a Triton GEMM over the file's blocks.
+
+From 2 tokens the plugin runs Q6_K on MMQ (int8 activations), whose time grows with
+every token: at GLM-5's shapes it ran slower than dequantizing the weight and running a
+16-bit GEMM from 8-32 tokens on (docs/results.md, "Dense products: Q4_K on vLLM's
+Marlin GEMM"), and its Triton GEMM takes K 16 values at a time. Q6_K has no Marlin form
+(a scale per 16 values). This kernel reads each weight row's 210-byte blocks once per
+tile of token rows, multiplies each 16-value sub-block's codes (exact in 16 bits) by
+16-bit activations on tensor cores and scales the float32 result, split along K where
+the output tiles do not fill the GPU.
+
+Off unless VLLM_GGUF_Q6_K_TRITON=1: its speed is not measured yet. Then a Q6_K product
+of Q6_K_MIN_TOKENS up to linear.DEQUANT_GEMM_MIN_TOKENS tokens with float16 or bfloat16
+activations runs here; other counts keep the plugin's kernels.
+"""
+
+import dataclasses
+import functools
+import os
+
+import torch
+from gguf import GGMLQuantizationType
+from vllm.triton_utils import tl, triton
+
+Q6_K = int(GGMLQuantizationType.Q6_K)
+Q6_K_BLOCK, Q6_K_BYTES = 256, 210  # values and bytes of a block: ql 128, qh 64, scales 16, d 2
+Q6_K_ENV = "VLLM_GGUF_Q6_K_TRITON"
+Q6_K_MIN_TOKENS = 2  # one token keeps the plugin's GEMV (MMVQ)
+
+
+@functools.cache
+def enabled() -> bool:
+    """On only with VLLM_GGUF_Q6_K_TRITON=1 (read once)."""
+    return os.environ.get(Q6_K_ENV, "0").strip() == "1"
+
+
+def takes(x: torch.Tensor, qweight_type: int, max_tokens: int) -> bool:
+    """Whether a product of x [M, K] with a weight of this type runs here."""
+    return (qweight_type == Q6_K and Q6_K_MIN_TOKENS <= x.shape[0] < max_tokens
+            and x.dtype in (torch.float16, torch.bfloat16) and enabled())
+
+
+@dataclasses.dataclass(frozen=True)
+class Q6KLaunch:
+    """One launch of the kernel: token rows and weight rows a tile, K splits, warps."""
+
+    block_m: int
+    block_n: int
+    split_k: int = 1
+    num_warps: int = 4
+
+
+# (most tokens, the tile): the fewest token tiles, in registers without spills on SM80,
+# SM90 and SM120 (tests/models/quantization/test_gguf_linear_q6_k.py compiles them)
+Q6_K_TILES = ((16, Q6KLaunch(16, 64, num_warps=8)),
+              (32, Q6KLaunch(32, 64, num_warps=8)),
+              (64, Q6KLaunch(64, 32, num_warps=4)))
+MIN_BLOCKS_A_SPLIT = 4  # a K split reads at least this many blocks of a row
+WAVES = 2  # programs to fill the GPU: this many per SM
+
+
+def launch(m: int, n: int, k_blocks: int, sms: int) -> Q6KLaunch:
+    """The launch of an [m, K] x [n, K]^T product, K = k_blocks * 256: the tile of the
+    fewest tokens that holds m (the largest past 64), then K split in two until the tiles
+    fill WAVES programs per SM or a split would read fewer than MIN_BLOCKS_A_SPLIT blocks
+    of a row."""
+    tile = next((t for most, t in Q6_K_TILES if m <= most), Q6_K_TILES[-1][1])
+    tiles = triton.cdiv(m, tile.block_m) * triton.cdiv(n, tile.block_n)
+    split_k = 1
+    while tiles * split_k < WAVES * sms and k_blocks // (2 * split_k) >= MIN_BLOCKS_A_SPLIT:
+        split_k *= 2
+    return dataclasses.replace(tile, split_k=split_k)
+
+
+@triton.jit
+def _q6_k_gemm_kernel(x_ptr, w_ptr, y_ptr, M, N, K_BLOCKS, stride_xm, stride_wn,
+                      stride_ys, stride_ym,
+                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr):
+    """y[s] = x @ dequant(w).T over the blocks s, s + SPLIT_K, ... of each row.
+
+    A Q6_K block (ggml's block_q6_K) holds 256 values as two halves of 128; in half h,
+    value 32 * c + 16 * j + l (quarter c, sub-block j, l < 16) is q - 32 times d *
+    scales[8h + 2c + j], q = low | high << 4, low the low (c < 2) or high nibble of
+    ql[64h + 32 * (c % 2) + 16j + l], high bits 2c, 2c + 1 of qh[32h + 16j + l]; ql at
+    byte 0, qh at 128, the int8 scales at 192, d (float16) at 208. Each sub-block's
+    q - 32 (exact in 16 bits) goes through the dot and its scale multiplies the float32
+    result, so that no weight is rounded.
+    """
+    pid_n = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    pid_k = tl.program_id(2)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_l = tl.arange(0, 16)
+    m_mask = offs_m < M
+    n_mask = offs_n < N
+    rows = w_ptr + offs_n.to(tl.int64) * stride_wn
+    x_rows = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for kb in range(pid_k, K_BLOCKS, SPLIT_K):
+        blk = rows + kb * 210
+        d_bits = (tl.load(blk + 208, mask=n_mask, other=0).to(tl.uint16)
+                  | (tl.load(blk + 209, mask=n_mask, other=0).to(tl.uint16) << 8))
+        d = d_bits.to(tl.float16, bitcast=True).to(tl.float32)
+        for h in range(2):  # a loop, not unrolled: a half-block's tiles live at a time
+            for j in tl.static_range(2):
+                qh = tl.load(blk[:, None] + (128 + 32 * h + 16 * j + offs_l)[None, :],
+                             mask=n_mask[:, None], other=0)
+                for odd in tl.static_range(2):
+                    ql = tl.load(blk[:, None] + (64 * h + 32 * odd + 16 * j + offs_l)[None, :],
+                                 mask=n_mask[:, None], other=0)
+                    for nibble in tl.static_range(2):
+                        c = odd + 2 * nibble
+                        low = (ql >> 4) if nibble == 1 else (ql & 0xF)
+                        q = (low | (((qh >> (2 * c)) & 0x3) << 4)).to(tl.int32) - 32
+                        sc = tl.load(blk + 192 + 8 * h + 2 * c + j, mask=n_mask, other=0)
+                        scale = sc.to(tl.int8, bitcast=True).to(tl.float32) * d
+                        xs = tl.load(x_rows + (kb * 256 + 128 * h + 32 * c + 16 * j
+                                               + offs_l)[None, :],
+                                     mask=m_mask[:, None], other=0.0)
+                        part = tl.dot(xs, tl.trans(q.to(x_ptr.dtype.element_ty)))
+                        acc += part * scale[None, :]
+    y = y_ptr + pid_k * stride_ys + offs_m[:, None] * stride_ym + offs_n[None, :]
+    tl.store(y, acc.to(y_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+
+
+@functools.cache
+def _sms(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def mul_mat(x: torch.Tensor, qweight: torch.Tensor, n: int | None = None,
+            config: Q6KLaunch | None = None) -> torch.Tensor:
+    """x [M, K] (float16/bfloat16) @ dequant(qweight).T, qweight [n, >= K / 256 * 210]
+    Q6_K blocks (a padded row's tail is not read); [M, n] in x's dtype."""
+    m, k = x.shape
+    n = qweight.shape[0] if n is None else n
+    if k % Q6_K_BLOCK or qweight.shape[1] < k // Q6_K_BLOCK * Q6_K_BYTES:
+        raise ValueError(f"Q6_K product: {k} inputs against rows of {qweight.shape[1]} bytes")
+    x = x.contiguous()
+    k_blocks = k // Q6_K_BLOCK
+    if config is None:
+        config = launch(m, n, k_blocks, _sms(x.device) if x.is_cuda else 1)
+    out = torch.empty((config.split_k, m, n), device=x.device,
+                      dtype=x.dtype if config.split_k == 1 else torch.float32)
+    grid = (triton.cdiv(n, config.block_n), triton.cdiv(m, config.block_m), config.split_k)
+    _q6_k_gemm_kernel[grid](x, qweight, out, m, n, k_blocks, x.stride(0), qweight.stride(0),
+                            out.stride(0), out.stride(1), BLOCK_M=config.block_m,
+                            BLOCK_N=config.block_n, SPLIT_K=config.split_k,
+                            num_warps=config.num_warps)
+    return out[0] if config.split_k == 1 else out.sum(0).to(x.dtype)
