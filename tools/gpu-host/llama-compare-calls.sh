@@ -14,9 +14,10 @@
 #   stages      gpu-checks.sh's stages: install; the Marlin GPU tests (MoE and dense, or the
 #               files in MARLIN_TESTS; MARLIN_S seconds; MARLIN_S=0 skips them); ggufops, the
 #               MoE kernel benchmark (MOE_TYPES, MOE_TOKENS, MOE_BM, MOE_S seconds; MOE_S=0
-#               skips it) while llama.cpp builds; then llamaacc, the accuracy stage (ACC_PATHS,
-#               ACC_ROUND; ACC_S seconds, ACC_S=0 skips it and `compare` starts at once),
-#               detached so that the call's end does not cut it
+#               skips it; OPS_ARGS: the benchmark's arguments instead) while llama.cpp
+#               builds; then llamaacc, the accuracy stage (ACC_PATHS, ACC_ROUND; ACC_S
+#               seconds, ACC_S=0 skips it and `compare` starts at once), detached so that
+#               the call's end does not cut it
 #   compare 2L  (then compare 3L, compare 3Lq6) waits for the accuracy stage and the file,
 #               runs glm5_vs_llama_cpp.py (PATHS_VS, REPS; PROFILE=1: both sides profiled,
 #               NCU), and --per-layer for 2L against each 3-layer report present (3L adds
@@ -95,8 +96,8 @@ EOF
         -p no:cacheprovider -p no:warnings > "$out/moe/marlin-tests.log" 2>&1
       echo "marlin tests rc=$?"; grep -cE "PASSED|FAILED" "$out/moe/marlin-tests.log"; tail -3 "$out/moe/marlin-tests.log"
     fi
-    [ "${MOE_S:-200}" = 0 ] || GGUF_OPS_TIMEOUT="${MOE_S:-200}" GGUF_OPS_ARGS="--ops moe --types ${MOE_TYPES:-Q4_K Q4_K/Q6_K} \
---tokens ${MOE_TOKENS:-8 32 64} --triton-block-m ${MOE_BM:-16}" \
+    [ "${MOE_S:-200}" = 0 ] || GGUF_OPS_TIMEOUT="${MOE_S:-200}" GGUF_OPS_ARGS="${OPS_ARGS:---ops moe \
+--types ${MOE_TYPES:-Q4_K Q4_K/Q6_K} --tokens ${MOE_TOKENS:-8 32 64} --triton-block-m ${MOE_BM:-16}}" \
       bash tools/gpu-host/gpu-checks.sh /tmp/parts "$out/moe" ggufops
     echo "moe rc=$?"
     [ "${ACC_S:-900}" = 0 ] && { where; exit 0; }
