@@ -21,8 +21,8 @@ index_topk, then 32 greedy tokens):
   products below 256 tokens and experts below 1024 (Q4_K experts run vLLM's Marlin MoE on
   16-bit activations, except under batch invariance); `-gguf-moe`: VLLM_GGUF_MOE_MARLIN=0,
   those on the GGUF kernels too; `-dense-marlin`: VLLM_GGUF_DENSE_MARLIN=1, the Q4_K linear
-  layers on vLLM's Marlin GEMM; `-dense`: that and VLLM_GGUF_Q6_K_TRITON=1, the Q6_K ones
-  of 2-255 tokens on linear_q6_k's Triton GEMM);
+  layers on vLLM's Marlin GEMM; `-dense`: that and VLLM_GGUF_Q6_K_TRITON=1, the Q6_K
+  products of 2-255 tokens (linear and down experts) on q6_k_triton's Triton GEMMs);
 - llama.cpp: benchmarks/llama_cpp_logits.py on libllama.so of `--llama-lib` (all layers
   on the GPU unless --llama-gpu-layers, prompt in one batch);
 - rounding alone: transformers on the same dequantized weights in each dtype of
@@ -68,7 +68,7 @@ PATHS = {
     "upstream-bf16-dense-marlin": {"dtype": "bfloat16"},
     "portable-fp16-dense-marlin": {"attention_backend": "TRITON_MLA_SPARSE",
                                    "indexer": "triton", "dtype": "float16"},
-    # the same with the Q6_K linear layers of 2-255 tokens on linear_q6_k's GEMM too
+    # the same with the Q6_K products of 2-255 tokens on q6_k_triton's GEMMs too
     "upstream-bf16-dense": {"dtype": "bfloat16"},
     "portable-fp16-dense": {"attention_backend": "TRITON_MLA_SPARSE", "indexer": "triton",
                             "dtype": "float16"},
@@ -91,7 +91,7 @@ def runs_dense_marlin(path: str) -> bool:
 
 
 def runs_q6_k_triton(path: str) -> bool:
-    """Whether a path runs Q6_K products of 2-255 tokens on linear_q6_k's GEMM (only with
+    """Whether a path runs Q6_K products of 2-255 tokens on q6_k_triton's GEMMs (only with
     VLLM_GGUF_Q6_K_TRITON=1, not under batch invariance)."""
     env = path_env(path) or os.environ
     return env.get("VLLM_GGUF_Q6_K_TRITON", "0") == "1" and env.get(
@@ -194,7 +194,7 @@ def main():
             raise RuntimeError(f"{path}: no linear layer converted for Marlin ({dense!r})")
         q6_k = res.get("q6_k_triton_calls")
         if source == "gguf-Q4_K_M" and runs_q6_k_triton(path) and not q6_k:
-            raise RuntimeError(f"{path}: no Q6_K product ran on linear_q6_k ({q6_k!r})")
+            raise RuntimeError(f"{path}: no Q6_K product ran on q6_k_triton ({q6_k!r})")
         return {**compare(ref, res), "attention_backend": res.get("attention_backend"),
                 "indexer_backend": res["indexer_backend"], "dtype": res["dtype"],
                 "marlin_moe_calls": marlin, "dense_marlin_layers": dense,

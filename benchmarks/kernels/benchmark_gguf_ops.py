@@ -22,7 +22,7 @@ Paths (a path a type has no kernel for is left out):
   `mmvq` (CUDA, int8 activations, a row at a time), `mmq` (CUDA, int8 activations,
   tiled), `triton` (the plugin's Triton GEMM, 16-bit activations), `marlin` (Q4_K: the
   file's values on vLLM's Marlin GEMM plus their b-part, linear_marlin's; what the engine
-  runs under VLLM_GGUF_DENSE_MARLIN=1), `q6k` (Q6_K: linear_q6_k's Triton GEMM over the
+  runs under VLLM_GGUF_DENSE_MARLIN=1), `q6k` (Q6_K: q6_k_triton's Triton GEMM over the
   file's blocks, what the engine runs from 2 tokens under VLLM_GGUF_Q6_K_TRITON=1),
   `dequant` (dequantize to 16 bits, then torch.mm), and
   `mm16` (torch.mm on the weights dequantized beforehand: the 16-bit tensor-core bound,
@@ -32,7 +32,9 @@ Paths (a path a type has no kernel for is left out):
   tokens per tile; the plugin runs B = 4), `marlin` (Q4_K gate_up: the overlay's moe_marlin,
   the file's values on vLLM's Marlin MoE plus their b-part, a down product of another
   type on the GGUF kernels: what the engine runs for such layers unless
-  VLLM_GGUF_MOE_MARLIN=0), `dequant` (all experts dequantized, then vLLM's fused_experts), `fused16`
+  VLLM_GGUF_MOE_MARLIN=0), `marlin-q6k` (Q4_K/Q6_K: `marlin` with the Q6_K down product on
+  q6_k_triton's routed GEMM, as under VLLM_GGUF_Q6_K_TRITON=1), `dequant` (all experts
+  dequantized, then vLLM's fused_experts), `fused16`
   (vLLM's fused_experts on weights dequantized beforehand: the 16-bit bound) and `marlin4`
   (vLLM's Marlin MoE, a tensor-core int4 kernel, on the dequantized experts quantized
   again to GPTQ's symmetric int4 with a scale per group of 32: the speed an int4 kernel
@@ -159,7 +161,7 @@ def dense_case(qtype: str, name: str, tokens, dtype=torch.float16, gen=None,
     import gguf
     from vllm_gguf_plugin import ops
     from vllm_gguf_plugin.quantization import fused_mul_mat_gguf  # registers the op
-    from vllm_gguf_plugin.quantization import linear_q6_k
+    from vllm_gguf_plugin.quantization import q6_k_triton
     from vllm_gguf_plugin.quantization.utils import MMQ_QUANT_TYPES, MMVQ_QUANT_TYPES
     from vllm_gguf_plugin.triton.gemm.interface import ggml_mul_mat_a8_triton
 
@@ -177,7 +179,7 @@ def dense_case(qtype: str, name: str, tokens, dtype=torch.float16, gen=None,
         if qtype == "Q4_K":
             paths["marlin"] = functools.partial(_marlin_dense, marlin, w, x)
         if qtype == "Q6_K":
-            paths["q6k"] = functools.partial(linear_q6_k.mul_mat, x, w)
+            paths["q6k"] = functools.partial(q6_k_triton.mul_mat, x, w)
         if t in MMVQ_QUANT_TYPES and m <= 16:
             paths["mmvq"] = lambda: ops.ggml_mul_mat_vec_a8(w, x, t, n)
         if t in MMQ_QUANT_TYPES:
@@ -293,6 +295,9 @@ def moe_case(qtype: str, tokens, dtype=torch.float16, gen=None,
         if q1 == "Q4_K" and t2 in MMVQ_QUANT_TYPES:
             paths["marlin"] = functools.partial(_marlin_moe, marlin_q4k, w13, w2, x, topk_w,
                                                 topk_ids, t2)
+        if q1 == "Q4_K" and q2 == "Q6_K":
+            paths["marlin-q6k"] = functools.partial(_marlin_moe, marlin_q4k, w13, w2, x,
+                                                    topk_w, topk_ids, t2, q6k=True)
         paths["dequant"] = lambda: fused_experts(x, *deq(), topk_w, topk_ids, activation=silu)
         paths["fused16"] = lambda: fused_experts(x, w13_16, w2_16, topk_w, topk_ids,
                                                  activation=silu)
@@ -364,16 +369,23 @@ def _marlin4_moe(marlin: list, w13_16, w2_16, x, topk_w, topk_ids) -> torch.Tens
                             global_num_experts=w13_16.shape[0])
 
 
-def _marlin_moe(marlin: list, w13, w2, x, topk_w, topk_ids, t2) -> torch.Tensor:
+def _marlin_moe(marlin: list, w13, w2, x, topk_w, topk_ids, t2, q6k=False) -> torch.Tensor:
     """The overlay's Marlin MoE as the engine runs it (moe_marlin: the Q4_K experts in
     Marlin's layout plus their b-part, made into `marlin` once; a down product of another
-    type on the GGUF kernels, fused_moe.marlin_fused_moe)."""
+    type on the GGUF kernels, fused_moe.marlin_fused_moe; with q6k, a Q6_K one on
+    q6_k_triton's routed GEMM, as under VLLM_GGUF_Q6_K_TRITON=1)."""
+    from functools import partial
+
     from vllm.model_executor.layers.fused_moe.activation import MoEActivation
-    from vllm_gguf_plugin.quantization import fused_moe, moe_marlin
+    from vllm_gguf_plugin.quantization import fused_moe, moe_marlin, q6_k_triton
 
     if not marlin:
         marlin += [moe_marlin.marlin_experts(w13, x.dtype),
                    moe_marlin.marlin_experts(w2, x.dtype) if t2 == moe_marlin.Q4_K else None]
+    if q6k:
+        down = partial(q6_k_triton.moe_mul_mat, w=w2, topk_ids=topk_ids)
+        return moe_marlin.fused_moe(x, marlin[0], None, topk_w, topk_ids, MoEActivation.SILU,
+                                    down)
     return fused_moe.marlin_fused_moe(x, marlin, w2, t2, topk_w, topk_ids, MoEActivation.SILU)
 
 

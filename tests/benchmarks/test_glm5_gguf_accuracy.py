@@ -71,7 +71,7 @@ def test_which_paths_must_show_dense_marlin_layers(monkeypatch):
 
 
 def test_which_paths_must_show_q6_k_triton_calls(monkeypatch):
-    """Only the `-dense` paths must run a Q6_K product on linear_q6_k on the Q4_K_M file
+    """Only the `-dense` paths must run a Q6_K product on q6_k_triton on the Q4_K_M file
     (the row fails without one counted), or every path where this process turned it on
     but the batch-invariant one."""
     monkeypatch.delenv("VLLM_GGUF_Q6_K_TRITON", raising=False)

@@ -78,16 +78,17 @@ def count_dense_marlin_layers() -> dict[str, int] | None:
 
 
 def count_q6_k_triton_calls() -> dict[str, int] | None:
-    """Count the Q6_K products on linear_q6_k's Triton GEMM (in-process engine; with CUDA
-    graphs, the eager steps' and the captures'); None unless VLLM_GGUF_Q6_K_TRITON=1
-    turns it on."""
-    from vllm_gguf_plugin.quantization import linear_q6_k
+    """Count the Q6_K products, linear and routed, on q6_k_triton's Triton GEMMs
+    (in-process engine; with CUDA graphs, the eager steps' and the captures'); None
+    unless VLLM_GGUF_Q6_K_TRITON=1 turns them on."""
+    from vllm_gguf_plugin.quantization import q6_k_triton
 
-    if not linear_q6_k.enabled():
+    if not q6_k_triton.enabled():
         return None
 
     calls = {"q6_k": 0}
-    count_into(calls, "q6_k", linear_q6_k, "mul_mat")
+    for name in ("mul_mat", "moe_mul_mat"):
+        count_into(calls, "q6_k", q6_k_triton, name)
     return calls
 
 

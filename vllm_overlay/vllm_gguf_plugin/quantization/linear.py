@@ -15,7 +15,7 @@ from vllm.utils.torch_utils import direct_register_custom_op
 from .. import ops
 from . import batch_invariant  # overlay: batch-invariant products
 from . import linear_marlin  # overlay: Q4_K weights on vLLM's Marlin GEMM
-from . import linear_q6_k  # overlay: Q6_K products of a few tokens on a Triton GEMM
+from . import q6_k_triton  # overlay: Q6_K products of a few tokens on a Triton GEMM
 from .params import (
     GGUFUninitializedWeightParameter,
     GGUFUninitializedWeightTypeParameter,
@@ -54,9 +54,9 @@ def _fused_mul_mat_gguf(
     # overlay: under VLLM_BATCH_INVARIANT one kernel for every token count
     if envs.VLLM_BATCH_INVARIANT:
         return batch_invariant.mul_mat(x, qweight, qweight_type)
-    # overlay: Q6_K from 2 tokens on linear_q6_k's GEMM where asked
-    if linear_q6_k.takes(x, qweight_type, DEQUANT_GEMM_MIN_TOKENS):
-        return linear_q6_k.mul_mat(x, qweight, qweight.shape[0])
+    # overlay: Q6_K from 2 tokens on q6_k_triton's GEMM where asked
+    if q6_k_triton.takes(x, qweight_type):
+        return q6_k_triton.mul_mat(x, qweight, qweight.shape[0])
     if x.shape[0] <= mmvq_safe and qweight_type in MMVQ_QUANT_TYPES:
         y = ops.ggml_mul_mat_vec_a8(qweight, x, qweight_type, qweight.shape[0])
     # overlay: MMQ only below DEQUANT_GEMM_MIN_TOKENS

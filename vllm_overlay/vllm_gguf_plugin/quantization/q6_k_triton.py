@@ -1,18 +1,22 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Q6_K linear products of a few tokens on a Triton GEMM over the file's blocks.
+"""Q6_K products of a few tokens on Triton GEMMs over the file's blocks: linear layers,
+and the routed down products of an MoE layer whose gate_up runs on Marlin.
 
 From 2 tokens the plugin runs Q6_K on MMQ (int8 activations), whose time grows with
 every token: at GLM-5's shapes it ran slower than dequantizing the weight and running a
 16-bit GEMM from 8-32 tokens on (docs/results.md, "Dense products: Q4_K on vLLM's
 Marlin GEMM"), and its Triton GEMM takes K 16 values at a time. Q6_K has no Marlin form
-(a scale per 16 values). This kernel reads each weight row's 210-byte blocks once per
-tile of token rows, multiplies each 16-value sub-block's codes (exact in 16 bits) by
-16-bit activations on tensor cores and scales the float32 result, split along K where
-the output tiles do not fill the GPU.
+(a scale per 16 values), and a Q4_K_M file keeps the output head and about half of its
+layers' ffn_down (experts included) at Q6_K. These kernels read each weight row's
+210-byte blocks once per tile of token rows, multiply each 16-value sub-block's codes
+(exact in 16 bits) by 16-bit activations on tensor cores and scale the float32 result;
+a linear product splits along K where its output tiles do not fill the GPU, a routed
+one takes moe_align_block_size's blocks of rows of one expert.
 
-Off unless VLLM_GGUF_Q6_K_TRITON=1: its speed is not measured yet. Then a Q6_K product
-of Q6_K_MIN_TOKENS up to linear.DEQUANT_GEMM_MIN_TOKENS tokens with float16 or bfloat16
-activations runs here; other counts keep the plugin's kernels.
+Off unless VLLM_GGUF_Q6_K_TRITON=1: their speed is not measured yet. Then a Q6_K
+product of Q6_K_MIN_TOKENS up to MAX_TOKENS tokens with float16 or bfloat16 activations
+runs here (a routed down product counts the layer's tokens, not its rows); other counts
+keep the plugin's kernels.
 """
 
 import dataclasses
@@ -27,6 +31,7 @@ Q6_K = int(GGMLQuantizationType.Q6_K)
 Q6_K_BLOCK, Q6_K_BYTES = 256, 210  # values and bytes of a block: ql 128, qh 64, scales 16, d 2
 Q6_K_ENV = "VLLM_GGUF_Q6_K_TRITON"
 Q6_K_MIN_TOKENS = 2  # one token keeps the plugin's GEMV (MMVQ)
+MAX_TOKENS = 256  # linear.DEQUANT_GEMM_MIN_TOKENS: from there on a prefill's dequantized GEMM
 
 
 @functools.cache
@@ -35,9 +40,11 @@ def enabled() -> bool:
     return os.environ.get(Q6_K_ENV, "0").strip() == "1"
 
 
-def takes(x: torch.Tensor, qweight_type: int, max_tokens: int) -> bool:
-    """Whether a product of x [M, K] with a weight of this type runs here."""
-    return (qweight_type == Q6_K and Q6_K_MIN_TOKENS <= x.shape[0] < max_tokens
+def takes(x: torch.Tensor, qweight_type: int, tokens: int | None = None) -> bool:
+    """Whether a product of x [rows, K] with a weight of this type over `tokens` tokens
+    (x's rows unless given) runs here."""
+    tokens = x.shape[0] if tokens is None else tokens
+    return (qweight_type == Q6_K and Q6_K_MIN_TOKENS <= tokens < MAX_TOKENS
             and x.dtype in (torch.float16, torch.bfloat16) and enabled())
 
 
@@ -52,10 +59,12 @@ class Q6KLaunch:
 
 
 # (most tokens, the tile): the fewest token tiles, in registers without spills on SM80,
-# SM90 and SM120 (tests/models/quantization/test_gguf_linear_q6_k.py compiles them)
+# SM90 and SM120 (tests/models/quantization/test_gguf_q6_k_triton.py compiles them)
 Q6_K_TILES = ((16, Q6KLaunch(16, 64, num_warps=8)),
               (32, Q6KLaunch(32, 64, num_warps=8)),
               (64, Q6KLaunch(64, 32, num_warps=4)))
+# routed rows: at 2-255 tokens GLM-5's top-8 of 256 experts gives an expert 0-8 rows
+MOE_TILE = Q6KLaunch(16, 64, num_warps=8)
 MIN_BLOCKS_A_SPLIT = 4  # a K split reads at least this many blocks of a row
 WAVES = 2  # programs to fill the GPU: this many per SM
 
@@ -74,10 +83,11 @@ def launch(m: int, n: int, k_blocks: int, sms: int) -> Q6KLaunch:
 
 
 @triton.jit
-def _q6_k_gemm_kernel(x_ptr, w_ptr, y_ptr, M, N, K_BLOCKS, stride_xm, stride_wn,
-                      stride_ys, stride_ym,
-                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr):
-    """y[s] = x @ dequant(w).T over the blocks s, s + SPLIT_K, ... of each row.
+def _q6_k_rows_dot(x_rows, m_mask, rows, n_mask, k_first, K_BLOCKS, SPLIT_K: tl.constexpr,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """x_rows [BLOCK_M] (pointers to activation rows) times the Q6_K weight rows `rows`
+    [BLOCK_N] (pointers to their first block) over the blocks k_first, k_first + SPLIT_K,
+    ...: [BLOCK_M, BLOCK_N] float32.
 
     A Q6_K block (ggml's block_q6_K) holds 256 values as two halves of 128; in half h,
     value 32 * c + 16 * j + l (quarter c, sub-block j, l < 16) is q - 32 times d *
@@ -87,18 +97,9 @@ def _q6_k_gemm_kernel(x_ptr, w_ptr, y_ptr, M, N, K_BLOCKS, stride_xm, stride_wn,
     q - 32 (exact in 16 bits) goes through the dot and its scale multiplies the float32
     result, so that no weight is rounded.
     """
-    pid_n = tl.program_id(0)
-    pid_m = tl.program_id(1)
-    pid_k = tl.program_id(2)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_l = tl.arange(0, 16)
-    m_mask = offs_m < M
-    n_mask = offs_n < N
-    rows = w_ptr + offs_n.to(tl.int64) * stride_wn
-    x_rows = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for kb in range(pid_k, K_BLOCKS, SPLIT_K):
+    for kb in range(k_first, K_BLOCKS, SPLIT_K):
         blk = rows + kb * 210
         d_bits = (tl.load(blk + 208, mask=n_mask, other=0).to(tl.uint16)
                   | (tl.load(blk + 209, mask=n_mask, other=0).to(tl.uint16) << 8))
@@ -116,13 +117,52 @@ def _q6_k_gemm_kernel(x_ptr, w_ptr, y_ptr, M, N, K_BLOCKS, stride_xm, stride_wn,
                         q = (low | (((qh >> (2 * c)) & 0x3) << 4)).to(tl.int32) - 32
                         sc = tl.load(blk + 192 + 8 * h + 2 * c + j, mask=n_mask, other=0)
                         scale = sc.to(tl.int8, bitcast=True).to(tl.float32) * d
-                        xs = tl.load(x_rows + (kb * 256 + 128 * h + 32 * c + 16 * j
-                                               + offs_l)[None, :],
+                        xs = tl.load(x_rows[:, None] + (kb * 256 + 128 * h + 32 * c + 16 * j
+                                                        + offs_l)[None, :],
                                      mask=m_mask[:, None], other=0.0)
-                        part = tl.dot(xs, tl.trans(q.to(x_ptr.dtype.element_ty)))
+                        part = tl.dot(xs, tl.trans(q.to(xs.dtype)))
                         acc += part * scale[None, :]
+    return acc
+
+
+@triton.jit
+def _q6_k_gemm_kernel(x_ptr, w_ptr, y_ptr, M, N, K_BLOCKS, stride_xm, stride_wn,
+                      stride_ys, stride_ym,
+                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr):
+    """y[s] = x @ dequant(w).T over the blocks s, s + SPLIT_K, ... of each row."""
+    pid_n = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    pid_k = tl.program_id(2)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_mask = offs_m < M
+    n_mask = offs_n < N
+    acc = _q6_k_rows_dot(x_ptr + offs_m.to(tl.int64) * stride_xm, m_mask,
+                         w_ptr + offs_n.to(tl.int64) * stride_wn, n_mask, pid_k, K_BLOCKS,
+                         SPLIT_K, BLOCK_M, BLOCK_N)
     y = y_ptr + pid_k * stride_ys + offs_m[:, None] * stride_ym + offs_n[None, :]
     tl.store(y, acc.to(y_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+
+
+@triton.jit
+def _q6_k_moe_kernel(x_ptr, w_ptr, y_ptr, sorted_ids_ptr, expert_ids_ptr, padded_ptr, M, N,
+                     K_BLOCKS, stride_xm, stride_we, stride_wn, stride_ym,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Routed rows: y[r] = x[r] @ dequant(w[e]).T for the rows r that moe_align_block_size
+    sorted into the BLOCK_M-row block pid_m of expert e (padding ids are M or more)."""
+    pid_n = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    if pid_m * BLOCK_M < tl.load(padded_ptr):
+        ids = tl.load(sorted_ids_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+        m_mask = ids < M
+        expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_mask = offs_n < N
+        acc = _q6_k_rows_dot(x_ptr + ids.to(tl.int64) * stride_xm, m_mask,
+                             w_ptr + expert * stride_we + offs_n.to(tl.int64) * stride_wn,
+                             n_mask, 0, K_BLOCKS, 1, BLOCK_M, BLOCK_N)
+        y = y_ptr + ids.to(tl.int64)[:, None] * stride_ym + offs_n[None, :]
+        tl.store(y, acc.to(y_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
 
 
 @functools.cache
@@ -150,3 +190,25 @@ def mul_mat(x: torch.Tensor, qweight: torch.Tensor, n: int | None = None,
                             BLOCK_N=config.block_n, SPLIT_K=config.split_k,
                             num_warps=config.num_warps)
     return out[0] if config.split_k == 1 else out.sum(0).to(x.dtype)
+
+
+def moe_mul_mat(x: torch.Tensor, w: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+    """The routed rows of a down product: x [rows, K] (float16/bfloat16), row r of
+    expert topk_ids.flatten()[r]; w [experts, n, K / 256 * 210] Q6_K blocks; [rows, n]."""
+    from vllm.model_executor.layers.fused_moe.fused_moe import moe_align_block_size
+
+    rows, k = x.shape
+    experts, n = w.shape[:2]
+    if k % Q6_K_BLOCK or w.shape[2] < k // Q6_K_BLOCK * Q6_K_BYTES or topk_ids.numel() != rows:
+        raise ValueError(f"Q6_K routed product: {rows} x {k} inputs, {topk_ids.numel()} "
+                         f"routed rows, experts of {w.shape[2]} bytes a row")
+    x = x.contiguous()
+    tile = MOE_TILE
+    sorted_ids, expert_ids, padded = moe_align_block_size(topk_ids, tile.block_m, experts)
+    out = torch.empty((rows, n), device=x.device, dtype=x.dtype)
+    grid = (triton.cdiv(n, tile.block_n), triton.cdiv(sorted_ids.numel(), tile.block_m))
+    _q6_k_moe_kernel[grid](x, w, out, sorted_ids, expert_ids, padded, rows, n,
+                           k // Q6_K_BLOCK, x.stride(0), w.stride(0), w.stride(1),
+                           out.stride(0), BLOCK_M=tile.block_m, BLOCK_N=tile.block_n,
+                           num_warps=tile.num_warps)
+    return out
