@@ -114,13 +114,19 @@ def _q6_k_rows_dot(x_rows, m_mask, rows, n_mask, k_first, K_BLOCKS, SPLIT_K: tl.
                     for nibble in tl.static_range(2):
                         c = odd + 2 * nibble
                         low = (ql >> 4) if nibble == 1 else (ql & 0xF)
-                        q = (low | (((qh >> (2 * c)) & 0x3) << 4)).to(tl.int32) - 32
+                        q = (low | (((qh >> (2 * c)) & 0x3) << 4)).to(tl.int16)
                         sc = tl.load(blk + 192 + 8 * h + 2 * c + j, mask=n_mask, other=0)
                         scale = sc.to(tl.int8, bitcast=True).to(tl.float32) * d
                         xs = tl.load(x_rows[:, None] + (kb * 256 + 128 * h + 32 * c + 16 * j
                                                         + offs_l)[None, :],
                                      mask=m_mask[:, None], other=0.0)
-                        part = tl.dot(xs, tl.trans(q.to(xs.dtype)))
+                        # q - 32 as 16 bits from the exponent bits of 1024 (float16) or
+                        # 128 (bfloat16) with q in the mantissa: no conversion instruction
+                        if xs.dtype == tl.float16:
+                            w = (q | 0x6400).to(tl.float16, bitcast=True) - 1056.0
+                        else:
+                            w = (q | 0x4300).to(tl.bfloat16, bitcast=True) - 160.0
+                        part = tl.dot(xs, tl.trans(w))
                         acc += part * scale[None, :]
     return acc
 
