@@ -4,7 +4,7 @@ count, against the 16-bit tensor-core bound, same weights.
 
     python -m benchmarks.kernels.benchmark_gguf_ops [--json out.json] [--md out.md]
         [--types Q4_K Q6_K Q8_0 IQ2_S Q4_K/Q6_K] [--tokens 1 8 64 512 8192] [--ops dense moe]
-        [--triton-block-m 4 16 64]
+        [--triton-block-m 4 16 64] [--paths plugin q6k marlin ...]
 
 Why: the overlay's prefill of a GGUF runs 3-4x slower than llama.cpp's on the same file
 (docs/results.md, "Against llama.cpp"); this finds which products hold that time and
@@ -143,9 +143,17 @@ def _time_us(fn) -> tuple[float, str]:
         return do_bench(fn, warmup=5, rep=50, return_mode="median") * 1e3, "eager"
 
 
+CHOSEN: set[str] | None = None  # --paths: the paths to run (None: all), the bounds always
+
+
+def kept(paths: dict, chosen: set[str] | None) -> dict:
+    """The paths of `chosen` (all of them without a choice) and the bounds."""
+    return {n: fn for n, fn in paths.items() if chosen is None or n in chosen or n in BOUNDS}
+
+
 def _run_paths(paths: dict, ref: torch.Tensor) -> dict:
     out = {}
-    for name, fn in paths.items():
+    for name, fn in kept(paths, CHOSEN).items():
         try:
             rel = rel_error(fn(), ref)
             us, how = _time_us(fn)
@@ -456,7 +464,11 @@ def main():
     p.add_argument("--dtype", choices=["float16", "bfloat16"], default="float16")
     p.add_argument("--triton-block-m", type=int, nargs="+", default=list(TRITON_MOE_BLOCK_M),
                    help="token rows a tile of the plugin's Triton MoE kernel, one path each")
+    p.add_argument("--paths", nargs="+", default=None,
+                   help="run only these paths (and the bounds) where a case has them")
     args = p.parse_args()
+    global CHOSEN
+    CHOSEN = set(args.paths) if args.paths else None
     dtype = getattr(torch, args.dtype)
     gen = torch.Generator().manual_seed(0)
     rows = []

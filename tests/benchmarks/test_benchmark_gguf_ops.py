@@ -59,6 +59,12 @@ def test_fastest_skips_wrong_paths_and_bounds():
     assert bench.fastest({"mm16": {"us": 1.0, "rel": 0.0}}) is None
 
 
+def test_paths_can_be_chosen_the_bounds_always_run():
+    paths = {"plugin": 1, "q6k": 2, "mmq": 3, "mm16": 4, "fused16": 5}
+    assert bench.kept(paths, None) == paths
+    assert bench.kept(paths, {"q6k", "vec"}) == {"q6k": 2, "mm16": 4, "fused16": 5}
+
+
 def test_table():
     rows = [{"op": "dense", "case": "q_b", "type": "Q4_K", "M": 8, "flop": 2e9, "bytes": 1e7,
              "paths": {"plugin": {"us": 20.0, "rel": 0.01}, "mmq": {"us": 10.0, "rel": 0.3},
