@@ -25,15 +25,26 @@ from tests.models.quantization.test_gguf_moe_prefill import (
 )
 
 
-def q4_k_blocks(rows: int, cols: int, seed: int) -> torch.Tensor:
-    """[rows, cols / 256 * 144] Q4_K blocks: every bit of the codes and of the packed
-    6-bit scales and mins random, d and dmin finite float16 values of a real file's size."""
+# a block's bytes, and the offset and count of its float16 fields (Q4_K: d, dmin; Q6_K: d)
+K_QUANT_BLOCKS = {T.Q4_K: (144, 0, 2), T.Q6_K: (210, 208, 1)}
+
+
+def k_quant_blocks(qtype, rows: int, cols: int, seed: int) -> torch.Tensor:
+    """[rows, cols / 256 * bytes] blocks of qtype: every bit of the codes and scales
+    random, the float16 fields finite values of a real file's size."""
+    nbytes, at, halves = K_QUANT_BLOCKS[qtype]
     gen = torch.Generator().manual_seed(seed)
     nb = rows * cols // 256
-    raw = torch.randint(0, 256, (nb, 144), dtype=torch.uint8, generator=gen)
-    d = (torch.rand(nb, 2, generator=gen) * 2e-4 + 1e-5).half()
-    raw[:, 0:4] = d.view(torch.uint8)
+    raw = torch.randint(0, 256, (nb, nbytes), dtype=torch.uint8, generator=gen)
+    d = (torch.rand(nb, halves, generator=gen) * 2e-4 + 1e-5).half()
+    raw[:, at:at + 2 * halves] = d.view(torch.uint8)
     return raw.view(rows, -1)
+
+
+def q4_k_blocks(rows: int, cols: int, seed: int) -> torch.Tensor:
+    """Q4_K blocks: every bit of the codes and of the packed 6-bit scales and mins
+    random, d and dmin finite."""
+    return k_quant_blocks(T.Q4_K, rows, cols, seed)
 
 
 def dequantize(blocks: torch.Tensor) -> torch.Tensor:

@@ -20,20 +20,15 @@ from gguf import GGMLQuantizationType as T
 
 from benchmarks.kernels import benchmark_gguf_ops as bench
 from tests.models.quantization.test_gguf_moe_large_experts import _align
+from tests.models.quantization.test_gguf_moe_marlin import k_quant_blocks
 from tests.models.quantization.test_gguf_moe_prefill import _gguf_dequantize
 
 ARCHS = (80, 90, 120)
 
 
 def q6_k_blocks(rows: int, cols: int, seed: int) -> torch.Tensor:
-    """[rows, cols / 256 * 210] Q6_K blocks: every bit of ql, qh and the int8 scales
-    random, d a finite float16 value of a real file's size."""
-    gen = torch.Generator().manual_seed(seed)
-    nb = rows * cols // 256
-    raw = torch.randint(0, 256, (nb, 210), dtype=torch.uint8, generator=gen)
-    d = (torch.rand(nb, 1, generator=gen) * 2e-4 + 1e-5).half()
-    raw[:, 208:210] = d.view(torch.uint8)
-    return raw.view(rows, -1)
+    """Q6_K blocks: every bit of ql, qh and the int8 scales random, d finite."""
+    return k_quant_blocks(T.Q6_K, rows, cols, seed)
 
 
 def dequantize(blocks: torch.Tensor, k: int) -> torch.Tensor:
