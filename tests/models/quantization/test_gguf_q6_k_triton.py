@@ -86,14 +86,26 @@ def routed_reference(x, blocks, topk_ids, k):
     return out
 
 
-@pytest.mark.parametrize("tokens,top_k,experts", [(3, 2, 4), (9, 2, 3)])
-def test_routed_product_is_gguf_pys(monkeypatch, tokens, top_k, experts):
+def _align_in_vllms_buffer(topk_ids, block_m, experts):
+    """_align's sort in a buffer of vLLM's size (each expert's padding at most), its tail
+    invalid ids in blocks of no expert."""
+    sorted_ids, block_experts, padded = _align(topk_ids, block_m, experts)
+    size = topk_ids.numel() + experts * (block_m - 1)
+    tail = size - sorted_ids.numel()
+    return (torch.cat([sorted_ids, torch.full((tail,), topk_ids.numel(), dtype=torch.int32)]),
+            torch.cat([block_experts, torch.full((tail // block_m + 1,), -1,
+                                                 dtype=torch.int32)]), padded)
+
+
+@pytest.mark.parametrize("align", [_align, _align_in_vllms_buffer])
+@pytest.mark.parametrize("tokens,top_k,experts", [(3, 2, 4), (9, 2, 3), (20, 2, 2)])
+def test_routed_product_is_gguf_pys(monkeypatch, tokens, top_k, experts, align):
     """Rows of a down product (row r of expert topk_ids.flatten()[r]) in 16-row blocks
     of one expert, padded with invalid ids, as moe_align_block_size sorts them."""
     from vllm.model_executor.layers.fused_moe import fused_moe as upstream
     from vllm_gguf_plugin.quantization import q6_k_triton
 
-    monkeypatch.setattr(upstream, "moe_align_block_size", _align)
+    monkeypatch.setattr(upstream, "moe_align_block_size", align)
     n, k = 64, 512
     blocks = torch.stack([q6_k_blocks(n, k, 10 + e) for e in range(experts)])
     gen = torch.Generator().manual_seed(tokens)

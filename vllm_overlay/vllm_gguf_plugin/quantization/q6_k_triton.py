@@ -212,7 +212,9 @@ def moe_mul_mat(x: torch.Tensor, w: torch.Tensor, topk_ids: torch.Tensor) -> tor
     tile = MOE_TILE
     sorted_ids, expert_ids, padded = moe_align_block_size(topk_ids, tile.block_m, experts)
     out = torch.empty((rows, n), device=x.device, dtype=x.dtype)
-    grid = (triton.cdiv(n, tile.block_n), triton.cdiv(sorted_ids.numel(), tile.block_m))
+    # the blocks a padded sort can fill: each expert with rows pads fewer than a block
+    filled = min(sorted_ids.numel(), rows + min(rows, experts) * (tile.block_m - 1))
+    grid = (triton.cdiv(n, tile.block_n), triton.cdiv(filled, tile.block_m))
     _q6_k_moe_kernel[grid](x, w, out, sorted_ids, expert_ids, padded, rows, n,
                            k // Q6_K_BLOCK, x.stride(0), w.stride(0), w.stride(1),
                            out.stride(0), BLOCK_M=tile.block_m, BLOCK_N=tile.block_n,
