@@ -82,28 +82,20 @@ PATH_ENV = {"portable-fp16-bi": {"VLLM_BATCH_INVARIANT": "1"},
             "upstream-bf16-dense": DENSE, "portable-fp16-dense": DENSE}
 
 
-def runs_dense_marlin(path: str) -> bool:
-    """Whether a path converts Q4_K linear layers for vLLM's Marlin GEMM (only with
-    VLLM_GGUF_DENSE_MARLIN=1, not under batch invariance)."""
+# the overlay's switches, and what each runs where it is on (the Q4_K_M file's row fails
+# without a counted call); True: on unless 0 (the default), False: only with 1
+SWITCHES = {"VLLM_GGUF_MOE_MARLIN": True,  # the Q4_K experts on vLLM's Marlin MoE
+            "VLLM_GGUF_DENSE_MARLIN": False,  # Q4_K linear layers on vLLM's Marlin GEMM
+            "VLLM_GGUF_Q6_K_TRITON": False}  # Q6_K products of 2-255 tokens on q6_k_triton
+
+
+def runs(path: str, switch: str) -> bool:
+    """Whether a path's engine runs what `switch` turns on (as the module reads it; never
+    under batch invariance)."""
     env = path_env(path) or os.environ
-    return env.get("VLLM_GGUF_DENSE_MARLIN", "0") == "1" and env.get(
-        "VLLM_BATCH_INVARIANT", "0") != "1"
-
-
-def runs_q6_k_triton(path: str) -> bool:
-    """Whether a path runs Q6_K products of 2-255 tokens on q6_k_triton's GEMMs (only with
-    VLLM_GGUF_Q6_K_TRITON=1, not under batch invariance)."""
-    env = path_env(path) or os.environ
-    return env.get("VLLM_GGUF_Q6_K_TRITON", "0") == "1" and env.get(
-        "VLLM_BATCH_INVARIANT", "0") != "1"
-
-
-def runs_marlin(path: str) -> bool:
-    """Whether a path runs the Q4_K experts on vLLM's Marlin MoE (the default; not under
-    batch invariance or VLLM_GGUF_MOE_MARLIN=0)."""
-    env = path_env(path) or os.environ
-    return env.get("VLLM_GGUF_MOE_MARLIN", "1") != "0" and env.get("VLLM_BATCH_INVARIANT",
-                                                                    "0") != "1"
+    value = env.get(switch, "1" if SWITCHES[switch] else "0").strip()
+    on = value != "0" if SWITCHES[switch] else value == "1"
+    return on and env.get("VLLM_BATCH_INVARIANT", "0") != "1"
 
 
 def path_env(path: str) -> dict | None:
@@ -188,12 +180,12 @@ def main():
         res = generate(f, out / f"{source}-{path}.json", eager=args.eager,
                        env=path_env(path), max_tokens=str(args.max_tokens), **PATHS[path])
         marlin, dense = res.get("marlin_moe_calls"), res.get("dense_marlin_layers")
-        if source == "gguf-Q4_K_M" and runs_marlin(path) and not marlin:
+        if source == "gguf-Q4_K_M" and runs(path, "VLLM_GGUF_MOE_MARLIN") and not marlin:
             raise RuntimeError(f"{path}: no MoE call ran on Marlin ({marlin!r})")
-        if source == "gguf-Q4_K_M" and runs_dense_marlin(path) and not dense:
+        if source == "gguf-Q4_K_M" and runs(path, "VLLM_GGUF_DENSE_MARLIN") and not dense:
             raise RuntimeError(f"{path}: no linear layer converted for Marlin ({dense!r})")
         q6_k = res.get("q6_k_triton_calls")
-        if source == "gguf-Q4_K_M" and runs_q6_k_triton(path) and not q6_k:
+        if source == "gguf-Q4_K_M" and runs(path, "VLLM_GGUF_Q6_K_TRITON") and not q6_k:
             raise RuntimeError(f"{path}: no Q6_K product ran on q6_k_triton ({q6_k!r})")
         return {**compare(ref, res), "attention_backend": res.get("attention_backend"),
                 "indexer_backend": res["indexer_backend"], "dtype": res["dtype"],

@@ -50,11 +50,11 @@ def test_which_paths_must_show_marlin_calls(monkeypatch):
     where this process turned it off."""
     monkeypatch.delenv("VLLM_GGUF_MOE_MARLIN", raising=False)
     monkeypatch.delenv("VLLM_BATCH_INVARIANT", raising=False)
-    assert {p for p in acc.PATHS if acc.runs_marlin(p)} == {
+    assert {p for p in acc.PATHS if acc.runs(p, "VLLM_GGUF_MOE_MARLIN")} == {
         "portable-fp16", "portable-bf16", "upstream-bf16", "portable-fp16-dense-marlin",
         "upstream-bf16-dense-marlin", "portable-fp16-dense", "upstream-bf16-dense"}
     monkeypatch.setenv("VLLM_GGUF_MOE_MARLIN", "0")
-    assert not any(acc.runs_marlin(p) for p in acc.PATHS)
+    assert not any(acc.runs(p, "VLLM_GGUF_MOE_MARLIN") for p in acc.PATHS)
 
 
 def test_which_paths_must_show_dense_marlin_layers(monkeypatch):
@@ -63,11 +63,11 @@ def test_which_paths_must_show_dense_marlin_layers(monkeypatch):
     the batch-invariant one."""
     monkeypatch.delenv("VLLM_GGUF_DENSE_MARLIN", raising=False)
     monkeypatch.delenv("VLLM_BATCH_INVARIANT", raising=False)
-    assert {p for p in acc.PATHS if acc.runs_dense_marlin(p)} == {
+    assert {p for p in acc.PATHS if acc.runs(p, "VLLM_GGUF_DENSE_MARLIN")} == {
         "portable-fp16-dense-marlin", "upstream-bf16-dense-marlin", "portable-fp16-dense",
         "upstream-bf16-dense"}
     monkeypatch.setenv("VLLM_GGUF_DENSE_MARLIN", "1")
-    assert {p for p in acc.PATHS if not acc.runs_dense_marlin(p)} == {"portable-fp16-bi"}
+    assert {p for p in acc.PATHS if not acc.runs(p, "VLLM_GGUF_DENSE_MARLIN")} == {"portable-fp16-bi"}
 
 
 def test_which_paths_must_show_q6_k_triton_calls(monkeypatch):
@@ -76,10 +76,29 @@ def test_which_paths_must_show_q6_k_triton_calls(monkeypatch):
     but the batch-invariant one."""
     monkeypatch.delenv("VLLM_GGUF_Q6_K_TRITON", raising=False)
     monkeypatch.delenv("VLLM_BATCH_INVARIANT", raising=False)
-    assert {p for p in acc.PATHS if acc.runs_q6_k_triton(p)} == {
+    assert {p for p in acc.PATHS if acc.runs(p, "VLLM_GGUF_Q6_K_TRITON")} == {
         "portable-fp16-dense", "upstream-bf16-dense"}
     monkeypatch.setenv("VLLM_GGUF_Q6_K_TRITON", "1")
-    assert {p for p in acc.PATHS if not acc.runs_q6_k_triton(p)} == {"portable-fp16-bi"}
+    assert {p for p in acc.PATHS if not acc.runs(p, "VLLM_GGUF_Q6_K_TRITON")} == {"portable-fp16-bi"}
+
+
+def test_switches_read_as_their_modules_read_them(monkeypatch):
+    """Each switch of SWITCHES is on for a path exactly where its module's enabled() is
+    on in that path's environment."""
+    from vllm_gguf_plugin.quantization import linear_marlin, moe_marlin, q6_k_triton
+
+    modules = {"VLLM_GGUF_MOE_MARLIN": moe_marlin.enabled,
+               "VLLM_GGUF_DENSE_MARLIN": linear_marlin.enabled,
+               "VLLM_GGUF_Q6_K_TRITON": q6_k_triton.enabled.__wrapped__}
+    assert set(modules) == set(acc.SWITCHES)
+    monkeypatch.delenv("VLLM_BATCH_INVARIANT", raising=False)
+    for switch, enabled in modules.items():
+        for value in (None, "0", "1", "2", " 1 "):
+            if value is None:
+                monkeypatch.delenv(switch, raising=False)
+            else:
+                monkeypatch.setenv(switch, value)
+            assert acc.runs("portable-fp16", switch) == enabled(), (switch, value)
 
 
 def test_table():
