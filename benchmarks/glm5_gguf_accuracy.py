@@ -82,19 +82,20 @@ PATH_ENV = {"portable-fp16-bi": {"VLLM_BATCH_INVARIANT": "1"},
             "upstream-bf16-dense": DENSE, "portable-fp16-dense": DENSE}
 
 
-# the overlay's switches, and what each runs where it is on (the Q4_K_M file's row fails
-# without a counted call); True: on unless 0 (the default), False: only with 1
-SWITCHES = {"VLLM_GGUF_MOE_MARLIN": True,  # the Q4_K experts on vLLM's Marlin MoE
-            "VLLM_GGUF_DENSE_MARLIN": False,  # Q4_K linear layers on vLLM's Marlin GEMM
-            "VLLM_GGUF_Q6_K_TRITON": False}  # Q6_K products of 2-255 tokens on q6_k_triton
+# the overlay's switches: (on unless 0, the default; else only with 1), and glm5_generate's
+# count of what each runs, which the Q4_K_M file's row must show where it is on
+SWITCHES = {"VLLM_GGUF_MOE_MARLIN": (True, "marlin_moe_calls"),  # Q4_K experts on Marlin
+            "VLLM_GGUF_DENSE_MARLIN": (False, "dense_marlin_layers"),  # Q4_K linear layers
+            "VLLM_GGUF_Q6_K_TRITON": (False, "q6_k_triton_calls")}  # Q6_K, 2-255 tokens
 
 
 def runs(path: str, switch: str) -> bool:
     """Whether a path's engine runs what `switch` turns on (as the module reads it; never
     under batch invariance)."""
     env = path_env(path) or os.environ
-    value = env.get(switch, "1" if SWITCHES[switch] else "0").strip()
-    on = value != "0" if SWITCHES[switch] else value == "1"
+    on_by_default = SWITCHES[switch][0]
+    value = env.get(switch, "1" if on_by_default else "0").strip()
+    on = value != "0" if on_by_default else value == "1"
     return on and env.get("VLLM_BATCH_INVARIANT", "0") != "1"
 
 
@@ -179,18 +180,12 @@ def main():
         f, ref = sources[source]
         res = generate(f, out / f"{source}-{path}.json", eager=args.eager,
                        env=path_env(path), max_tokens=str(args.max_tokens), **PATHS[path])
-        marlin, dense = res.get("marlin_moe_calls"), res.get("dense_marlin_layers")
-        if source == "gguf-Q4_K_M" and runs(path, "VLLM_GGUF_MOE_MARLIN") and not marlin:
-            raise RuntimeError(f"{path}: no MoE call ran on Marlin ({marlin!r})")
-        if source == "gguf-Q4_K_M" and runs(path, "VLLM_GGUF_DENSE_MARLIN") and not dense:
-            raise RuntimeError(f"{path}: no linear layer converted for Marlin ({dense!r})")
-        q6_k = res.get("q6_k_triton_calls")
-        if source == "gguf-Q4_K_M" and runs(path, "VLLM_GGUF_Q6_K_TRITON") and not q6_k:
-            raise RuntimeError(f"{path}: no Q6_K product ran on q6_k_triton ({q6_k!r})")
+        counts = {key: res.get(key) for _, key in SWITCHES.values()}
+        for switch, (_, key) in SWITCHES.items():
+            if source == "gguf-Q4_K_M" and runs(path, switch) and not counts[key]:
+                raise RuntimeError(f"{path}: {switch} is on but {key} is {counts[key]!r}")
         return {**compare(ref, res), "attention_backend": res.get("attention_backend"),
-                "indexer_backend": res["indexer_backend"], "dtype": res["dtype"],
-                "marlin_moe_calls": marlin, "dense_marlin_layers": dense,
-                "q6_k_triton_calls": q6_k}
+                "indexer_backend": res["indexer_backend"], "dtype": res["dtype"], **counts}
 
     def llama(source):
         f, ref = sources[source]

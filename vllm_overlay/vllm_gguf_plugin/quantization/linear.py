@@ -56,7 +56,7 @@ def _fused_mul_mat_gguf(
         return batch_invariant.mul_mat(x, qweight, qweight_type)
     # overlay: Q6_K from 2 tokens on q6_k_triton's GEMM where asked
     if q6_k_triton.takes(x, qweight_type):
-        return q6_k_triton.mul_mat(x, qweight, qweight.shape[0])
+        return q6_k_triton.mul_mat(x, qweight)
     if x.shape[0] <= mmvq_safe and qweight_type in MMVQ_QUANT_TYPES:
         y = ops.ggml_mul_mat_vec_a8(qweight, x, qweight_type, qweight.shape[0])
     # overlay: MMQ only below DEQUANT_GEMM_MIN_TOKENS

@@ -176,16 +176,21 @@ def _sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def mul_mat(x: torch.Tensor, qweight: torch.Tensor, n: int | None = None,
+def _k_blocks(k: int, row_bytes: int) -> int:
+    """The Q6_K blocks of K inputs, in weight rows of row_bytes (a padded tail not read)."""
+    if k % Q6_K_BLOCK or row_bytes < k // Q6_K_BLOCK * Q6_K_BYTES:
+        raise ValueError(f"Q6_K product: {k} inputs against weight rows of {row_bytes} bytes")
+    return k // Q6_K_BLOCK
+
+
+def mul_mat(x: torch.Tensor, qweight: torch.Tensor,
             config: Q6KLaunch | None = None) -> torch.Tensor:
     """x [M, K] (float16/bfloat16) @ dequant(qweight).T, qweight [n, >= K / 256 * 210]
     Q6_K blocks (a padded row's tail is not read); [M, n] in x's dtype."""
     m, k = x.shape
-    n = qweight.shape[0] if n is None else n
-    if k % Q6_K_BLOCK or qweight.shape[1] < k // Q6_K_BLOCK * Q6_K_BYTES:
-        raise ValueError(f"Q6_K product: {k} inputs against rows of {qweight.shape[1]} bytes")
+    n = qweight.shape[0]
+    k_blocks = _k_blocks(k, qweight.shape[1])
     x = x.contiguous()
-    k_blocks = k // Q6_K_BLOCK
     if config is None:
         config = launch(m, n, k_blocks, _sms(x.device) if x.is_cuda else 1)
     out = torch.empty((config.split_k, m, n), device=x.device,
@@ -205,9 +210,10 @@ def moe_mul_mat(x: torch.Tensor, w: torch.Tensor, topk_ids: torch.Tensor) -> tor
 
     rows, k = x.shape
     experts, n = w.shape[:2]
-    if k % Q6_K_BLOCK or w.shape[2] < k // Q6_K_BLOCK * Q6_K_BYTES or topk_ids.numel() != rows:
-        raise ValueError(f"Q6_K routed product: {rows} x {k} inputs, {topk_ids.numel()} "
-                         f"routed rows, experts of {w.shape[2]} bytes a row")
+    k_blocks = _k_blocks(k, w.shape[2])
+    if topk_ids.numel() != rows:
+        raise ValueError(f"Q6_K routed product: {rows} input rows, {topk_ids.numel()} "
+                         "routed rows")
     x = x.contiguous()
     tile = MOE_TILE
     sorted_ids, expert_ids, padded = moe_align_block_size(topk_ids, tile.block_m, experts)
@@ -216,7 +222,7 @@ def moe_mul_mat(x: torch.Tensor, w: torch.Tensor, topk_ids: torch.Tensor) -> tor
     filled = min(sorted_ids.numel(), rows + min(rows, experts) * (tile.block_m - 1))
     grid = (triton.cdiv(n, tile.block_n), triton.cdiv(filled, tile.block_m))
     _q6_k_moe_kernel[grid](x, w, out, sorted_ids, expert_ids, padded, rows, n,
-                           k // Q6_K_BLOCK, x.stride(0), w.stride(0), w.stride(1),
+                           k_blocks, x.stride(0), w.stride(0), w.stride(1),
                            out.stride(0), BLOCK_M=tile.block_m, BLOCK_N=tile.block_n,
                            num_warps=tile.num_warps)
     return out
