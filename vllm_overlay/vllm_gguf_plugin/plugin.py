@@ -205,6 +205,22 @@ def _register_omni_diffusion_quantization() -> None:
     register_quantization_override("gguf", lambda **kw: DiffusionGGUFConfig(**kw))
 
 
+# overlay: the GGUF kernel switches as vLLM environment variables. vLLM keys its
+# torch.compile cache on the ones it knows, and dense Marlin changes the parameters a
+# traced linear layer reads; --fail-on-environ-validation refuses unknown VLLM_ names.
+def _register_switches() -> None:
+    from vllm import envs
+
+    from .quantization import linear_marlin, moe_marlin, q6_k_triton
+
+    for name, enabled in (
+        (linear_marlin.MARLIN_ENV, linear_marlin.enabled),
+        (moe_marlin.MARLIN_ENV, moe_marlin.enabled),
+        (q6_k_triton.Q6_K_ENV, q6_k_triton.enabled),
+    ):
+        envs.environment_variables.setdefault(name, enabled)
+
+
 def register() -> None:
     """Register the out-of-tree GGUF integration."""
     register_quantization_config("gguf")(GGUFConfig)
@@ -227,4 +243,5 @@ def register() -> None:
     _patch_offline_model_path()  # overlay: repo_id:quant_type offline
     register_tokenizer_mode()  # overlay: a glm-dsa GGUF's tokenizer
     _register_weights_adapters()  # overlay: GLM-5's and the checked default
+    _register_switches()  # overlay: in the compile cache's key
     _patch_diffusers_loader()

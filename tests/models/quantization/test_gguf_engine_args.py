@@ -203,3 +203,31 @@ def test_hf_checkpoint_named_takes_precedence(glm5_gguf, glm5_ggufs, tmp_path):
 ])
 def test_dtype(glm5_ggufs, capability, dtype, expect):
     assert model_config(str(glm5_ggufs["bf16"]), capability, dtype=dtype).dtype == expect
+
+
+@pytest.mark.parametrize("name", [
+    "VLLM_GGUF_DENSE_MARLIN", "VLLM_GGUF_MOE_MARLIN", "VLLM_GGUF_Q6_K_TRITON"])
+def test_kernel_switch_keys_the_compile_cache(monkeypatch, name):
+    """Each GGUF kernel switch is a vLLM environment variable: set one way and the other,
+    it gives two torch.compile cache keys (a graph traced with dense Marlin reads
+    marlin_qweight; loaded from the cache without it, the engine failed with KeyError),
+    and vLLM's strict environment check (--fail-on-environ-validation) accepts it."""
+    import os
+
+    from vllm import envs
+    from vllm.config.utils import hash_factors
+    from vllm.plugins import load_general_plugins
+    from vllm_gguf_plugin.quantization import q6_k_triton
+
+    load_general_plugins()
+    for other in [v for v in os.environ
+                  if v.startswith("VLLM_") and v not in envs.environment_variables]:
+        monkeypatch.delenv(other)  # e.g. the tests' own VLLM_OVERLAY_* settings
+    keys = set()
+    for value in ("0", "1"):
+        monkeypatch.setenv(name, value)
+        q6_k_triton.enabled.cache_clear()  # it reads its switch once
+        envs.validate_environ(hard_fail=True)
+        keys.add(hash_factors(envs.compile_factors()))
+    q6_k_triton.enabled.cache_clear()
+    assert len(keys) == 2
