@@ -3,15 +3,16 @@
 
 CPU: the kernels (Triton interpreter) against float32 products of gguf-py's
 dequantization of random blocks (every bit of the codes and scales random): token and
-weight row tails, K splits, tiles of 16-64 token rows, padded rows, routed rows in
+weight row tails, K splits, launches of 16-64 token rows, padded rows, routed rows in
 moe_align_block_size's padded blocks; the launches; where the GGUF products take them
-(the switch, token counts, dtypes, types, batch invariance); every tile compiled for
-SM80, SM90 and SM120 without register spills. GPU: the same products at GLM-5's shapes
+(the switch, token counts, dtypes, types, batch invariance); the tile compiled for
+SM80, SM90 and SM120 without register spills and with asynchronous loads. GPU: the same products at GLM-5's shapes
 (256 experts for the routed one: offsets past 2^31 bytes), float16 and bfloat16, 2 to
 255 tokens.
 """
 
 import json
+import re
 import sys
 
 import pytest
@@ -128,9 +129,7 @@ def test_launch_fills_the_gpu_within_its_splits(m, n, k_blocks):
 
     sms = 132
     got = q6.launch(m, n, k_blocks, sms)
-    # the tile of the fewest token rows that holds m, the largest past it
-    fits = [t for most, t in q6.Q6_K_TILES if m <= most]
-    tile = fits[0] if fits else q6.Q6_K_TILES[-1][1]
+    tile = q6.TILE
     assert (got.block_m, got.block_n, got.num_warps) == (tile.block_m, tile.block_n,
                                                          tile.num_warps)
     tiles = cdiv(m, got.block_m) * cdiv(n, got.block_n)
@@ -178,22 +177,26 @@ def product(monkeypatch):
 
 
 def test_gguf_product_takes_it_where_asked(product, monkeypatch):
+    """8-32 tokens here, 33 up to the prefill's count dequantized for a 16-bit GEMM, fewer
+    than 8 the plugin's MMVQ (6144 rows: up to 2 tokens) and MMQ; off, or another type or
+    dtype, the plugin's kernels."""
     from vllm_gguf_plugin.quantization.linear import DEQUANT_GEMM_MIN_TOKENS
 
-    assert [product(t) for t in (2, 8, 64, DEQUANT_GEMM_MIN_TOKENS - 1)] == ["q6_k"] * 4
+    assert [product(t) for t in (8, 16, 32)] == ["q6_k"] * 3
     assert product(8, dtype=torch.bfloat16) == "q6_k"
-    assert product(1) == "mmvq"  # one token keeps the GEMV
+    assert [product(t) for t in (1, 2, 4, 7)] == ["mmvq", "mmvq", "mmq", "mmq"]
+    assert [product(t) for t in (33, 64, DEQUANT_GEMM_MIN_TOKENS - 1)] == ["dequant"] * 3
     assert product(DEQUANT_GEMM_MIN_TOKENS) == "dequant"
-    assert product(8, on=False) == "mmq"
-    assert product(8, qtype=T.Q4_K) == "mmq"
-    assert product(8, dtype=torch.float32) == "mmq"
+    assert product(8, on=False) == product(33, on=False) == "mmq"
+    assert product(8, qtype=T.Q4_K) == product(33, qtype=T.Q4_K) == "mmq"
+    assert product(8, dtype=torch.float32) == product(33, dtype=torch.float32) == "mmq"
     monkeypatch.setattr("vllm.envs.VLLM_BATCH_INVARIANT", True, raising=False)
-    assert product(8) == "batch-invariant"
+    assert product(8) == product(33) == "batch-invariant"
 
 
 def test_marlin_layers_down_product_takes_it_where_asked(monkeypatch):
     """fused_moe._gguf_moe_down (the down product of a layer whose gate_up runs on
-    Marlin) runs a Q6_K down product of 2-255 tokens here where asked, by the layer's
+    Marlin) runs a Q6_K down product of 8-255 tokens here where asked, by the layer's
     token count (its rows are tokens x top_k), else the plugin's kernels."""
     from vllm_gguf_plugin.quantization import fused_moe, q6_k_triton
 
@@ -213,8 +216,8 @@ def test_marlin_layers_down_product_takes_it_where_asked(monkeypatch):
                                  torch.zeros(tokens, 8, dtype=torch.int32))
         return calls
 
-    assert down(2) == down(32) == down(255) == ["q6_k"]
-    assert down(1) == ["vec"]
+    assert down(8) == down(32) == down(255) == ["q6_k"]
+    assert down(1) == ["vec"] and down(7) == down(256) == down(32, on=False)
     assert down(32, on=False) == ["mmq"]
     assert down(32, qtype=T.Q4_K) == ["mmq"]
 
@@ -247,7 +250,7 @@ def test_the_accuracy_runs_count_its_calls(monkeypatch):
     monkeypatch.setattr(q6_k_triton, "enabled", lambda: True)
     counted = count_q6_k_triton_calls()
     blocks = q6_k_blocks(64, 256, 2)
-    for tokens in (3, 1, 2):
+    for tokens in (8, 1, 32):
         x = torch.randn(tokens, 256).half()
         linear._fused_mul_mat_gguf(x, blocks, int(T.Q6_K))
     assert counted == {"q6_k": 2}
@@ -261,8 +264,8 @@ def test_the_accuracy_runs_count_its_calls(monkeypatch):
 
 
 def compile_tiles(arch: int) -> list[dict]:
-    """Every tile of the launch table, float16 and bfloat16, one K split and several,
-    compiled for `arch` (in a plain process): registers and spills."""
+    """The tile, float16 and bfloat16, one K split and several, and the routed kernel,
+    compiled for `arch` (in a plain process): registers, spills, asynchronous copies."""
     from tests.v1.attention.test_triton_mla_sparse_targets import (
         compile_kernel,
         real_triton,
@@ -273,8 +276,8 @@ def compile_tiles(arch: int) -> list[dict]:
     from vllm_gguf_plugin.quantization import q6_k_triton as q6
 
     out = []
-    for (_, tile), dtype, split in ((t, d, s) for t in q6.Q6_K_TILES
-                                    for d in ("fp16", "bf16") for s in (1, 2)):
+    tile = q6.TILE
+    for dtype, split in ((d, s) for d in ("fp16", "bf16") for s in (1, 2)):
         sig = {"x_ptr": f"*{dtype}", "w_ptr": "*u8",
                "y_ptr": f"*{dtype}" if split == 1 else "*fp32"}
         sig.update({name: "i32" for name in ("M", "N", "K_BLOCKS", "stride_xm",
@@ -284,9 +287,9 @@ def compile_tiles(arch: int) -> list[dict]:
             {"BLOCK_M": tile.block_m, "BLOCK_N": tile.block_n, "SPLIT_K": split},
             ["x_ptr", "y_ptr", "stride_xm", "stride_ys", "stride_ym"],
             {"num_warps": tile.num_warps})
-        out.append({"tile": [tile.block_m, tile.block_n, tile.num_warps], "dtype": dtype,
-                    "split": split, **resource_usage(kernel.asm["cubin"])})
-    tile = q6.MOE_TILE
+        out.append({"kernel": "linear", "dtype": dtype, "split": split,
+                    "async_copies": async_copies(kernel.asm["ptx"]),
+                    **resource_usage(kernel.asm["cubin"])})
     for dtype in ("fp16", "bf16"):
         sig = {"x_ptr": f"*{dtype}", "w_ptr": "*u8", "y_ptr": f"*{dtype}",
                "sorted_ids_ptr": "*i32", "expert_ids_ptr": "*i32", "padded_ptr": "*i32"}
@@ -296,19 +299,27 @@ def compile_tiles(arch: int) -> list[dict]:
             q6._q6_k_moe_kernel, arch, sig, {"BLOCK_M": tile.block_m, "BLOCK_N": tile.block_n},
             ["x_ptr", "y_ptr", "sorted_ids_ptr", "expert_ids_ptr", "stride_xm", "stride_ym"],
             {"num_warps": tile.num_warps})
-        out.append({"tile": "moe", "dtype": dtype, **resource_usage(kernel.asm["cubin"])})
+        out.append({"kernel": "routed", "dtype": dtype,
+                    "async_copies": async_copies(kernel.asm["ptx"]),
+                    **resource_usage(kernel.asm["cubin"])})
     return out
 
 
-@pytest.mark.parametrize("arch", ARCHS)
-def test_tiles_compile_without_spills(run_without_gpu, arch):
-    """A tile that spills registers goes through local memory in its main loop; the
-    table's tiles must not, on any GPU generation that runs them."""
-    from vllm_gguf_plugin.quantization.q6_k_triton import Q6_K_TILES
+def async_copies(ptx: str) -> int:
+    """cp.async instructions: global loads that the next ones need not wait for."""
+    return len(re.findall(r"cp\.async\.c[ag]\.", ptx))
 
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_tile_compiles_without_spills_and_loads_ahead(run_without_gpu, arch):
+    """A tile that spills registers goes through local memory in its main loop; one
+    whose activation loads are under 4 bytes a thread cannot copy them asynchronously and
+    waits on each (16 rows on 8 warps: twice the barriers, and at 8 tokens twice the time
+    of 32 rows on the H200, docs/results.md). Neither, on any GPU generation that runs
+    it."""
     compiled = run_without_gpu(__name__, str(arch), timeout=900)
-    assert len(compiled) == len(Q6_K_TILES) * 4 + 2  # and the routed kernel's two
-    assert [c for c in compiled if c["spills"]] == []
+    assert len(compiled) == 4 + 2  # the linear kernel's four, the routed kernel's two
+    assert [c for c in compiled if c["spills"] or not c["async_copies"]] == []
 
 
 @pytest.mark.gpu

@@ -184,7 +184,7 @@ def _gguf_moe_down(
     from vllm.model_executor.layers.fused_moe.fused_moe import moe_align_block_size
 
     tokens, rows, n = topk_ids.shape[0], x.shape[0], w.shape[1]
-    if q6_k_triton.takes(x, qweight_type, tokens):  # overlay: Q6_K where asked
+    if q6_k_triton.takes_routed(x, qweight_type, tokens):  # overlay: Q6_K where asked
         return q6_k_triton.moe_mul_mat(x, w, topk_ids)
     tile = moe_triton_tiles.triton_tile(qweight_type, tokens)
     if tile:

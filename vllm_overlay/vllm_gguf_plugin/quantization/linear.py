@@ -54,13 +54,14 @@ def _fused_mul_mat_gguf(
     # overlay: under VLLM_BATCH_INVARIANT one kernel for every token count
     if envs.VLLM_BATCH_INVARIANT:
         return batch_invariant.mul_mat(x, qweight, qweight_type)
-    # overlay: Q6_K from 2 tokens on q6_k_triton's GEMM where asked
+    # overlay: Q6_K of a few tokens on q6_k_triton's GEMM where asked
     if q6_k_triton.takes(x, qweight_type):
         return q6_k_triton.mul_mat(x, qweight)
     if x.shape[0] <= mmvq_safe and qweight_type in MMVQ_QUANT_TYPES:
         y = ops.ggml_mul_mat_vec_a8(qweight, x, qweight_type, qweight.shape[0])
-    # overlay: MMQ only below DEQUANT_GEMM_MIN_TOKENS
-    elif qweight_type in MMQ_QUANT_TYPES and x.shape[0] < DEQUANT_GEMM_MIN_TOKENS:
+    # overlay: MMQ only below DEQUANT_GEMM_MIN_TOKENS, and Q6_K past q6_k_triton's counts
+    elif (qweight_type in MMQ_QUANT_TYPES and x.shape[0] < DEQUANT_GEMM_MIN_TOKENS
+          and not q6_k_triton.dequantizes(x, qweight_type)):
         y = ops.ggml_mul_mat_a8(qweight, x, qweight_type, qweight.shape[0])
     elif qweight_type in DEQUANT_TYPES:
         block_size, type_size = gguf.GGML_QUANT_SIZES[qweight_type]

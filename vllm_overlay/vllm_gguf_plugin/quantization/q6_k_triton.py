@@ -13,10 +13,12 @@ layers' ffn_down (experts included) at Q6_K. These kernels read each weight row'
 a linear product splits along K where its output tiles do not fill the GPU, a routed
 one takes moe_align_block_size's blocks of rows of one expert.
 
-Off unless VLLM_GGUF_Q6_K_TRITON=1: their speed is not measured yet. Then a Q6_K
-product of Q6_K_MIN_TOKENS up to MAX_TOKENS tokens with float16 or bfloat16 activations
-runs here (a routed down product counts the layer's tokens, not its rows); other counts
-keep the plugin's kernels.
+Off unless VLLM_GGUF_Q6_K_TRITON=1: measured at the op, not yet in a whole decode step
+(docs/results.md, the sixteenth run). Then, with float16 or bfloat16 activations, a
+linear Q6_K product of LINEAR_TOKENS tokens runs here and a larger one below the
+plugin's prefill threshold dequantizes the weight for a 16-bit GEMM; a routed down
+product of ROUTED_TOKENS tokens (the layer's tokens, not its rows) runs here. Other
+counts keep the plugin's kernels.
 """
 
 import dataclasses
@@ -30,8 +32,12 @@ from vllm.triton_utils import tl, triton
 Q6_K = int(GGMLQuantizationType.Q6_K)
 Q6_K_BLOCK, Q6_K_BYTES = 256, 210  # values and bytes of a block: ql 128, qh 64, scales 16, d 2
 Q6_K_ENV = "VLLM_GGUF_Q6_K_TRITON"
-Q6_K_MIN_TOKENS = 2  # one token keeps the plugin's GEMV (MMVQ)
-MAX_TOKENS = 256  # linear.DEQUANT_GEMM_MIN_TOKENS: from there on a prefill's dequantized GEMM
+# fewer than 8 tokens: the plugin's MMVQ and MMQ ran faster on the output head; past 32
+# a token tile more decodes every weight again, slower than dequantizing it once
+LINEAR_TOKENS = range(8, 33)
+# a layer's tokens (routed: not measured yet, from the linear start); below 256 GLM-5's
+# top-8 of 256 experts gives an expert 8 rows on average
+ROUTED_TOKENS = range(LINEAR_TOKENS.start, 256)
 
 
 @functools.cache
@@ -40,12 +46,24 @@ def enabled() -> bool:
     return os.environ.get(Q6_K_ENV, "0").strip() == "1"
 
 
-def takes(x: torch.Tensor, qweight_type: int, tokens: int | None = None) -> bool:
-    """Whether a product of x [rows, K] with a weight of this type over `tokens` tokens
-    (x's rows unless given) runs here."""
-    tokens = x.shape[0] if tokens is None else tokens
-    return (qweight_type == Q6_K and Q6_K_MIN_TOKENS <= tokens < MAX_TOKENS
-            and x.dtype in (torch.float16, torch.bfloat16) and enabled())
+def _asked(x: torch.Tensor, qweight_type: int) -> bool:
+    return qweight_type == Q6_K and x.dtype in (torch.float16, torch.bfloat16) and enabled()
+
+
+def takes(x: torch.Tensor, qweight_type: int) -> bool:
+    """Whether a linear product of x [tokens, K] with a weight of this type runs here."""
+    return x.shape[0] in LINEAR_TOKENS and _asked(x, qweight_type)
+
+
+def dequantizes(x: torch.Tensor, qweight_type: int) -> bool:
+    """Whether a linear product past LINEAR_TOKENS dequantizes the weight for a 16-bit
+    GEMM instead of the plugin's MMQ (a prefill's count does anyway)."""
+    return x.shape[0] >= LINEAR_TOKENS.stop and _asked(x, qweight_type)
+
+
+def takes_routed(x: torch.Tensor, qweight_type: int, tokens: int) -> bool:
+    """Whether a routed down product of a layer's `tokens` tokens runs here."""
+    return tokens in ROUTED_TOKENS and _asked(x, qweight_type)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,28 +76,22 @@ class Q6KLaunch:
     num_warps: int = 4
 
 
-# (most tokens, the tile): the fewest token tiles, in registers without spills on SM80,
-# SM90 and SM120 (tests/models/quantization/test_gguf_q6_k_triton.py compiles them)
-Q6_K_TILES = ((16, Q6KLaunch(16, 64, num_warps=8)),
-              (32, Q6KLaunch(32, 64, num_warps=8)),
-              (64, Q6KLaunch(64, 32, num_warps=4)))
-# routed rows: at 2-255 tokens GLM-5's top-8 of 256 experts gives an expert 0-8 rows
-MOE_TILE = Q6KLaunch(16, 64, num_warps=8)
+# linear and routed rows: its activation loads are 4 bytes a thread, enough for cp.async
+# (16 rows on 8 warps load 2 and wait); no spills on SM80, SM90 and SM120 (the tests)
+TILE = Q6KLaunch(32, 64, num_warps=8)
 MIN_BLOCKS_A_SPLIT = 4  # a K split reads at least this many blocks of a row
 WAVES = 2  # programs to fill the GPU: this many per SM
 
 
 def launch(m: int, n: int, k_blocks: int, sms: int) -> Q6KLaunch:
-    """The launch of an [m, K] x [n, K]^T product, K = k_blocks * 256: the tile of the
-    fewest tokens that holds m (the largest past 64), then K split in two until the tiles
-    fill WAVES programs per SM or a split would read fewer than MIN_BLOCKS_A_SPLIT blocks
-    of a row."""
-    tile = next((t for most, t in Q6_K_TILES if m <= most), Q6_K_TILES[-1][1])
-    tiles = triton.cdiv(m, tile.block_m) * triton.cdiv(n, tile.block_n)
+    """The launch of an [m, K] x [n, K]^T product, K = k_blocks * 256: TILE, with K split
+    in two until the tiles fill WAVES programs per SM or a split would read fewer than
+    MIN_BLOCKS_A_SPLIT blocks of a row."""
+    tiles = triton.cdiv(m, TILE.block_m) * triton.cdiv(n, TILE.block_n)
     split_k = 1
     while tiles * split_k < WAVES * sms and k_blocks // (2 * split_k) >= MIN_BLOCKS_A_SPLIT:
         split_k *= 2
-    return dataclasses.replace(tile, split_k=split_k)
+    return dataclasses.replace(TILE, split_k=split_k)
 
 
 @triton.jit
@@ -215,7 +227,7 @@ def moe_mul_mat(x: torch.Tensor, w: torch.Tensor, topk_ids: torch.Tensor) -> tor
         raise ValueError(f"Q6_K routed product: {rows} input rows, {topk_ids.numel()} "
                          "routed rows")
     x = x.contiguous()
-    tile = MOE_TILE
+    tile = TILE
     sorted_ids, expert_ids, padded = moe_align_block_size(topk_ids, tile.block_m, experts)
     out = torch.empty((rows, n), device=x.device, dtype=x.dtype)
     # the blocks a padded sort can fill: each expert with rows pads fewer than a block
