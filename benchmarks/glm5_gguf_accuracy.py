@@ -22,7 +22,9 @@ index_topk, then 32 greedy tokens):
   16-bit activations, except under batch invariance); `-gguf-moe`: VLLM_GGUF_MOE_MARLIN=0,
   those on the GGUF kernels too; `-dense-marlin`: VLLM_GGUF_DENSE_MARLIN=1, the Q4_K linear
   layers on vLLM's Marlin GEMM; `-dense`: that and VLLM_GGUF_Q6_K_TRITON=1, the Q6_K
-  products of 2-255 tokens (linear and down experts) on q6_k_triton's Triton GEMMs);
+  products of a few tokens (linear 8-32, down experts 8-255) on q6_k_triton's Triton
+  GEMMs, with the prompts prefilled 32 tokens a step so that the metric's prompt logprobs
+  come from them);
 - llama.cpp: benchmarks/llama_cpp_logits.py on libllama.so of `--llama-lib` (all layers
   on the GPU unless --llama-gpu-layers, prompt in one batch);
 - rounding alone: transformers on the same dequantized weights in each dtype of
@@ -68,10 +70,11 @@ PATHS = {
     "upstream-bf16-dense-marlin": {"dtype": "bfloat16"},
     "portable-fp16-dense-marlin": {"attention_backend": "TRITON_MLA_SPARSE",
                                    "indexer": "triton", "dtype": "float16"},
-    # the same with the Q6_K products of 2-255 tokens on q6_k_triton's GEMMs too
-    "upstream-bf16-dense": {"dtype": "bfloat16"},
+    # the same with the Q6_K products of 8-32 tokens on q6_k_triton's GEMMs too, prompts
+    # in 32-token steps: a whole prompt's products (300-1000 tokens) never take them
+    "upstream-bf16-dense": {"dtype": "bfloat16", "max_num_batched_tokens": "32"},
     "portable-fp16-dense": {"attention_backend": "TRITON_MLA_SPARSE", "indexer": "triton",
-                            "dtype": "float16"},
+                            "dtype": "float16", "max_num_batched_tokens": "32"},
 }
 DENSE = {"VLLM_GGUF_DENSE_MARLIN": "1", "VLLM_GGUF_Q6_K_TRITON": "1"}
 PATH_ENV = {"portable-fp16-bi": {"VLLM_BATCH_INVARIANT": "1"},
@@ -86,7 +89,7 @@ PATH_ENV = {"portable-fp16-bi": {"VLLM_BATCH_INVARIANT": "1"},
 # count of what each runs, which the Q4_K_M file's row must show where it is on
 SWITCHES = {"VLLM_GGUF_MOE_MARLIN": (True, "marlin_moe_calls"),  # Q4_K experts on Marlin
             "VLLM_GGUF_DENSE_MARLIN": (False, "dense_marlin_layers"),  # Q4_K linear layers
-            "VLLM_GGUF_Q6_K_TRITON": (False, "q6_k_triton_calls")}  # Q6_K, 2-255 tokens
+            "VLLM_GGUF_Q6_K_TRITON": (False, "q6_k_triton_calls")}  # Q6_K, a few tokens
 
 
 def runs(path: str, switch: str) -> bool:

@@ -24,7 +24,7 @@ llama-bench from tools/gpu-host/build-llama-cpp-cuda.sh (CUDA, the pinned sdist)
   `portable` with VLLM_GGUF_MOE_MARLIN=0 (every MoE layer on the GGUF kernels, where
   Q4_K experts run vLLM's Marlin MoE by default); `portable-dense-marlin`: `portable` with
   VLLM_GGUF_DENSE_MARLIN=1 (Q4_K linear layers on vLLM's Marlin GEMM); `portable-dense`:
-  that and VLLM_GGUF_Q6_K_TRITON=1 (Q6_K products of 2-255 tokens, linear and down
+  that and VLLM_GGUF_Q6_K_TRITON=1 (Q6_K products of a few tokens, linear and down
   experts, on q6_k_triton's Triton GEMMs).
   Prefill: one new PROMPT-token request, max_tokens 1, best of three: PROMPT / TTFT.
   Decode at DEPTH and batch B: B requests of max(DEPTH, 1) tokens, their prompts first
@@ -81,7 +81,7 @@ PATHS = {
     # portable, with the Q4_K linear layers on vLLM's Marlin GEMM too (off by default)
     "portable-dense-marlin": {"backend": "TRITON_MLA_SPARSE", "indexer": "triton",
                               "dtype": "float16", "env": {"VLLM_GGUF_DENSE_MARLIN": "1"}},
-    # and the Q6_K products of 2-255 tokens on q6_k_triton's Triton GEMMs (off by default)
+    # and the Q6_K products of a few tokens on q6_k_triton's Triton GEMMs (off by default)
     "portable-dense": {"backend": "TRITON_MLA_SPARSE", "indexer": "triton", "dtype": "float16",
                        "env": {"VLLM_GGUF_DENSE_MARLIN": "1", "VLLM_GGUF_Q6_K_TRITON": "1"}},
 }

@@ -14,6 +14,21 @@ def test_paths_name_the_sm120_path_and_upstreams():
     assert set(acc.SOURCES) == {"gguf-bf16", "gguf-q8_0", "gguf-Q4_K_M"}
 
 
+CHUNK = "32"  # the `-dense` paths' prompt tokens a step
+
+
+def test_dense_paths_prefill_through_the_q6_k_products():
+    """The metric is the prompt tokens' logprobs: a prompt prefilled whole (300-1000
+    tokens) never reaches q6_k_triton's products, a step of CHUNK tokens does."""
+    from tests.models.glm5_generate import PROMPT_LENS
+    from vllm_gguf_plugin.quantization import q6_k_triton
+
+    assert int(CHUNK) in q6_k_triton.LINEAR_TOKENS and int(CHUNK) in q6_k_triton.ROUTED_TOKENS
+    assert min(PROMPT_LENS) not in q6_k_triton.ROUTED_TOKENS
+    for path in ("upstream-bf16-dense", "portable-fp16-dense"):
+        assert acc.PATHS[path]["max_num_batched_tokens"] == CHUNK
+
+
 @pytest.mark.parametrize("path,base,var,value", [
     ("portable-fp16-bi", "portable-fp16", "VLLM_BATCH_INVARIANT", "1"),
     ("portable-fp16-gguf-moe", "portable-fp16", "VLLM_GGUF_MOE_MARLIN", "0"),
@@ -29,11 +44,12 @@ def test_paths_that_differ_only_in_their_environment(monkeypatch, path, base, va
     """`portable-fp16-bi` is `portable-fp16` with VLLM_BATCH_INVARIANT=1 added to the
     engine's environment (the rest of it kept), the `-gguf-moe` paths theirs with
     VLLM_GGUF_MOE_MARLIN=0, the `-dense-marlin` ones with VLLM_GGUF_DENSE_MARLIN=1, the
-    `-dense` ones with that and VLLM_GGUF_Q6_K_TRITON=1; the other paths inherit this
-    process's."""
+    `-dense` ones with that and VLLM_GGUF_Q6_K_TRITON=1 (and their prompts in steps of
+    CHUNK tokens); the other paths inherit this process's."""
     monkeypatch.setenv("VLLM_OVERLAY_SOMETHING", "kept")
     monkeypatch.delenv(var, raising=False)
-    assert acc.PATHS[path] == acc.PATHS[base]
+    chunked = {"max_num_batched_tokens": CHUNK} if path.endswith("-dense") else {}
+    assert acc.PATHS[path] == {**acc.PATHS[base], **chunked}
     env = acc.path_env(path)
     assert env[var] == value and env["VLLM_OVERLAY_SOMETHING"] == "kept"
     assert acc.path_env(base) is None
