@@ -58,6 +58,8 @@ reads (for MoE the experts its tokens hit), flop = 2 x multiply-adds.
 import argparse
 import functools
 import json
+import os
+import sys
 
 import torch
 
@@ -472,21 +474,30 @@ def main():
     dtype = getattr(torch, args.dtype)
     gen = torch.Generator().manual_seed(0)
     rows = []
+
+    def save(complete: bool) -> None:
+        """The report so far: a run cut short keeps its finished cases (complete false)."""
+        if args.json:
+            report = {"device": torch.cuda.get_device_name(0), "dtype": args.dtype,
+                      "argv": sys.argv[1:], "complete": complete, "rows": rows}
+            with open(args.json + ".partial", "w") as f:
+                json.dump(report, f, indent=1)
+            os.replace(args.json + ".partial", args.json)
+
     for qtype in args.types:
         if "dense" in args.ops and "/" not in qtype:
             for name in args.dense:
                 rows += dense_case(qtype, name, args.tokens, dtype, gen)
+                save(False)
         if "moe" in args.ops:
             rows += moe_case(qtype, args.tokens, dtype, gen, tuple(args.triton_block_m))
+            save(False)
     lines = table(rows)
     print("\n".join(lines))
     if args.md:
         with open(args.md, "w") as f:
             f.write("\n".join(lines) + "\n")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"device": torch.cuda.get_device_name(0), "dtype": args.dtype,
-                       "rows": rows}, f, indent=1)
+    save(True)
 
 
 if __name__ == "__main__":

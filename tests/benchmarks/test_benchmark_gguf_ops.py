@@ -81,6 +81,37 @@ def test_table():
     assert lines[3].split(" | ")[3] == "error" and lines[3].split(" | ")[8] == "-"
 
 
+def test_a_run_cut_short_keeps_its_finished_cases(monkeypatch, tmp_path):
+    """The JSON report is written after each case (a device call's time limit cut the
+    sixteenth run's benchmark and its report with it); complete only at the end."""
+    import json
+    import sys
+
+    def case(op, qtype, name, cut_at=None):
+        if name == cut_at:
+            raise TimeoutError(name)
+        return [{"op": op, "case": name, "type": qtype, "M": 8, "flop": 1e6, "bytes": 1e6,
+                 "paths": {"plugin": {"us": 2.0, "rel": 0.01}}, "fastest": "plugin"}]
+
+    out = tmp_path / "ops.json"
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda i=0: "GPU")
+    monkeypatch.setattr(bench, "moe_case", lambda qtype, *a: case("moe", qtype, "moe"))
+    argv = ["bench", "--types", "Q6_K", "--dense", "qkv_a", "o_proj", "--json", str(out)]
+    monkeypatch.setattr(sys, "argv", argv)
+    monkeypatch.setattr(bench, "dense_case",
+                        lambda qtype, name, *a: case("dense", qtype, name, cut_at="o_proj"))
+    with pytest.raises(TimeoutError):
+        bench.main()
+    report = json.loads(out.read_text())
+    assert report["complete"] is False and [r["case"] for r in report["rows"]] == ["qkv_a"]
+    monkeypatch.setattr(bench, "dense_case", lambda qtype, name, *a: case("dense", qtype, name))
+    bench.main()
+    report = json.loads(out.read_text())
+    assert report["complete"] is True and report["argv"] == argv[1:]
+    assert [r["case"] for r in report["rows"]] == ["qkv_a", "o_proj", "moe"]
+    assert list(tmp_path.iterdir()) == [out]
+
+
 def test_int4_groups_along_each_experts_inputs():
     # codes and scales along k (an expert's inputs), the weight within half a step
     gen = torch.Generator().manual_seed(0)
