@@ -22,7 +22,7 @@ index_topk, then 32 greedy tokens):
   16-bit activations, except under batch invariance); `-gguf-moe`: VLLM_GGUF_MOE_MARLIN=0,
   those on the GGUF kernels too; `-dense-marlin`: VLLM_GGUF_DENSE_MARLIN=1, the Q4_K linear
   layers on vLLM's Marlin GEMM; `-dense`: that and VLLM_GGUF_Q6_K_TRITON=1, the Q6_K
-  products of a few tokens (linear 8-32, down experts 8-255) on q6_k_triton's Triton
+  products of a few tokens (linear 8-64, down experts 8-255) on q6_k_triton's Triton
   GEMMs, with the prompts prefilled 32 tokens a step so that the metric's prompt logprobs
   come from them);
 - llama.cpp: benchmarks/llama_cpp_logits.py on libllama.so of `--llama-lib` (all layers
@@ -70,7 +70,7 @@ PATHS = {
     "upstream-bf16-dense-marlin": {"dtype": "bfloat16"},
     "portable-fp16-dense-marlin": {"attention_backend": "TRITON_MLA_SPARSE",
                                    "indexer": "triton", "dtype": "float16"},
-    # the same with the Q6_K products of 8-32 tokens on q6_k_triton's GEMMs too, prompts
+    # the same with the Q6_K products of 8-64 tokens on q6_k_triton's GEMMs too, prompts
     # in 32-token steps: a whole prompt's products (300-1000 tokens) never take them
     "upstream-bf16-dense": {"dtype": "bfloat16", "max_num_batched_tokens": "32"},
     "portable-fp16-dense": {"attention_backend": "TRITON_MLA_SPARSE", "indexer": "triton",
