@@ -32,8 +32,8 @@ from vllm.triton_utils import tl, triton
 Q6_K = int(GGMLQuantizationType.Q6_K)
 Q6_K_BLOCK, Q6_K_BYTES = 256, 210  # values and bytes of a block: ql 128, qh 64, scales 16, d 2
 Q6_K_ENV = "VLLM_GGUF_Q6_K_TRITON"
-# from 8 tokens (there 2.1x MMQ but the output head's 0.9x; below, MMVQ and MMQ win) to
-# 64: past that a third token tile decodes every weight again, slower than dequantizing
+# from 8 tokens (fewer: MMVQ and MMQ are faster, docs/results.md) to 64: past that a third
+# token tile decodes every weight again, slower than dequantizing it once
 LINEAR_TOKENS = range(8, 65)
 # a layer's tokens (routed: not measured yet, from the linear start); below 256 GLM-5's
 # top-8 of 256 experts gives an expert 8 rows on average
