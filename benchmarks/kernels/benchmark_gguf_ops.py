@@ -23,7 +23,7 @@ Paths (a path a type has no kernel for is left out):
   tiled), `triton` (the plugin's Triton GEMM, 16-bit activations), `marlin` (Q4_K: the
   file's values on vLLM's Marlin GEMM plus their b-part, linear_marlin's; what the engine
   runs under VLLM_GGUF_DENSE_MARLIN=1), `q6k` (Q6_K: q6_k_triton's Triton GEMM over the
-  file's blocks, what the engine runs from 2 tokens under VLLM_GGUF_Q6_K_TRITON=1),
+  file's blocks, what the engine runs at 8-64 tokens under VLLM_GGUF_Q6_K_TRITON=1),
   `dequant` (dequantize to 16 bits, then torch.mm), and
   `mm16` (torch.mm on the weights dequantized beforehand: the 16-bit tensor-core bound,
   not a path);
@@ -384,8 +384,6 @@ def _marlin_moe(marlin: list, w13, w2, x, topk_w, topk_ids, t2, q6k=False) -> to
     Marlin's layout plus their b-part, made into `marlin` once; a down product of another
     type on the GGUF kernels, fused_moe.marlin_fused_moe; with q6k, a Q6_K one on
     q6_k_triton's routed GEMM, as under VLLM_GGUF_Q6_K_TRITON=1)."""
-    from functools import partial
-
     from vllm.model_executor.layers.fused_moe.activation import MoEActivation
     from vllm_gguf_plugin.quantization import fused_moe, moe_marlin, q6_k_triton
 
@@ -393,7 +391,7 @@ def _marlin_moe(marlin: list, w13, w2, x, topk_w, topk_ids, t2, q6k=False) -> to
         marlin += [moe_marlin.marlin_experts(w13, x.dtype),
                    moe_marlin.marlin_experts(w2, x.dtype) if t2 == moe_marlin.Q4_K else None]
     if q6k:
-        down = partial(q6_k_triton.moe_mul_mat, w=w2, topk_ids=topk_ids)
+        down = functools.partial(q6_k_triton.moe_mul_mat, w=w2, topk_ids=topk_ids)
         return moe_marlin.fused_moe(x, marlin[0], None, topk_w, topk_ids, MoEActivation.SILU,
                                     down)
     return fused_moe.marlin_fused_moe(x, marlin, w2, t2, topk_w, topk_ids, MoEActivation.SILU)

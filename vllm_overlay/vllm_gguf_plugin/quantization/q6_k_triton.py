@@ -227,14 +227,13 @@ def moe_mul_mat(x: torch.Tensor, w: torch.Tensor, topk_ids: torch.Tensor) -> tor
         raise ValueError(f"Q6_K routed product: {rows} input rows, {topk_ids.numel()} "
                          "routed rows")
     x = x.contiguous()
-    tile = TILE
-    sorted_ids, expert_ids, padded = moe_align_block_size(topk_ids, tile.block_m, experts)
+    sorted_ids, expert_ids, padded = moe_align_block_size(topk_ids, TILE.block_m, experts)
     out = torch.empty((rows, n), device=x.device, dtype=x.dtype)
     # the blocks a padded sort can fill: each expert with rows pads fewer than a block
-    filled = min(sorted_ids.numel(), rows + min(rows, experts) * (tile.block_m - 1))
-    grid = (triton.cdiv(n, tile.block_n), triton.cdiv(filled, tile.block_m))
+    filled = min(sorted_ids.numel(), rows + min(rows, experts) * (TILE.block_m - 1))
+    grid = (triton.cdiv(n, TILE.block_n), triton.cdiv(filled, TILE.block_m))
     _q6_k_moe_kernel[grid](x, w, out, sorted_ids, expert_ids, padded, rows, n,
                            k_blocks, x.stride(0), w.stride(0), w.stride(1),
-                           out.stride(0), BLOCK_M=tile.block_m, BLOCK_N=tile.block_n,
-                           num_warps=tile.num_warps)
+                           out.stride(0), BLOCK_M=TILE.block_m, BLOCK_N=TILE.block_n,
+                           num_warps=TILE.num_warps)
     return out
