@@ -325,13 +325,23 @@ def markdown(results: dict) -> str:
         lines += [f"**{path}** ({res.get('settings', '')})", "",
                   "| case | overlay tok/s | llama.cpp tok/s | overlay / llama.cpp | target |",
                   "|---|---:|---:|---:|---|"]
+        compared = set()
         for r in res["ratios"]:
             case = (f"prefill {r['prompt']}" if r["name"] == "prefill" else
                     f"decode batch {r['batch']} at depth {r['depth']}")
+            compared.add(case)
             target = ("-" if r["target"] is None else
                       f">= {r['target']:g}x: {'met' if r['meets_target'] else 'not met'}")
             lines.append(f"| {case} | {r['vllm_tok_s']:.1f} | {r['llama_tok_s']:.1f} | "
                          f"{r['ratio']:.2f} | {target} |")
+        # the cases llama.cpp did not measure (or a run without it): the overlay's alone
+        figures = res.get("figures", {})
+        cases = [(f"prefill {p}", t) for p, t in figures.get("prefill", {}).items()]
+        cases += [(f"decode batch {b} at depth {d}", t)
+                  for d, per_batch in figures.get("decode", {}).items()
+                  for b, t in per_batch.items()]
+        lines += [f"| {case} | {t:.1f} | - | - | - |" for case, t in cases
+                  if case not in compared]
         if res.get("profile_decode"):
             pd = res["profile_decode"]
             lines.append(f"\nGPU time of a decode step (batch 1, depth {pd['depth']}), "

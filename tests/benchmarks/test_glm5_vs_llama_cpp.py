@@ -286,6 +286,14 @@ def test_ratios_against_targets():
     assert "| decode batch 32 at depth 8192 | 400.0 | 130.0 | 3.08 | >= 3x: met |" in md
     assert "| prefill 8192 | 1750.0 | 3500.0 | 0.50 | >= 1x: not met |" in md
     assert "**upstream**: failed" in md
+    # a case llama.cpp did not measure, or a run without it, keeps the overlay's figure
+    figures = {"prefill": {512: 900.0}, "decode": {0: {1: 120.0, 8: 500.0}}}
+    md = bench.markdown({"paths": {"portable": {"settings": "x", "figures": figures,
+                                                "ratios": [got[("prefill", 512)]]}}})
+    prefill = [line for line in md.splitlines() if line.startswith("| prefill 512 |")]
+    assert len(prefill) == 1 and "| - |" not in prefill[0]  # the compared row only
+    assert "| decode batch 1 at depth 0 | 120.0 | - | - | - |" in md
+    assert "| decode batch 8 at depth 0 | 500.0 | - | - | - |" in md
     shares = bench.kernel_shares([("moe_vec_q", 1.0)])
     md = bench.markdown({"paths": {"portable": {
         "settings": "x", "ratios": [], "profile_decode": {
