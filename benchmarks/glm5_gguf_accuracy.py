@@ -4,7 +4,8 @@
     python -m benchmarks.glm5_gguf_accuracy --out DIR --llama-lib DIR [--bindings DIR]
         [--paths portable-fp16 portable-bf16 upstream-bf16 portable-fp16-bi
                  upstream-bf16-gguf-moe portable-fp16-gguf-moe upstream-bf16-dense-marlin
-                 portable-fp16-dense-marlin upstream-bf16-dense portable-fp16-dense] [--eager]
+                 portable-fp16-dense-marlin upstream-bf16-dense portable-fp16-dense
+                 upstream-bf16-dense-marlin-32] [--eager]
         [--json FILE]
         [--rounding bfloat16 float16] [--device cuda] [--llama-gpu-layers N]
         [--max-tokens 32] [--llama-runner ctypes|c] [--llama-src DIR]
@@ -21,10 +22,11 @@ index_topk, then 32 greedy tokens):
   products below 256 tokens and experts below 1024 (Q4_K experts run vLLM's Marlin MoE on
   16-bit activations, except under batch invariance); `-gguf-moe`: VLLM_GGUF_MOE_MARLIN=0,
   those on the GGUF kernels too; `-dense-marlin`: VLLM_GGUF_DENSE_MARLIN=1, the Q4_K linear
-  layers on vLLM's Marlin GEMM; `-dense`: that and VLLM_GGUF_Q6_K_TRITON=1, the Q6_K
-  products of a few tokens (linear 8-64, down experts 8-255) on q6_k_triton's Triton
-  GEMMs, with the prompts prefilled 32 tokens a step so that the metric's prompt logprobs
-  come from them);
+  layers on vLLM's Marlin GEMM; `-dense`: that and VLLM_GGUF_Q6_K_TRITON=1, the linear
+  Q6_K products of 8-64 tokens on q6_k_triton's Triton GEMM, with the prompts prefilled 32
+  tokens a step so that the metric's prompt logprobs come from them;
+  `upstream-bf16-dense-marlin-32`: dense Marlin alone in the same steps, the `-dense` row's
+  control, since a 32-token step also runs the other products on int8 activations);
 - llama.cpp: benchmarks/llama_cpp_logits.py on libllama.so of `--llama-lib` (all layers
   on the GPU unless --llama-gpu-layers, prompt in one batch);
 - rounding alone: transformers on the same dequantized weights in each dtype of
@@ -75,6 +77,8 @@ PATHS = {
     "upstream-bf16-dense": {"dtype": "bfloat16", "max_num_batched_tokens": "32"},
     "portable-fp16-dense": {"attention_backend": "TRITON_MLA_SPARSE", "indexer": "triton",
                             "dtype": "float16", "max_num_batched_tokens": "32"},
+    # upstream-bf16-dense without the Q6_K products: what its 32-token steps alone change
+    "upstream-bf16-dense-marlin-32": {"dtype": "bfloat16", "max_num_batched_tokens": "32"},
 }
 DENSE = {"VLLM_GGUF_DENSE_MARLIN": "1", "VLLM_GGUF_Q6_K_TRITON": "1"}
 PATH_ENV = {"portable-fp16-bi": {"VLLM_BATCH_INVARIANT": "1"},
@@ -82,7 +86,8 @@ PATH_ENV = {"portable-fp16-bi": {"VLLM_BATCH_INVARIANT": "1"},
             "portable-fp16-gguf-moe": {"VLLM_GGUF_MOE_MARLIN": "0"},
             "upstream-bf16-dense-marlin": {"VLLM_GGUF_DENSE_MARLIN": "1"},
             "portable-fp16-dense-marlin": {"VLLM_GGUF_DENSE_MARLIN": "1"},
-            "upstream-bf16-dense": DENSE, "portable-fp16-dense": DENSE}
+            "upstream-bf16-dense": DENSE, "portable-fp16-dense": DENSE,
+            "upstream-bf16-dense-marlin-32": {"VLLM_GGUF_DENSE_MARLIN": "1"}}
 
 
 # the overlay's switches: (on unless 0, the default; else only with 1), and glm5_generate's

@@ -32,8 +32,7 @@ Paths (a path a type has no kernel for is left out):
   tokens per tile; the plugin runs B = 4), `marlin` (Q4_K gate_up: the overlay's moe_marlin,
   the file's values on vLLM's Marlin MoE plus their b-part, a down product of another
   type on the GGUF kernels: what the engine runs for such layers unless
-  VLLM_GGUF_MOE_MARLIN=0), `marlin-q6k` (Q4_K/Q6_K: `marlin` with the Q6_K down product on
-  q6_k_triton's routed GEMM, as under VLLM_GGUF_Q6_K_TRITON=1), `dequant` (all experts
+  VLLM_GGUF_MOE_MARLIN=0), `dequant` (all experts
   dequantized, then vLLM's fused_experts), `fused16`
   (vLLM's fused_experts on weights dequantized beforehand: the 16-bit bound) and `marlin4`
   (vLLM's Marlin MoE, a tensor-core int4 kernel, on the dequantized experts quantized
@@ -305,9 +304,6 @@ def moe_case(qtype: str, tokens, dtype=torch.float16, gen=None,
         if q1 == "Q4_K" and t2 in MMVQ_QUANT_TYPES:
             paths["marlin"] = functools.partial(_marlin_moe, marlin_q4k, w13, w2, x, topk_w,
                                                 topk_ids, t2)
-        if q1 == "Q4_K" and q2 == "Q6_K":
-            paths["marlin-q6k"] = functools.partial(_marlin_moe, marlin_q4k, w13, w2, x,
-                                                    topk_w, topk_ids, t2, q6k=True)
         paths["dequant"] = lambda: fused_experts(x, *deq(), topk_w, topk_ids, activation=silu)
         paths["fused16"] = lambda: fused_experts(x, w13_16, w2_16, topk_w, topk_ids,
                                                  activation=silu)
@@ -379,21 +375,16 @@ def _marlin4_moe(marlin: list, w13_16, w2_16, x, topk_w, topk_ids) -> torch.Tens
                             global_num_experts=w13_16.shape[0])
 
 
-def _marlin_moe(marlin: list, w13, w2, x, topk_w, topk_ids, t2, q6k=False) -> torch.Tensor:
+def _marlin_moe(marlin: list, w13, w2, x, topk_w, topk_ids, t2) -> torch.Tensor:
     """The overlay's Marlin MoE as the engine runs it (moe_marlin: the Q4_K experts in
     Marlin's layout plus their b-part, made into `marlin` once; a down product of another
-    type on the GGUF kernels, fused_moe.marlin_fused_moe; with q6k, a Q6_K one on
-    q6_k_triton's routed GEMM, as under VLLM_GGUF_Q6_K_TRITON=1)."""
+    type on the GGUF kernels, fused_moe.marlin_fused_moe)."""
     from vllm.model_executor.layers.fused_moe.activation import MoEActivation
-    from vllm_gguf_plugin.quantization import fused_moe, moe_marlin, q6_k_triton
+    from vllm_gguf_plugin.quantization import fused_moe, moe_marlin
 
     if not marlin:
         marlin += [moe_marlin.marlin_experts(w13, x.dtype),
                    moe_marlin.marlin_experts(w2, x.dtype) if t2 == moe_marlin.Q4_K else None]
-    if q6k:
-        down = functools.partial(q6_k_triton.moe_mul_mat, w=w2, topk_ids=topk_ids)
-        return moe_marlin.fused_moe(x, marlin[0], None, topk_w, topk_ids, MoEActivation.SILU,
-                                    down)
     return fused_moe.marlin_fused_moe(x, marlin, w2, t2, topk_w, topk_ids, MoEActivation.SILU)
 
 

@@ -23,9 +23,9 @@ def test_dense_paths_prefill_through_the_q6_k_products():
     from tests.models.glm5_generate import PROMPT_LENS
     from vllm_gguf_plugin.quantization import q6_k_triton
 
-    assert int(CHUNK) in q6_k_triton.LINEAR_TOKENS and int(CHUNK) in q6_k_triton.ROUTED_TOKENS
-    assert min(PROMPT_LENS) not in q6_k_triton.ROUTED_TOKENS
-    for path in ("upstream-bf16-dense", "portable-fp16-dense"):
+    assert int(CHUNK) in q6_k_triton.LINEAR_TOKENS
+    assert min(PROMPT_LENS) not in q6_k_triton.LINEAR_TOKENS
+    for path in ("upstream-bf16-dense", "portable-fp16-dense", "upstream-bf16-dense-marlin-32"):
         assert acc.PATHS[path]["max_num_batched_tokens"] == CHUNK
 
 
@@ -39,16 +39,17 @@ def test_dense_paths_prefill_through_the_q6_k_products():
     ("portable-fp16-dense", "portable-fp16", "VLLM_GGUF_Q6_K_TRITON", "1"),
     ("upstream-bf16-dense", "upstream-bf16", "VLLM_GGUF_DENSE_MARLIN", "1"),
     ("upstream-bf16-dense", "upstream-bf16", "VLLM_GGUF_Q6_K_TRITON", "1"),
+    ("upstream-bf16-dense-marlin-32", "upstream-bf16", "VLLM_GGUF_DENSE_MARLIN", "1"),
 ])
 def test_paths_that_differ_only_in_their_environment(monkeypatch, path, base, var, value):
     """`portable-fp16-bi` is `portable-fp16` with VLLM_BATCH_INVARIANT=1 added to the
     engine's environment (the rest of it kept), the `-gguf-moe` paths theirs with
     VLLM_GGUF_MOE_MARLIN=0, the `-dense-marlin` ones with VLLM_GGUF_DENSE_MARLIN=1, the
     `-dense` ones with that and VLLM_GGUF_Q6_K_TRITON=1 (and their prompts in steps of
-    CHUNK tokens); the other paths inherit this process's."""
+    CHUNK tokens, as `-dense-marlin-32`'s); the other paths inherit this process's."""
     monkeypatch.setenv("VLLM_OVERLAY_SOMETHING", "kept")
     monkeypatch.delenv(var, raising=False)
-    chunked = {"max_num_batched_tokens": CHUNK} if path.endswith("-dense") else {}
+    chunked = {"max_num_batched_tokens": CHUNK} if path.endswith(("-dense", "-32")) else {}
     assert acc.PATHS[path] == {**acc.PATHS[base], **chunked}
     env = acc.path_env(path)
     assert env[var] == value and env["VLLM_OVERLAY_SOMETHING"] == "kept"
@@ -57,7 +58,8 @@ def test_paths_that_differ_only_in_their_environment(monkeypatch, path, base, va
                                            "upstream-bf16-gguf-moe",
                                            "portable-fp16-dense-marlin",
                                            "upstream-bf16-dense-marlin",
-                                           "portable-fp16-dense", "upstream-bf16-dense"])
+                                           "portable-fp16-dense", "upstream-bf16-dense",
+                                           "upstream-bf16-dense-marlin-32"])
 
 
 def test_which_paths_must_show_marlin_calls(monkeypatch):
@@ -68,7 +70,8 @@ def test_which_paths_must_show_marlin_calls(monkeypatch):
     monkeypatch.delenv("VLLM_BATCH_INVARIANT", raising=False)
     assert {p for p in acc.PATHS if acc.runs(p, "VLLM_GGUF_MOE_MARLIN")} == {
         "portable-fp16", "portable-bf16", "upstream-bf16", "portable-fp16-dense-marlin",
-        "upstream-bf16-dense-marlin", "portable-fp16-dense", "upstream-bf16-dense"}
+        "upstream-bf16-dense-marlin", "portable-fp16-dense", "upstream-bf16-dense",
+        "upstream-bf16-dense-marlin-32"}
     monkeypatch.setenv("VLLM_GGUF_MOE_MARLIN", "0")
     assert not any(acc.runs(p, "VLLM_GGUF_MOE_MARLIN") for p in acc.PATHS)
 
@@ -81,7 +84,7 @@ def test_which_paths_must_show_dense_marlin_layers(monkeypatch):
     monkeypatch.delenv("VLLM_BATCH_INVARIANT", raising=False)
     assert {p for p in acc.PATHS if acc.runs(p, "VLLM_GGUF_DENSE_MARLIN")} == {
         "portable-fp16-dense-marlin", "upstream-bf16-dense-marlin", "portable-fp16-dense",
-        "upstream-bf16-dense"}
+        "upstream-bf16-dense", "upstream-bf16-dense-marlin-32"}
     monkeypatch.setenv("VLLM_GGUF_DENSE_MARLIN", "1")
     assert {p for p in acc.PATHS if not acc.runs(p, "VLLM_GGUF_DENSE_MARLIN")} == {"portable-fp16-bi"}
 

@@ -78,7 +78,7 @@ def count_dense_marlin_layers() -> dict[str, int] | None:
 
 
 def count_q6_k_triton_calls() -> dict[str, int] | None:
-    """Count the Q6_K products, linear and routed, on q6_k_triton's Triton GEMMs
+    """Count the linear Q6_K products on q6_k_triton's Triton GEMM
     (in-process engine; with CUDA graphs, the eager steps' and the captures'); None
     unless VLLM_GGUF_Q6_K_TRITON=1 turns them on."""
     from vllm_gguf_plugin.quantization import q6_k_triton
@@ -87,8 +87,7 @@ def count_q6_k_triton_calls() -> dict[str, int] | None:
         return None
 
     calls = {"q6_k": 0}
-    for name in ("mul_mat", "moe_mul_mat"):
-        count_into(calls, "q6_k", q6_k_triton, name)
+    count_into(calls, "q6_k", q6_k_triton, "mul_mat")
     return calls
 
 

@@ -28,7 +28,6 @@ from .moe_expert_groups import moe_by_expert_group  # overlay: experts past 2 Gi
 from . import moe_prefill  # overlay: long prefills dequantize the experts
 from . import moe_triton_tiles  # overlay: MMQ and Triton MoE tiles where measured faster
 from . import moe_marlin  # overlay: Q4_K experts on vLLM's Marlin MoE
-from . import q6_k_triton  # overlay: Q6_K down products of a few tokens on Triton
 from .params import (
     GGUFUninitializedWeightParameter,
     GGUFUninitializedWeightTypeParameter,
@@ -184,8 +183,6 @@ def _gguf_moe_down(
     from vllm.model_executor.layers.fused_moe.fused_moe import moe_align_block_size
 
     tokens, rows, n = topk_ids.shape[0], x.shape[0], w.shape[1]
-    if q6_k_triton.takes_routed(x, qweight_type, tokens):  # overlay: Q6_K where asked
-        return q6_k_triton.moe_mul_mat(x, w, topk_ids)
     tile = moe_triton_tiles.triton_tile(qweight_type, tokens)
     if tile:
         return moe_triton_tiles.triton_moe_product(

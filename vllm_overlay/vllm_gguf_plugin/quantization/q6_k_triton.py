@@ -1,24 +1,22 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Q6_K products of a few tokens on Triton GEMMs over the file's blocks: linear layers,
-and the routed down products of an MoE layer whose gate_up runs on Marlin.
+"""Linear Q6_K products of a few tokens on a Triton GEMM over the file's blocks.
 
 From 2 tokens the plugin runs Q6_K on MMQ (int8 activations), whose time grows with
 every token: at GLM-5's shapes it ran slower than dequantizing the weight and running a
 16-bit GEMM from 8-32 tokens on (docs/results.md, "Dense products: Q4_K on vLLM's
 Marlin GEMM"), and its Triton GEMM takes K 16 values at a time. Q6_K has no Marlin form
 (a scale per 16 values), and a Q4_K_M file keeps the output head and about half of its
-layers' ffn_down (experts included) at Q6_K. These kernels read each weight row's
-210-byte blocks once per tile of token rows, multiply each 16-value sub-block's codes
-(exact in 16 bits) by 16-bit activations on tensor cores and scale the float32 result;
-a linear product splits along K where its output tiles do not fill the GPU, a routed
-one takes moe_align_block_size's blocks of rows of one expert.
+layers' ffn_down at Q6_K. The kernel reads each weight row's 210-byte blocks once per
+tile of token rows, multiplies each 16-value sub-block's codes (exact in 16 bits) by
+16-bit activations on tensor cores and scales the float32 result; it splits along K
+where its output tiles do not fill the GPU.
 
-Off unless VLLM_GGUF_Q6_K_TRITON=1: measured at the op, not yet in a whole decode step
-(docs/results.md, the sixteenth run). Then, with float16 or bfloat16 activations, a
+Off unless VLLM_GGUF_Q6_K_TRITON=1: faster at the op, not yet in a whole decode step
+(docs/results.md, the seventeenth run). Then, with float16 or bfloat16 activations, a
 linear Q6_K product of LINEAR_TOKENS tokens runs here and a larger one below the
-plugin's prefill threshold dequantizes the weight for a 16-bit GEMM; a routed down
-product of ROUTED_TOKENS tokens (the layer's tokens, not its rows) runs here. Other
-counts keep the plugin's kernels.
+plugin's prefill threshold dequantizes the weight for a 16-bit GEMM. Other counts, and
+the routed experts' products (slower on this tile than on the plugin's kernels), keep
+the plugin's kernels.
 """
 
 import dataclasses
@@ -35,9 +33,6 @@ Q6_K_ENV = "VLLM_GGUF_Q6_K_TRITON"
 # from 8 tokens (fewer: MMVQ and MMQ are faster, docs/results.md) to 64: past that a third
 # token tile decodes every weight again, slower than dequantizing it once
 LINEAR_TOKENS = range(8, 65)
-# a layer's tokens (routed: not measured yet, from the linear start); below 256 GLM-5's
-# top-8 of 256 experts gives an expert 8 rows on average
-ROUTED_TOKENS = range(LINEAR_TOKENS.start, 256)
 
 
 @functools.cache
@@ -61,11 +56,6 @@ def dequantizes(x: torch.Tensor, qweight_type: int) -> bool:
     return x.shape[0] >= LINEAR_TOKENS.stop and _asked(x, qweight_type)
 
 
-def takes_routed(x: torch.Tensor, qweight_type: int, tokens: int) -> bool:
-    """Whether a routed down product of a layer's `tokens` tokens runs here."""
-    return tokens in ROUTED_TOKENS and _asked(x, qweight_type)
-
-
 @dataclasses.dataclass(frozen=True)
 class Q6KLaunch:
     """One launch of the kernel: token rows and weight rows a tile, K splits, warps."""
@@ -76,8 +66,8 @@ class Q6KLaunch:
     num_warps: int = 4
 
 
-# linear and routed rows: its activation loads are 4 bytes a thread, enough for cp.async
-# (16 rows on 8 warps load 2 and wait); no spills on SM80, SM90 and SM120 (the tests)
+# its activation loads are 4 bytes a thread, enough for cp.async (16 rows on 8 warps
+# load 2 and wait); no spills on SM80, SM90 and SM120 (the tests)
 TILE = Q6KLaunch(32, 64, num_warps=8)
 MIN_BLOCKS_A_SPLIT = 4  # a K split reads at least this many blocks of a row
 WAVES = 2  # programs to fill the GPU: this many per SM
@@ -162,27 +152,6 @@ def _q6_k_gemm_kernel(x_ptr, w_ptr, y_ptr, M, N, K_BLOCKS, stride_xm, stride_wn,
     tl.store(y, acc.to(y_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
 
 
-@triton.jit
-def _q6_k_moe_kernel(x_ptr, w_ptr, y_ptr, sorted_ids_ptr, expert_ids_ptr, padded_ptr, M, N,
-                     K_BLOCKS, stride_xm, stride_we, stride_wn, stride_ym,
-                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Routed rows: y[r] = x[r] @ dequant(w[e]).T for the rows r that moe_align_block_size
-    sorted into the BLOCK_M-row block pid_m of expert e (padding ids are M or more)."""
-    pid_n = tl.program_id(0)
-    pid_m = tl.program_id(1)
-    if pid_m * BLOCK_M < tl.load(padded_ptr):
-        ids = tl.load(sorted_ids_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
-        m_mask = ids < M
-        expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
-        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        n_mask = offs_n < N
-        acc = _q6_k_rows_dot(x_ptr + ids.to(tl.int64) * stride_xm, m_mask,
-                             w_ptr + expert * stride_we + offs_n.to(tl.int64) * stride_wn,
-                             n_mask, 0, K_BLOCKS, 1, BLOCK_M, BLOCK_N)
-        y = y_ptr + ids.to(tl.int64)[:, None] * stride_ym + offs_n[None, :]
-        tl.store(y, acc.to(y_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
-
-
 @functools.cache
 def _sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
@@ -214,26 +183,3 @@ def mul_mat(x: torch.Tensor, qweight: torch.Tensor,
                             num_warps=config.num_warps)
     return out[0] if config.split_k == 1 else out.sum(0).to(x.dtype)
 
-
-def moe_mul_mat(x: torch.Tensor, w: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
-    """The routed rows of a down product: x [rows, K] (float16/bfloat16), row r of
-    expert topk_ids.flatten()[r]; w [experts, n, K / 256 * 210] Q6_K blocks; [rows, n]."""
-    from vllm.model_executor.layers.fused_moe.fused_moe import moe_align_block_size
-
-    rows, k = x.shape
-    experts, n = w.shape[:2]
-    k_blocks = _k_blocks(k, w.shape[2])
-    if topk_ids.numel() != rows:
-        raise ValueError(f"Q6_K routed product: {rows} input rows, {topk_ids.numel()} "
-                         "routed rows")
-    x = x.contiguous()
-    sorted_ids, expert_ids, padded = moe_align_block_size(topk_ids, TILE.block_m, experts)
-    out = torch.empty((rows, n), device=x.device, dtype=x.dtype)
-    # the blocks a padded sort can fill: each expert with rows pads fewer than a block
-    filled = min(sorted_ids.numel(), rows + min(rows, experts) * (TILE.block_m - 1))
-    grid = (triton.cdiv(n, TILE.block_n), triton.cdiv(filled, TILE.block_m))
-    _q6_k_moe_kernel[grid](x, w, out, sorted_ids, expert_ids, padded, rows, n,
-                           k_blocks, x.stride(0), w.stride(0), w.stride(1),
-                           out.stride(0), BLOCK_M=TILE.block_m, BLOCK_N=TILE.block_n,
-                           num_warps=TILE.num_warps)
-    return out
