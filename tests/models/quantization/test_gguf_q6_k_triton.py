@@ -231,12 +231,48 @@ def compile_tiles(arch: int) -> list[dict]:
         kernel = compile_kernel(
             q6._q6_k_gemm_kernel, arch, sig,
             {"BLOCK_M": tile.block_m, "BLOCK_N": tile.block_n, "SPLIT_K": split},
-            ["x_ptr", "y_ptr", "stride_xm", "stride_ys", "stride_ym"],
+            ["x_ptr", "y_ptr", "stride_xm", "stride_ym"],
             {"num_warps": tile.num_warps})
         out.append({"kernel": "linear", "dtype": dtype, "split": split,
                     "async_copies": async_copies(kernel.asm["ptx"]),
                     **resource_usage(kernel.asm["cubin"])})
     return out
+
+
+def specializations(token_counts: list[int]) -> list[str]:
+    """The key Triton compiles the linear kernel under (for SM90, in a plain process) for
+    an output-head-shaped product of each token count, split in two."""
+    from tests.v1.attention.test_triton_mla_sparse_targets import real_triton
+
+    real_triton()
+    from triton.backends.compiler import GPUTarget
+    from triton.backends.nvidia.compiler import CUDABackend
+    from triton.runtime.jit import create_function_from_signature
+    from vllm_gguf_plugin.quantization import q6_k_triton as q6
+
+    kernel = q6._q6_k_gemm_kernel
+    bind = create_function_from_signature(kernel.signature, kernel.params,
+                                          CUDABackend(GPUTarget("cuda", 90, 32)))
+    n, k_blocks = 64, 24
+    w = torch.empty(n, k_blocks * 210, dtype=torch.uint8)
+    out = []
+    for m in token_counts:
+        x = torch.empty(m, k_blocks * 256, dtype=torch.float16)
+        y = torch.empty(2, m, n, dtype=torch.float32)
+        _, key, _ = bind(x, w, y, m, n, k_blocks, x.stride(0), w.stride(0), y.stride(0),
+                         y.stride(1), BLOCK_M=q6.TILE.block_m, BLOCK_N=q6.TILE.block_n,
+                         SPLIT_K=2, num_warps=q6.TILE.num_warps)
+        out.append(str(key))
+    return out
+
+
+def test_one_compile_for_every_token_count(run_without_gpu):
+    """Triton compiles a kernel again where an integer argument's value == 1 or % 16
+    changes. The output head's product runs outside CUDA graphs, so a token count new to
+    the process (8 after 32) would compile mid-decode: the seventeenth run's batch-8 rows
+    (docs/results.md). One key for 8 to 64 tokens."""
+    keys = run_without_gpu(__name__, "keys", timeout=300)
+    assert len(keys) == 5 and len(set(keys)) == 1
 
 
 def async_copies(ptx: str) -> int:
@@ -273,4 +309,7 @@ def test_product_matches_float32(dtype, limit, tokens, n, k):
 
 
 if __name__ == "__main__":
-    print(json.dumps(compile_tiles(int(sys.argv[1]))))
+    if sys.argv[1] == "keys":
+        print(json.dumps(specializations([8, 16, 24, 33, 64])))
+    else:
+        print(json.dumps(compile_tiles(int(sys.argv[1]))))

@@ -133,7 +133,9 @@ def _q6_k_rows_dot(x_rows, m_mask, rows, n_mask, k_first, K_BLOCKS, SPLIT_K: tl.
     return acc
 
 
-@triton.jit
+# one compile for every token count: the output head runs outside CUDA graphs, where a
+# count new to the process (M % 16 differs) would compile mid-decode
+@triton.jit(do_not_specialize=["M", "stride_ys"])
 def _q6_k_gemm_kernel(x_ptr, w_ptr, y_ptr, M, N, K_BLOCKS, stride_xm, stride_wn,
                       stride_ys, stride_ym,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr):
