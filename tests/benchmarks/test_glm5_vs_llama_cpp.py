@@ -307,6 +307,25 @@ def test_ratios_against_targets():
     assert bench.ratios({"prefill": {}, "decode": {8192: 100.0}}, only_depth0) == []
 
 
+def test_decode_row_keeps_the_fastest_run():
+    """A decode case runs REPS times: the row is the fastest run's (the first may pay a
+    one-time cost mid-decode, e.g. a kernel compiled for a new batch size), with every
+    run's step."""
+    from types import SimpleNamespace
+
+    def outs(step_s, cached):  # 2 requests, 129 tokens each, first at t = 1
+        metrics = SimpleNamespace(first_token_ts=1.0, last_token_ts=1.0 + 128 * step_s,
+                                  num_generation_tokens=129)
+        return [SimpleNamespace(metrics=metrics, num_cached_tokens=cached)] * 2
+
+    reps = [(1.4, outs(0.0044, 0)), (0.4, outs(0.0028, 63)), (0.5, outs(0.0030, 63))]
+    row = bench.decode_row(64, 2, 128, 64, reps)
+    assert row["step_ms"] == pytest.approx(2.8) and row["tok_s"] == pytest.approx(2 / 0.0028)
+    assert row["wall_s"] == 0.4 and row["cached_prompt_tokens"] == 126
+    assert row["step_ms_reps"] == pytest.approx([4.4, 2.8, 3.0])
+    assert row["prompt_tokens"] == 128 and (row["depth"], row["batch"]) == (64, 2)
+
+
 def test_kernel_shares():
     shares = bench.kernel_shares([("fused_moe_kernel", 50.0), ("_sparse_mla_decode_kernel", 20.0),
                                   ("triton_indexer_logits_decode", 10.0), ("gemv_bf16", 20.0)])
