@@ -47,6 +47,8 @@ products, 16-bit GEMMs, attention and the indexer by kernel name (the kernel tab
 to check the classification). `--llama-profile NCU` does the same for llama.cpp with Nsight
 Compute (kernel durations, warm caches, clocks left alone) over llama-bench: a tg run (one
 warm-up token and 8 decoded at depth 0: 9 steps) and a pp run of the shortest prompt.
+`--llama-from REPORT` takes llama.cpp's figures from an earlier report of the same file
+(more paths in another call, against the same llama.cpp run).
 
 Per layer (`--per-layer SHALLOW.json DEEP.json`): llama.cpp runs the last layer's FFN
 only for the tokens whose logits are asked for (src/models/glm-dsa.cpp, `inp_out_ids`),
@@ -545,6 +547,24 @@ def per_layer_markdown(result: dict) -> str:
     return "\n".join(lines)
 
 
+def llama_from(report_path: str, gguf: str) -> tuple[dict, dict]:
+    """(the llama_cpp part, its figures with integer keys) of an earlier report of the
+    same file: more paths in another call against the same llama.cpp run."""
+    earlier = json.loads(Path(report_path).read_text())
+    part = earlier.get("llama_cpp", {})
+    if "figures" not in part:
+        sys.exit(f"{report_path}: no llama.cpp figures in this report")
+    if earlier["args"].get("gguf") != gguf or earlier.get("gguf_bytes") != Path(
+            gguf).stat().st_size:
+        sys.exit(f"{report_path} measured {earlier['args'].get('gguf')} "
+                 f"({earlier.get('gguf_bytes')} bytes), not {gguf}")
+
+    def int_keys(d):  # JSON wrote the prompt, depth and batch keys as strings
+        return {int(k) if k.isdigit() else k: int_keys(v) if isinstance(v, dict) else v
+                for k, v in d.items()}
+    return {**part, "from": report_path}, int_keys(part["figures"])
+
+
 def backend_lines(log: str) -> list[str]:
     """vLLM's log lines naming the attention backend or the indexer (what a path ran)."""
     return sorted({m.group(0).strip() for m in re.finditer(
@@ -561,6 +581,9 @@ def main(argv=None):
                    help="llama-batched-bench (omit: no aggregate decode of llama.cpp)")
     p.add_argument("--llama-bench-args", default="",
                    help="more llama-bench flags, one string: --llama-bench-args='-fa on'")
+    p.add_argument("--llama-from", default=None, metavar="REPORT",
+                   help="llama.cpp's figures from an earlier report of the same file "
+                        "(instead of --llama-bench and --llama-batched-bench)")
     p.add_argument("--json", default=None)
     p.add_argument("--md", default=None)
     p.add_argument("--paths", nargs="*", default=list(PATHS), choices=list(PATHS))
@@ -588,6 +611,8 @@ def main(argv=None):
         return result
     if not args.gguf:
         p.error("--gguf is required")
+    if args.llama_from and (args.llama_bench or args.llama_batched_bench):
+        p.error("--llama-from takes llama.cpp's figures instead of running llama.cpp")
     from vllm_gguf_plugin.gguf_model import config_from_gguf
 
     report = {"args": vars(args), "gguf_bytes": Path(args.gguf).stat().st_size,
@@ -599,6 +624,9 @@ def main(argv=None):
         # after every part, so that a run stopped by a time limit still reports what it measured
         if args.json:
             Path(args.json).write_text(json.dumps(report, indent=1, default=str) + "\n")
+    if args.llama_from:
+        report["llama_cpp"], llama = llama_from(args.llama_from, args.gguf)
+        save()
     if args.llama_bench:
         rows, cmds = run_llama_bench(args)
         llama = llama_figures(rows)

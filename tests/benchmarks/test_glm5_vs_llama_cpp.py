@@ -307,6 +307,35 @@ def test_ratios_against_targets():
     assert bench.ratios({"prefill": {}, "decode": {8192: 100.0}}, only_depth0) == []
 
 
+def test_llama_figures_from_an_earlier_report(tmp_path):
+    """--llama-from: llama.cpp's figures of an earlier report of the same file, as the
+    ratios need them (integer keys where JSON wrote strings); another file, another size
+    of it or a report without llama.cpp stop with a message naming it."""
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"GGUF" + bytes(60))
+    figures = {"prefill": {512: 2000.0}, "decode": {0: 100.0, 8192: 80.0},
+               "aggregate": {0: {8: 300.0, 32: 400.0}}}
+    earlier = tmp_path / "2L.json"
+    earlier.write_text(json.dumps({"args": {"gguf": str(gguf)}, "gguf_bytes": 64,
+                                   "llama_cpp": {"commands": ["llama-bench"], "figures": figures}}))
+    part, llama = bench.llama_from(str(earlier), str(gguf))
+    assert llama == figures and part["from"] == str(earlier)
+    assert part["commands"] == ["llama-bench"]
+    ours = {"prefill": {512: 1000.0}, "decode": {0: {1: 50.0, 32: 1200.0}}}
+    got = {(r["name"], r.get("depth", r.get("prompt"))): r["ratio"]
+           for r in bench.ratios(llama, ours)}
+    assert got == {("decode_b1", 0): 0.5, ("decode_b32_aggregate", 0): 3.0,
+                   ("prefill", 512): 0.5}
+    gguf.write_bytes(b"GGUF" + bytes(61))
+    with pytest.raises(SystemExit, match="65|64 bytes"):
+        bench.llama_from(str(earlier), str(gguf))
+    with pytest.raises(SystemExit, match="not"):
+        bench.llama_from(str(earlier), str(tmp_path / "other.gguf"))
+    earlier.write_text(json.dumps({"args": {"gguf": str(gguf)}, "gguf_bytes": 65}))
+    with pytest.raises(SystemExit, match="no llama.cpp figures"):
+        bench.llama_from(str(earlier), str(gguf))
+
+
 def test_decode_row_keeps_the_fastest_run():
     """A decode case runs REPS times: the row is the fastest run's (the first may pay a
     one-time cost mid-decode, e.g. a kernel compiled for a new batch size), with every

@@ -21,7 +21,9 @@
 #   compare 2L  (then compare 3L, compare 3Lq6) waits for the accuracy stage and the file,
 #               runs glm5_vs_llama_cpp.py (PATHS_VS, REPS; PROFILE=1: both sides profiled,
 #               NCU), and --per-layer for 2L against each 3-layer report present (3L adds
-#               a Q4_K MoE layer, 3Lq6 a Q4_K/Q6_K one, as the 2-layer file's)
+#               a Q4_K MoE layer, 3Lq6 a Q4_K/Q6_K one, as the 2-layer file's); with
+#               MORE=1, PATHS_VS against the llama.cpp figures of the call before
+#               (--llama-from; reports $which-more.*), where one call's time ran out
 # Reports go to the device tool's $OUT; CALL_S bounds a call (default 585 s).
 set -uo pipefail
 here="$(cd "$(dirname "$0")/../.." && pwd)"
@@ -126,15 +128,19 @@ EOF
       *) echo "compare 2L, 3L or 3Lq6" >&2; exit 2 ;; esac
     while ! grep -q "^set $n rc=" $keep/llama/model.log; do sleep 5; done
     grep "rc=" $keep/llama/model.log; mkdir -p $keep/vs "$out/vs"
+    name=$which llama=(--llama-bench /tmp/llama-cpp-cuda/bin/llama-bench
+      --llama-batched-bench /tmp/llama-cpp-cuda/bin/llama-batched-bench
+      ${PROFILE:+--llama-profile "${NCU:-/usr/local/cuda/bin/ncu}"})
+    if [ -n "${MORE:-}" ]; then  # more paths against the first call's llama.cpp run
+      [ -f $keep/vs/$which.json ] || { echo "no compare $which on this machine yet" >&2; exit 3; }
+      name=$which-more llama=(--llama-from $keep/vs/$which.json)
+    fi
     # shellcheck disable=SC2086
     timeout $((call_s - SECONDS)) python3 -m benchmarks.glm5_vs_llama_cpp --gguf "$f" \
-      --llama-bench /tmp/llama-cpp-cuda/bin/llama-bench \
-      --llama-batched-bench /tmp/llama-cpp-cuda/bin/llama-batched-bench \
-      --paths ${PATHS_VS:-portable} --reps "${REPS:-2}" \
-      ${PROFILE:+--profile --llama-profile "${NCU:-/usr/local/cuda/bin/ncu}"} \
-      --json $keep/vs/$which.json --md $keep/vs/$which.md > $keep/vs/$which.log 2>&1
-    echo "compare rc=$?"; cp $keep/vs/$which.* "$out/vs/"
-    cat $keep/vs/$which.md 2>/dev/null || tail -30 $keep/vs/$which.log
+      "${llama[@]}" --paths ${PATHS_VS:-portable} --reps "${REPS:-2}" ${PROFILE:+--profile} \
+      --json $keep/vs/$name.json --md $keep/vs/$name.md > $keep/vs/$name.log 2>&1
+    echo "compare rc=$?"; cp $keep/vs/$name.* "$out/vs/"
+    cat $keep/vs/$name.md 2>/dev/null || tail -30 $keep/vs/$name.log
     for deep in 3L 3Lq6; do
       [ -f $keep/vs/2L.json ] && [ -f $keep/vs/$deep.json ] || continue
       python3 -m benchmarks.glm5_vs_llama_cpp --per-layer $keep/vs/2L.json $keep/vs/$deep.json \
