@@ -184,4 +184,3 @@ def mul_mat(x: torch.Tensor, qweight: torch.Tensor,
                             BLOCK_N=config.block_n, SPLIT_K=config.split_k,
                             num_warps=config.num_warps)
     return out[0] if config.split_k == 1 else out.sum(0).to(x.dtype)
-
