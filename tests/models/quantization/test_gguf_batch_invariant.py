@@ -71,12 +71,16 @@ def test_dense_one_kernel_under_batch_invariance(recorder, monkeypatch, qtype):
     assert recorder.calls == [("triton", rows) for rows in TOKEN_COUNTS]
 
 
-@pytest.mark.parametrize("qtype", [T.Q8_0, T.Q4_K, T.IQ2_S])
-def test_dense_default_picks_by_token_count(recorder, monkeypatch, qtype):
+@pytest.mark.parametrize("qtype,big", [(T.Q8_0, 256), (T.Q4_K, 32), (T.Q6_K, 32),
+                                       (T.IQ2_S, 256)])
+def test_dense_default_picks_by_token_count(recorder, monkeypatch, qtype, big):
     """Without the mode: MMVQ for few rows, then MMQ (legacy and K-quants) below
-    DEQUANT_GEMM_MIN_TOKENS and dequantize + GEMM from there on (I-quants: from past MMVQ)."""
-    from vllm_gguf_plugin.quantization.linear import DEQUANT_GEMM_MIN_TOKENS as big
+    dequant_gemm_min_tokens (a prefill's 256 tokens; Q4_K and Q6_K, measured faster
+    dequantized at GLM-5's shapes from 32) and dequantize + GEMM from there on (I-quants:
+    from past MMVQ)."""
+    from vllm_gguf_plugin.quantization.linear import dequant_gemm_min_tokens
 
+    assert dequant_gemm_min_tokens(int(qtype)) == big
     monkeypatch.setattr("vllm.envs.VLLM_BATCH_INVARIANT", False, raising=False)
     for rows in (1, 17, big - 1, big, 4 * big):
         _mul_mat(qtype, rows)
@@ -191,12 +195,12 @@ def test_experts_rows_alone_equal_batched(monkeypatch, types, default_varies):
 @pytest.mark.gpu
 @pytest.mark.parametrize("qtype", [T.Q8_0, T.Q4_K])
 def test_prefill_product_matches_dequantized_weights(monkeypatch, qtype):
-    """From DEQUANT_GEMM_MIN_TOKENS on, a quantized product is x times the weight as gguf-py
+    """From dequant_gemm_min_tokens on, a quantized product is x times the weight as gguf-py
     dequantizes it, and MMQ's result below it agrees within its int8 activations' error."""
     import gguf
     import numpy as np
-    from vllm_gguf_plugin.quantization.linear import (DEQUANT_GEMM_MIN_TOKENS,
-                                                      _fused_mul_mat_gguf)
+    from vllm_gguf_plugin.quantization.linear import (_fused_mul_mat_gguf,
+                                                      dequant_gemm_min_tokens)
 
     monkeypatch.setattr("vllm.envs.VLLM_BATCH_INVARIANT", False, raising=False)
     gen = np.random.default_rng(0)
@@ -204,11 +208,12 @@ def test_prefill_product_matches_dequantized_weights(monkeypatch, qtype):
     # random blocks, float16 scales kept small (bits 4-6 of every byte cleared): finite
     packed = (gen.integers(0, 256, (512, 2048 // block * size), dtype=np.uint8) & 0x8F)
     weight = torch.from_numpy(gguf.quants.dequantize(packed, qtype)).cuda()
-    x = torch.randn(DEQUANT_GEMM_MIN_TOKENS, 2048, device="cuda", dtype=torch.float16) / 45
+    tokens = dequant_gemm_min_tokens(int(qtype))
+    x = torch.randn(tokens, 2048, device="cuda", dtype=torch.float16) / 45
     ref = x.float() @ weight.T
     w = torch.from_numpy(packed).cuda()
     big = _fused_mul_mat_gguf(x, w, int(qtype)).float()
-    small = _fused_mul_mat_gguf(x[:DEQUANT_GEMM_MIN_TOKENS - 1], w, int(qtype)).float()
+    small = _fused_mul_mat_gguf(x[:tokens - 1], w, int(qtype)).float()
     scale = ref.abs().max()
     assert (big - ref).abs().max() / scale < 2e-3
     assert (small - ref[:-1]).abs().max() / scale < 5e-2

@@ -38,6 +38,14 @@ from .utils import (
 # overlay: from this many tokens on (a prefill), dequantize + 16-bit GEMM runs far faster than
 # the int8 MMQ kernel, whose time grows with every token (docs/results.md, "GGUF products")
 DEQUANT_GEMM_MIN_TOKENS = 256
+# overlay: from fewer for the types measured at GLM-5's dense shapes (docs/results.md, "Dense
+# products: Q4_K on vLLM's Marlin GEMM"): faster there on every shape from 32 tokens
+DEQUANT_GEMM_MIN_TOKENS_BY_TYPE = {int(WeightType.Q4_K): 32, int(WeightType.Q6_K): 32}
+
+
+def dequant_gemm_min_tokens(qweight_type: int) -> int:
+    """The fewest tokens whose product dequantizes for a 16-bit GEMM, not MMQ."""
+    return DEQUANT_GEMM_MIN_TOKENS_BY_TYPE.get(qweight_type, DEQUANT_GEMM_MIN_TOKENS)
 
 
 def _fused_mul_mat_gguf(
@@ -59,9 +67,8 @@ def _fused_mul_mat_gguf(
         return q6_k_triton.mul_mat(x, qweight)
     if x.shape[0] <= mmvq_safe and qweight_type in MMVQ_QUANT_TYPES:
         y = ops.ggml_mul_mat_vec_a8(qweight, x, qweight_type, qweight.shape[0])
-    # overlay: MMQ only below DEQUANT_GEMM_MIN_TOKENS, and Q6_K past q6_k_triton's counts
-    elif (qweight_type in MMQ_QUANT_TYPES and x.shape[0] < DEQUANT_GEMM_MIN_TOKENS
-          and not q6_k_triton.dequantizes(x, qweight_type)):
+    # overlay: MMQ only below dequant_gemm_min_tokens
+    elif qweight_type in MMQ_QUANT_TYPES and x.shape[0] < dequant_gemm_min_tokens(qweight_type):
         y = ops.ggml_mul_mat_a8(qweight, x, qweight_type, qweight.shape[0])
     elif qweight_type in DEQUANT_TYPES:
         block_size, type_size = gguf.GGML_QUANT_SIZES[qweight_type]

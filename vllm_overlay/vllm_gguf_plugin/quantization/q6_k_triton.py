@@ -13,10 +13,9 @@ where its output tiles do not fill the GPU.
 
 Off unless VLLM_GGUF_Q6_K_TRITON=1: faster at the op, not yet in a whole decode step
 (docs/results.md, the seventeenth run). Then, with float16 or bfloat16 activations, a
-linear Q6_K product of LINEAR_TOKENS tokens runs here and a larger one below the
-plugin's prefill threshold dequantizes the weight for a 16-bit GEMM. Other counts, and
-the routed experts' products (slower on this tile than on the plugin's kernels), keep
-the plugin's kernels.
+linear Q6_K product of LINEAR_TOKENS tokens runs here. Other counts (from 65 the
+dequantized 16-bit GEMM, as without the switch), and the routed experts' products
+(slower on this tile than on the plugin's kernels), keep the plugin's paths.
 """
 
 import dataclasses
@@ -41,19 +40,10 @@ def enabled() -> bool:
     return os.environ.get(Q6_K_ENV, "0").strip() == "1"
 
 
-def _asked(x: torch.Tensor, qweight_type: int) -> bool:
-    return qweight_type == Q6_K and x.dtype in (torch.float16, torch.bfloat16) and enabled()
-
-
 def takes(x: torch.Tensor, qweight_type: int) -> bool:
     """Whether a linear product of x [tokens, K] with a weight of this type runs here."""
-    return x.shape[0] in LINEAR_TOKENS and _asked(x, qweight_type)
-
-
-def dequantizes(x: torch.Tensor, qweight_type: int) -> bool:
-    """Whether a linear product past LINEAR_TOKENS dequantizes the weight for a 16-bit
-    GEMM instead of the plugin's MMQ (a prefill's count does anyway)."""
-    return x.shape[0] >= LINEAR_TOKENS.stop and _asked(x, qweight_type)
+    return (x.shape[0] in LINEAR_TOKENS and qweight_type == Q6_K
+            and x.dtype in (torch.float16, torch.bfloat16) and enabled())
 
 
 @dataclasses.dataclass(frozen=True)
