@@ -52,6 +52,9 @@ from pathlib import Path
 
 
 SOURCES = ("gguf-bf16", "gguf-q8_0", "gguf-Q4_K_M")
+# prompts prefilled 32 tokens a step: inside q6_k_triton's linear counts (a whole
+# 300-1000-token prompt never takes them)
+STEPS_OF_32 = {"max_num_batched_tokens": "32"}
 PATHS = {
     # SM120's path, forced: our attention backend and indexer, float16 (its GGUF default)
     "portable-fp16": {"attention_backend": "TRITON_MLA_SPARSE", "indexer": "triton",
@@ -72,13 +75,12 @@ PATHS = {
     "upstream-bf16-dense-marlin": {"dtype": "bfloat16"},
     "portable-fp16-dense-marlin": {"attention_backend": "TRITON_MLA_SPARSE",
                                    "indexer": "triton", "dtype": "float16"},
-    # the same with the Q6_K products of 8-64 tokens on q6_k_triton's GEMMs too, prompts
-    # in 32-token steps: a whole prompt's products (300-1000 tokens) never take them
-    "upstream-bf16-dense": {"dtype": "bfloat16", "max_num_batched_tokens": "32"},
+    # the same with the Q6_K products of 8-64 tokens on q6_k_triton's GEMMs too
+    "upstream-bf16-dense": {"dtype": "bfloat16", **STEPS_OF_32},
     "portable-fp16-dense": {"attention_backend": "TRITON_MLA_SPARSE", "indexer": "triton",
-                            "dtype": "float16", "max_num_batched_tokens": "32"},
+                            "dtype": "float16", **STEPS_OF_32},
     # upstream-bf16-dense without the Q6_K products: what its 32-token steps alone change
-    "upstream-bf16-dense-marlin-32": {"dtype": "bfloat16", "max_num_batched_tokens": "32"},
+    "upstream-bf16-dense-marlin-32": {"dtype": "bfloat16", **STEPS_OF_32},
 }
 DENSE = {"VLLM_GGUF_DENSE_MARLIN": "1", "VLLM_GGUF_Q6_K_TRITON": "1"}
 PATH_ENV = {"portable-fp16-bi": {"VLLM_BATCH_INVARIANT": "1"},

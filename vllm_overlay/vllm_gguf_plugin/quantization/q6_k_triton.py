@@ -149,20 +149,15 @@ def _sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def _k_blocks(k: int, row_bytes: int) -> int:
-    """The Q6_K blocks of K inputs, in weight rows of row_bytes (a padded tail not read)."""
-    if k % Q6_K_BLOCK or row_bytes < k // Q6_K_BLOCK * Q6_K_BYTES:
-        raise ValueError(f"Q6_K product: {k} inputs against weight rows of {row_bytes} bytes")
-    return k // Q6_K_BLOCK
-
-
 def mul_mat(x: torch.Tensor, qweight: torch.Tensor,
             config: Q6KLaunch | None = None) -> torch.Tensor:
     """x [M, K] (float16/bfloat16) @ dequant(qweight).T, qweight [n, >= K / 256 * 210]
     Q6_K blocks (a padded row's tail is not read); [M, n] in x's dtype."""
     m, k = x.shape
-    n = qweight.shape[0]
-    k_blocks = _k_blocks(k, qweight.shape[1])
+    n, row_bytes = qweight.shape
+    if k % Q6_K_BLOCK or row_bytes < k // Q6_K_BLOCK * Q6_K_BYTES:
+        raise ValueError(f"Q6_K product: {k} inputs against weight rows of {row_bytes} bytes")
+    k_blocks = k // Q6_K_BLOCK
     x = x.contiguous()
     if config is None:
         config = launch(m, n, k_blocks, _sms(x.device) if x.is_cuda else 1)
