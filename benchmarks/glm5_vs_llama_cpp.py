@@ -88,6 +88,9 @@ PATHS = {
     # and the Q6_K products of a few tokens on q6_k_triton's Triton GEMMs (off by default)
     "portable-dense": {"backend": "TRITON_MLA_SPARSE", "indexer": "triton", "dtype": "float16",
                        "env": {"VLLM_GGUF_DENSE_MARLIN": "1", "VLLM_GGUF_Q6_K_TRITON": "1"}},
+    # portable, with only the Q6_K products of a few tokens on q6_k_triton's GEMM
+    "portable-q6k": {"backend": "TRITON_MLA_SPARSE", "indexer": "triton", "dtype": "float16",
+                     "env": {"VLLM_GGUF_Q6_K_TRITON": "1"}},
 }
 TARGETS = {"decode_b1": 1.0, "decode_b32_aggregate": 3.0, "prefill": 1.0}
 LLAMA_PROFILE_GEN = 8  # tokens decoded in llama.cpp's profiled tg run
