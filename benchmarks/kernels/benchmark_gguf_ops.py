@@ -24,16 +24,17 @@ Paths (a path a type has no kernel for is left out):
   file's values on vLLM's Marlin GEMM plus their b-part, linear_marlin's; what the engine
   runs under VLLM_GGUF_DENSE_MARLIN=1), `q6k` (Q6_K: q6_k_triton's Triton GEMM over the
   file's blocks, what the engine runs at 8-64 tokens under VLLM_GGUF_Q6_K_TRITON=1),
-  `dequant` (dequantize to 16 bits, then torch.mm), and
-  `mm16` (torch.mm on the weights dequantized beforehand: the 16-bit tensor-core bound,
-  not a path);
+  `dequant` (dequantize to 16 bits as the engine does, Q4_K and Q6_K on Triton,
+  linear.dequantize; then torch.mm), `dequant-cuda` (the same on the plugin's CUDA
+  dequantization, where it differs), and `mm16` (torch.mm on the weights dequantized
+  beforehand: the 16-bit tensor-core bound, not a path);
 - moe: `plugin` (torch.ops.vllm._fused_moe_gguf), `vec` (CUDA ggml_moe_a8_vec), `mmq`
   (CUDA ggml_moe_a8), `triton-bm<B>` (the plugin's Triton MoE kernel with BLOCK_M B
   tokens per tile; the plugin runs B = 4), `marlin` (Q4_K gate_up: the overlay's moe_marlin,
   the file's values on vLLM's Marlin MoE plus their b-part, a down product of another
   type on the GGUF kernels: what the engine runs for such layers unless
   VLLM_GGUF_MOE_MARLIN=0), `dequant` (all experts
-  dequantized, then vLLM's fused_experts), `fused16`
+  dequantized as the engine does from 1024 tokens, then vLLM's fused_experts), `fused16`
   (vLLM's fused_experts on weights dequantized beforehand: the 16-bit bound) and `marlin4`
   (vLLM's Marlin MoE, a tensor-core int4 kernel, on the dequantized experts quantized
   again to GPTQ's symmetric int4 with a scale per group of 32: the speed an int4 kernel
@@ -170,7 +171,8 @@ def dense_case(qtype: str, name: str, tokens, dtype=torch.float16, gen=None,
     import gguf
     from vllm_gguf_plugin import ops
     from vllm_gguf_plugin.quantization import fused_mul_mat_gguf  # registers the op
-    from vllm_gguf_plugin.quantization import q6_k_triton
+    from vllm_gguf_plugin.quantization import dequant_triton, q6_k_triton
+    from vllm_gguf_plugin.quantization.linear import dequantize
     from vllm_gguf_plugin.quantization.utils import MMQ_QUANT_TYPES, MMVQ_QUANT_TYPES
     from vllm_gguf_plugin.triton.gemm.interface import ggml_mul_mat_a8_triton
 
@@ -194,7 +196,9 @@ def dense_case(qtype: str, name: str, tokens, dtype=torch.float16, gen=None,
         if t in MMQ_QUANT_TYPES:
             paths["mmq"] = lambda: ops.ggml_mul_mat_a8(w, x, t, n)
         paths["triton"] = lambda: ggml_mul_mat_a8_triton(w, x, t, n)
-        paths["dequant"] = lambda: x @ ops.ggml_dequantize(w, t, n, k, dtype).T
+        paths["dequant"] = lambda: x @ dequantize(w, t, n, k, dtype).T
+        if t in dequant_triton.TYPES:
+            paths["dequant-cuda"] = lambda: x @ ops.ggml_dequantize(w, t, n, k, dtype).T
         paths["mm16"] = lambda: x @ w16.T
         flop, nbytes = dense_flop_bytes(m, n, k, qtype)
         row = {"op": "dense", "case": name, "type": qtype, "M": m, "N": n, "K": k,

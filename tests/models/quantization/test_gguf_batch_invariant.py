@@ -44,12 +44,13 @@ class Recorder:
 @pytest.fixture
 def recorder():
     from vllm_gguf_plugin import ops
-    from vllm_gguf_plugin.quantization import batch_invariant
+    from vllm_gguf_plugin.quantization import batch_invariant, dequant_triton
 
     rec = Recorder()
     with (patch.object(ops, "ggml_mul_mat_vec_a8", rec.dense("mmvq")),
           patch.object(ops, "ggml_mul_mat_a8", rec.dense("mmq")),
           patch.object(ops, "ggml_dequantize", rec.dequantize),
+          patch.object(dequant_triton, "dequantize", rec.dequantize),
           patch.object(batch_invariant, "ggml_mul_mat_a8_triton", rec.dense("triton"))):
         yield rec
 
@@ -193,7 +194,7 @@ def test_experts_rows_alone_equal_batched(monkeypatch, types, default_varies):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("qtype", [T.Q8_0, T.Q4_K])
+@pytest.mark.parametrize("qtype", [T.Q8_0, T.Q4_K, T.Q6_K])
 def test_prefill_product_matches_dequantized_weights(monkeypatch, qtype):
     """From dequant_gemm_min_tokens on, a quantized product is x times the weight as gguf-py
     dequantizes it, and MMQ's result below it agrees within its int8 activations' error."""

@@ -120,6 +120,7 @@ def product(monkeypatch):
     monkeypatch.setattr(linear.ops, "ggml_mul_mat_a8", named("mmq"))
     monkeypatch.setattr(linear.batch_invariant, "mul_mat", named("batch-invariant"))
     monkeypatch.setattr(linear.ops, "ggml_dequantize", dequantize)
+    monkeypatch.setattr(linear.dequant_triton, "dequantize", dequantize)
     monkeypatch.setattr("vllm.envs.VLLM_BATCH_INVARIANT", False, raising=False)
 
     def run(tokens, qtype=T.Q6_K, dtype=torch.float16, on=True):

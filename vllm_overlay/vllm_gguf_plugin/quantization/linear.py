@@ -14,6 +14,7 @@ from vllm.utils.torch_utils import direct_register_custom_op
 
 from .. import ops
 from . import batch_invariant  # overlay: batch-invariant products
+from . import dequant_triton  # overlay: Q4_K and Q6_K dequantized on Triton
 from . import linear_marlin  # overlay: Q4_K weights on vLLM's Marlin GEMM
 from . import q6_k_triton  # overlay: Q6_K products of a few tokens on a Triton GEMM
 from .params import (
@@ -48,6 +49,15 @@ def dequant_gemm_min_tokens(qweight_type: int) -> int:
     return DEQUANT_GEMM_MIN_TOKENS_BY_TYPE.get(qweight_type, DEQUANT_GEMM_MIN_TOKENS)
 
 
+# overlay: the dense and the routed products' dequantization: Q4_K and Q6_K on Triton (the
+# plugin's kernel moved a quarter of the H200's bandwidth, docs/results.md), the rest the plugin's
+def dequantize(qweight: torch.Tensor, qweight_type: int, rows: int, cols: int,
+               dtype: torch.dtype) -> torch.Tensor:
+    if qweight_type in dequant_triton.TYPES:
+        return dequant_triton.dequantize(qweight, qweight_type, rows, cols, dtype)
+    return ops.ggml_dequantize(qweight, qweight_type, rows, cols, dtype)
+
+
 def _fused_mul_mat_gguf(
     x: torch.Tensor, qweight: torch.Tensor, qweight_type: int
 ) -> torch.Tensor:
@@ -73,7 +83,7 @@ def _fused_mul_mat_gguf(
     elif qweight_type in DEQUANT_TYPES:
         block_size, type_size = gguf.GGML_QUANT_SIZES[qweight_type]
         shape = (qweight.shape[0], qweight.shape[1] // type_size * block_size)
-        weight = ops.ggml_dequantize(qweight, qweight_type, *shape, x.dtype)
+        weight = dequantize(qweight, qweight_type, *shape, x.dtype)  # overlay: see above
         y = x @ weight.T
     else:
         qweight_type = WeightType(qweight_type)

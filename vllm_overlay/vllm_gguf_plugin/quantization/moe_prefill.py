@@ -21,7 +21,7 @@ from vllm.model_executor.layers.fused_moe.fused_moe import (
 )
 from vllm.model_executor.layers.fused_moe.moe_align_block_size import moe_align_block_size
 
-from .. import ops
+from .linear import dequantize
 from .moe_marlin import routed_product
 
 DEQUANT_MOE_MIN_TOKENS = 1024
@@ -34,8 +34,8 @@ def dequantize_experts(w: torch.Tensor, qweight_type: int, first: int, end: int,
     block, size = gguf.GGML_QUANT_SIZES[qweight_type]
     n, rows, nbytes = end - first, w.shape[1], w.shape[2]
     cols = nbytes // size * block
-    flat = ops.ggml_dequantize(w[first:end].reshape(n * rows, nbytes), qweight_type,
-                               n * rows, cols, dtype)
+    flat = dequantize(w[first:end].reshape(n * rows, nbytes), qweight_type, n * rows, cols,
+                      dtype)
     return flat.view(n, rows, cols)
 
 
