@@ -6,7 +6,7 @@
         [--paths portable upstream sm120 portable-gguf-moe portable-dense-marlin
                  portable-dense]
         [--prompts 512 8192] [--depths 0 8192] [--batches 1 8 32] [--gen 128] [--profile]
-        [--llama-profile NCU]
+        [--profile-batch 1] [--llama-profile NCU]
     python -m benchmarks.glm5_vs_llama_cpp --per-layer SHALLOW.json DEEP.json [--md out.md]
 
 FILE is a GLM-5-shaped GGUF from benchmarks/glm5_llama_cpp_model.py; BIN is
@@ -39,14 +39,17 @@ llama-bench from tools/gpu-host/build-llama-cpp-cuda.sh (CUDA, the pinned sdist)
 The issue's targets (ratios in the report, overlay / llama.cpp): decode at batch 1 >= 1x
 llama.cpp's tg; aggregate decode at batch 32 >= 3x llama-batched-bench's at 32; prefill
 >= 1x llama.cpp's pp; each at the same prompt length or depth. `--profile` profiles, after
-the timed rows, 17 steps at batch 1 and the shallowest depth (a 1-token prompt at depth 0:
-every step decodes one token) and one prefill of the shortest prompt per path, through
+the timed rows, 17 steps at batch 1 (`--profile-batch B`: B) and the shallowest depth (a
+1-token prompt at depth 0: every step decodes one token a sequence) and one prefill of the
+shortest prompt per path, through
 vLLM's own torch profiler (`profiler_config`, so the engine keeps its separate process, as
 in the timed rows) and reports GPU time per step and its shares: MoE, the other quantized
 products, 16-bit GEMMs, attention and the indexer by kernel name (the kernel table is kept
 to check the classification). `--llama-profile NCU` does the same for llama.cpp with Nsight
 Compute (kernel durations, warm caches, clocks left alone) over llama-bench: a tg run (one
-warm-up token and 8 decoded at depth 0: 9 steps) and a pp run of the shortest prompt.
+warm-up token and 8 decoded at depth 0: 9 steps; at B > 1 llama-batched-bench: a 16-token
+warm-up pass, the B 1-token prompts' pass and 8 decoded: 10 steps) and a pp run of the
+shortest prompt.
 `--llama-from REPORT` takes llama.cpp's figures from an earlier report of the same file
 (more paths in another call, against the same llama.cpp run).
 
@@ -216,27 +219,38 @@ def summed(kernels: list[tuple[str, float]]) -> list[tuple[str, float]]:
     return sorted(total.items(), key=lambda k: -k[1])
 
 
-def llama_profiles(ncu: str, binary: str, gguf: str, prompt: int, extra=()) -> dict:
-    """Nsight Compute over llama-bench: {"decode": ..., "prefill": ...}, each with the
-    command, its kernels (summed by name, top 40), shares by class and total GPU us."""
+def llama_profile_runs(binary: str, gguf: str, prompt: int, batch: int = 1,
+                       batched: str | None = None, extra=()) -> dict:
+    """{kind: (command, forward passes)} of the profiled llama.cpp runs: llama-bench's
+    decode at depth 0 (one warm-up token, then LLAMA_PROFILE_GEN) or, at batch > 1,
+    llama-batched-bench's (a 16-token warm-up pass, the batch's 1-token prompts, then
+    LLAMA_PROFILE_GEN passes of one token a sequence), and llama-bench's prefill."""
+    gen = LLAMA_PROFILE_GEN
+    bench = [str(binary), "-m", str(gguf), "-ngl", "999", "-r", "1"]
+    decode = ([*bench, "-p", "0", "-n", str(gen), "-d", "0", *extra], gen + 1)
+    if batch > 1:
+        decode = (batched_bench_cmd(batched, gguf, [0], [batch], gen, extra), gen + 2)
+    return {"decode": decode,
+            "prefill": ([*bench, "-p", str(prompt), "-n", "0", "-ub", "512", *extra], 1)}
+
+
+def llama_profiles(ncu: str, runs: dict) -> dict:
+    """Nsight Compute over llama_profile_runs' runs: {kind: ...}, each with the command,
+    its kernels (summed by name, top 40), shares by class and total GPU us."""
     import tempfile
 
-    runs = {"decode": ["-p", "0", "-n", str(LLAMA_PROFILE_GEN), "-d", "0"],
-            "prefill": ["-p", str(prompt), "-n", "0", "-ub", "512"]}
-    steps = {"decode": LLAMA_PROFILE_GEN + 1, "prefill": 1}  # llama-bench warms up one token
     out = {}
-    for kind, bench_args in runs.items():
+    for kind, (run, steps) in runs.items():
         with tempfile.NamedTemporaryFile(suffix=".csv") as log:
             cmd = [ncu, "--csv", "--log-file", log.name, "--metrics", "gpu__time_duration.sum",
-                   "--clock-control", "none", "--cache-control", "none", str(binary), "-m",
-                   str(gguf), "-ngl", "999", "-r", "1", *bench_args, *extra]
+                   "--clock-control", "none", "--cache-control", "none", *run]
             res = subprocess.run(cmd, capture_output=True, text=True)
             if res.returncode != 0:
                 out[kind] = {"command": " ".join(cmd), "error": res.stderr[-2000:]}
                 continue
             kernels = ncu_kernels(Path(log.name).read_text())
         out[kind] = {"command": " ".join(cmd), "launches": len(kernels),
-                     **profile_summary(kernels, steps[kind])}
+                     **profile_summary(kernels, steps)}
     return out
 
 
@@ -351,7 +365,8 @@ def markdown(results: dict) -> str:
                   if case not in compared]
         if res.get("profile_decode"):
             pd = res["profile_decode"]
-            lines.append(f"\nGPU time of a decode step (batch 1, depth {pd['depth']}), "
+            lines.append(f"\nGPU time of a decode step (batch {pd.get('batch', 1)}, "
+                         f"depth {pd['depth']}), "
                          f"{pd['gpu_us_per_step']:.0f} us: {_shares(pd['shares'])}")
         if res.get("profile_prefill"):
             pf = res["profile_prefill"]
@@ -364,7 +379,8 @@ def markdown(results: dict) -> str:
         if "error" in prof:
             lines.append(f"llama.cpp {kind} profile: failed, see the JSON report")
         else:
-            lines.append(f"llama.cpp {kind} (ncu, {prof['launches']} launches over "
+            at = f" at batch {prof['batch']}" if prof.get("batch", 1) > 1 else ""
+            lines.append(f"llama.cpp {kind}{at} (ncu, {prof['launches']} launches over "
                          f"{prof['steps']} steps, {prof['gpu_us_per_step']:.0f} us a step): "
                          f"{_shares(prof['shares'])}")
     return "\n".join(lines)
@@ -475,12 +491,12 @@ def worker(args) -> None:
                 llm.stop_profile()
             return profile_summary(trace_kernels(traces, before), steps)
 
-        # depth 0: a 1-token prompt, so that every profiled step decodes one token
-        n = max(min(args.depths), 1)
-        run(n, 1, 1, 999)  # the prompt into the prefix cache
+        # depth 0: 1-token prompts, so that every profiled step decodes one token a sequence
+        n, batch = max(min(args.depths), 1), args.profile_batch
+        run(n, batch, 1, 999)  # the prompts into the prefix cache
         try:
-            result["profile_decode"] = {"depth": min(args.depths),
-                                        **profiled(lambda: run(n, 1, 17, 999), 17)}
+            result["profile_decode"] = {"depth": min(args.depths), "batch": batch,
+                                        **profiled(lambda: run(n, batch, 17, 999), 17)}
             prompt = min(args.prompts)
             result["profile_prefill"] = {"prompt": prompt,  # a new prompt: a whole prefill
                                          **profiled(lambda: run(prompt, 1, 1, 1999), 1)}
@@ -596,6 +612,9 @@ def main(argv=None):
     p.add_argument("--gen", type=int, default=128)
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--profile", action="store_true")
+    p.add_argument("--profile-batch", type=int, default=1,
+                   help="sequences of the profiled decode steps (llama.cpp's: "
+                        "llama-batched-bench's from 2)")
     p.add_argument("--llama-profile", default=None, metavar="NCU",
                    help="Nsight Compute (ncu) to profile llama-bench's decode and prefill")
     p.add_argument("--path", default=None, help=argparse.SUPPRESS)
@@ -616,6 +635,10 @@ def main(argv=None):
         p.error("--gguf is required")
     if args.llama_from and (args.llama_bench or args.llama_batched_bench):
         p.error("--llama-from takes llama.cpp's figures instead of running llama.cpp")
+    if args.profile_batch > max(args.batches, default=1):
+        p.error("--profile-batch above the largest of --batches (the engine's max_num_seqs)")
+    if args.llama_profile and args.profile_batch > 1 and not args.llama_batched_bench:
+        p.error("--profile-batch above 1 profiles llama.cpp through --llama-batched-bench")
     from vllm_gguf_plugin.gguf_model import config_from_gguf
 
     report = {"args": vars(args), "gguf_bytes": Path(args.gguf).stat().st_size,
@@ -636,9 +659,11 @@ def main(argv=None):
         report["llama_cpp"] = {"commands": cmds, "rows": rows, "figures": llama}
         save()
     if args.llama_profile and args.llama_bench:
-        report.setdefault("llama_cpp", {})["profiles"] = llama_profiles(
-            args.llama_profile, args.llama_bench, args.gguf, min(args.prompts),
-            shlex.split(args.llama_bench_args))
+        profiles = llama_profiles(args.llama_profile, llama_profile_runs(
+            args.llama_bench, args.gguf, min(args.prompts), args.profile_batch,
+            args.llama_batched_bench, shlex.split(args.llama_bench_args)))
+        profiles["decode"]["batch"] = args.profile_batch
+        report.setdefault("llama_cpp", {})["profiles"] = profiles
         save()
     if args.llama_batched_bench:
         cmd = batched_bench_cmd(args.llama_batched_bench, args.gguf, args.depths,
@@ -659,7 +684,8 @@ def main(argv=None):
                    "--reps", str(args.reps),
                    "--prompts", *map(str, args.prompts),
                    "--depths", *map(str, args.depths), "--batches", *map(str, args.batches),
-                   *(["--profile"] if args.profile else [])]
+                   *(["--profile", "--profile-batch", str(args.profile_batch)]
+                     if args.profile else [])]
             env = dict(os.environ, **PATHS[path]["env"])
             res = subprocess.run(cmd, capture_output=True, text=True, env=env)
             if res.returncode != 0:

@@ -256,6 +256,45 @@ def test_batched_bench_command_and_rows():
         bench.parse_batched_bench("main: error: unable to load model")
 
 
+def test_llama_profile_runs():
+    """The profiled llama.cpp runs: at batch 1 llama-bench's depth-0 decode (a warm-up
+    token and LLAMA_PROFILE_GEN), at batch 32 llama-batched-bench's (a 16-token warm-up
+    pass, the 32 one-token prompts' pass, LLAMA_PROFILE_GEN of 32 tokens); the prefill
+    llama-bench's either way; the extra arguments on every run."""
+    gen = bench.LLAMA_PROFILE_GEN
+
+    def flag(cmd, f):
+        return cmd[cmd.index(f) + 1]
+    one = bench.llama_profile_runs("llama-bench", "m.gguf", 512, extra=["-fa", "1"])
+    (decode, steps), (prefill, one_step) = one["decode"], one["prefill"]
+    assert decode[0] == "llama-bench" and steps == gen + 1 and one_step == 1
+    assert (flag(decode, "-p"), flag(decode, "-n"), flag(decode, "-d")) == ("0", str(gen), "0")
+    assert (flag(prefill, "-p"), flag(prefill, "-n")) == ("512", "0")
+    wide = bench.llama_profile_runs("llama-bench", "m.gguf", 512, 32, "llama-batched-bench",
+                                    extra=["-fa", "1"])
+    decode, steps = wide["decode"]
+    assert decode[0] == "llama-batched-bench" and steps == gen + 2
+    assert (flag(decode, "-npp"), flag(decode, "-ntg"), flag(decode, "-npl")) == (
+        "1", str(gen), "32")
+    assert int(flag(decode, "-c")) >= 32 * (1 + gen)
+    assert wide["prefill"] == one["prefill"]
+    assert all(run[-2:] == ["-fa", "1"] for run, _ in [*one.values(), *wide.values()])
+
+
+def test_profile_batch_arguments(capsys):
+    """A profiled batch the engine's max_num_seqs (the largest of --batches) cannot hold,
+    or one above 1 where llama.cpp is profiled without llama-batched-bench: refused, with
+    a message naming it, before anything runs."""
+    base = ["--gguf", "m.gguf", "--profile", "--batches", "1", "32"]
+    with pytest.raises(SystemExit):
+        bench.main([*base, "--profile-batch", "64"])
+    assert "largest of --batches" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        bench.main([*base, "--profile-batch", "32", "--llama-profile", "ncu",
+                    "--llama-bench", "llama-bench"])
+    assert "through --llama-batched-bench" in capsys.readouterr().err
+
+
 def test_ratios_against_targets():
     llama = bench.llama_figures(bench.parse_llama_bench(PP) + bench.parse_llama_bench(TG))
     llama["aggregate"] = bench.batched_figures(bench.parse_batched_bench(BATCHED))
@@ -302,6 +341,13 @@ def test_ratios_against_targets():
                                               "gpu_us_per_step": 1031.7, "shares": shares}}}})
     assert "GPU time of a decode step (batch 1, depth 0), 1660 us: indexer 0%" in md
     assert "llama.cpp decode (ncu, 1035 launches over 9 steps, 1032 us a step)" in md
+    md = bench.markdown({"paths": {"portable": {
+        "settings": "x", "ratios": [], "profile_decode": {
+            "depth": 0, "batch": 32, "gpu_us_per_step": 5100.0, "shares": shares}}},
+        "llama_cpp": {"profiles": {"decode": {"launches": 900, "steps": 10, "batch": 32,
+                                              "gpu_us_per_step": 7900.0, "shares": shares}}}})
+    assert "GPU time of a decode step (batch 32, depth 0), 5100 us" in md
+    assert "llama.cpp decode at batch 32 (ncu, 900 launches over 10 steps, 7900 us" in md
     # cases only one side measured are left out
     only_depth0 = bench.vllm_figures(rows[2:3])
     assert bench.ratios({"prefill": {}, "decode": {8192: 100.0}}, only_depth0) == []

@@ -20,7 +20,7 @@
 #               the call's end does not cut it
 #   compare 2L  (then compare 3L, compare 3Lq6) waits for the accuracy stage and the file,
 #               runs glm5_vs_llama_cpp.py (PATHS_VS, REPS; PROFILE=1: both sides profiled,
-#               NCU), and --per-layer for 2L against each 3-layer report present (3L adds
+#               NCU, the decode steps at PROFILE_BATCH sequences, default 1), and --per-layer for 2L against each 3-layer report present (3L adds
 #               a Q4_K MoE layer, 3Lq6 a Q4_K/Q6_K one, as the 2-layer file's); with
 #               MORE=1, PATHS_VS against the llama.cpp figures of the call before
 #               (--llama-from; reports $which-more.*), where one call's time ran out
@@ -131,13 +131,14 @@ EOF
     name=$which llama=(--llama-bench /tmp/llama-cpp-cuda/bin/llama-bench
       --llama-batched-bench /tmp/llama-cpp-cuda/bin/llama-batched-bench
       ${PROFILE:+--llama-profile "${NCU:-/usr/local/cuda/bin/ncu}"})
+    profile=(${PROFILE:+--profile --profile-batch "${PROFILE_BATCH:-1}"})
     if [ -n "${MORE:-}" ]; then  # more paths against the first call's llama.cpp run
       [ -f $keep/vs/$which.json ] || { echo "no compare $which on this machine yet" >&2; exit 3; }
       name=$which-more llama=(--llama-from $keep/vs/$which.json)
     fi
     # shellcheck disable=SC2086
     timeout $((call_s - SECONDS)) python3 -m benchmarks.glm5_vs_llama_cpp --gguf "$f" \
-      "${llama[@]}" --paths ${PATHS_VS:-portable} --reps "${REPS:-2}" ${PROFILE:+--profile} \
+      "${llama[@]}" --paths ${PATHS_VS:-portable} --reps "${REPS:-2}" "${profile[@]}" \
       --json $keep/vs/$name.json --md $keep/vs/$name.md > $keep/vs/$name.log 2>&1
     echo "compare rc=$?"; cp $keep/vs/$name.* "$out/vs/"
     cat $keep/vs/$name.md 2>/dev/null || tail -30 $keep/vs/$name.log
