@@ -438,6 +438,24 @@ def test_e4m3_as_bytes_is_a_constant_to_torch_compile(monkeypatch):
     torch._dynamo.reset()
 
 
+@pytest.mark.parametrize("name,values", [(il.DOTS_ENV, ("fp8", "16bit")),
+                                         (il.LOGITS_BACKEND_ENV, ("deepgemm", "triton"))])
+def test_switches_key_the_compile_cache(monkeypatch, name, values):
+    """vLLM keys its torch.compile cache on the environment variables it knows: with the
+    dots in the key, a graph traced with e4m3 bytes (16-bit dots) is not loaded where q
+    is e4m3 (fp8 dots); the logits backend is keyed alike."""
+    from vllm import envs
+    from vllm.config.utils import hash_factors
+
+    keys = set()
+    for value in values:
+        monkeypatch.setenv(name, value)
+        factors = envs.compile_factors()
+        assert factors[name] == value
+        keys.add(hash_factors(factors))
+    assert len(keys) == 2
+
+
 def test_dots_choice_refusals(monkeypatch):
     monkeypatch.setenv(il.DOTS_ENV, "fp16")
     with pytest.raises(ValueError, match="expected auto, fp8 or 16bit"):

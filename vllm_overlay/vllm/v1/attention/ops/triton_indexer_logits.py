@@ -51,6 +51,20 @@ logger = init_logger(__name__)
 
 LOGITS_BACKEND_ENV = "VLLM_SPARSE_INDEXER_LOGITS"
 DOTS_ENV = "VLLM_SPARSE_INDEXER_DOTS"
+
+
+def _register_switches() -> None:
+    """Both switches as vLLM environment variables: vLLM keys its torch.compile cache
+    on the ones it knows, and the dots set the dtype of the traced q quantization
+    (e4m3_as_bytes), so a graph compiled for one must not load for the other."""
+    from vllm import envs
+
+    for name in (LOGITS_BACKEND_ENV, DOTS_ENV):
+        envs.environment_variables.setdefault(
+            name, lambda name=name: os.environ.get(name, "auto").strip().lower())
+
+
+_register_switches()
 # persistent_topk's FilteredTopK plan needs this much opt-in shared memory per
 # block; below it (SM86/89/12x, ~99 KB) the oversubscription fallback can fail.
 PERSISTENT_TOPK_MIN_SMEM = 128 * 1024
