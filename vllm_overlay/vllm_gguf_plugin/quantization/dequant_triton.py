@@ -15,14 +15,12 @@ import dataclasses
 import math
 
 import torch
-from gguf import GGMLQuantizationType
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from vllm.triton_utils import tl, triton
 
 Q4_K = int(GGMLQuantizationType.Q4_K)
 Q6_K = int(GGMLQuantizationType.Q6_K)
 TYPES = {Q4_K, Q6_K}
-BLOCK = 256  # values a block
-TYPE_BYTES = {Q4_K: 144, Q6_K: 210}  # bytes a block
 
 
 @dataclasses.dataclass(frozen=True)
@@ -144,9 +142,11 @@ def dequantize(qweight: torch.Tensor, qweight_type: int, rows: int, cols: int,
     lie further apart) as a new contiguous [rows, cols] tensor of dtype."""
     if qweight_type not in TYPES:
         raise ValueError(f"Triton dequantization takes Q4_K and Q6_K, not type {qweight_type}")
-    if cols % BLOCK:
-        raise ValueError(f"Triton dequantization: {cols} columns, not a multiple of {BLOCK}")
-    row_bytes = cols // BLOCK * TYPE_BYTES[qweight_type]
+    block, block_bytes = GGML_QUANT_SIZES[qweight_type]
+    if cols % block:
+        raise ValueError(f"Triton dequantization: {cols} columns, not a multiple of {block}")
+    row_blocks = cols // block
+    row_bytes = row_blocks * block_bytes
     if tuple(qweight.shape) != (rows, row_bytes):
         raise ValueError(f"Triton dequantization: {rows} rows of {cols} values are "
                          f"[{rows}, {row_bytes}] bytes, not {list(qweight.shape)}")
@@ -155,8 +155,8 @@ def dequantize(qweight: torch.Tensor, qweight_type: int, rows: int, cols: int,
             and qweight.stride(0) % 2 == 0 and qweight.data_ptr() % 2 == 0), \
         "qweight: rows of contiguous bytes, 2-byte aligned"
     out = torch.empty((rows, cols), dtype=dtype, device=qweight.device)
-    config = launch(cols // BLOCK)
-    _KERNELS[qweight_type][(rows, cols // BLOCK // config.blocks)](
-        qweight, out, qweight.stride(0), cols // BLOCK, BLOCKS=config.blocks,
+    config = launch(row_blocks)
+    _KERNELS[qweight_type][(rows, row_blocks // config.blocks)](
+        qweight, out, qweight.stride(0), row_blocks, BLOCKS=config.blocks,
         num_warps=config.num_warps)
     return out
