@@ -4,7 +4,7 @@
     python -m benchmarks.glm5_vs_llama_cpp --gguf FILE.gguf --llama-bench BIN
         [--llama-batched-bench BIN2] [--json out.json] [--md out.md]
         [--paths portable upstream sm120 portable-gguf-moe portable-dense-marlin
-                 portable-dense]
+                 portable-dense portable-q6k]
         [--prompts 512 8192] [--depths 0 8192] [--batches 1 8 32] [--gen 128] [--profile]
         [--profile-batch 1] [--llama-profile NCU]
     python -m benchmarks.glm5_vs_llama_cpp --per-layer SHALLOW.json DEEP.json [--md out.md]
@@ -25,7 +25,7 @@ llama-bench from tools/gpu-host/build-llama-cpp-cuda.sh (CUDA, the pinned sdist)
   Q4_K experts run vLLM's Marlin MoE by default); `portable-dense-marlin`: `portable` with
   VLLM_GGUF_DENSE_MARLIN=1 (Q4_K linear layers on vLLM's Marlin GEMM); `portable-dense`:
   that and VLLM_GGUF_Q6_K_TRITON=1 (linear Q6_K products of a few tokens on
-  q6_k_triton's Triton GEMM).
+  q6_k_triton's Triton GEMM); `portable-q6k`: `portable` with VLLM_GGUF_Q6_K_TRITON=1 alone.
   Prefill: one new PROMPT-token request, max_tokens 1, best of three: PROMPT / TTFT.
   Decode at DEPTH and batch B: B requests of max(DEPTH, 1) tokens, their prompts first
   put in the prefix cache, then 1 + GEN tokens each, REPS times (the same prompts); the
