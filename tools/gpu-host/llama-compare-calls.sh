@@ -20,8 +20,9 @@
 #               the call's end does not cut it
 #   compare 2L  (then compare 3L, compare 3Lq6) waits for the accuracy stage and the file,
 #               runs glm5_vs_llama_cpp.py (PATHS_VS, REPS; PROFILE=1: both sides profiled,
-#               NCU, the decode steps at PROFILE_BATCH sequences, default 1), and --per-layer for 2L against each 3-layer report present (3L adds
-#               a Q4_K MoE layer, 3Lq6 a Q4_K/Q6_K one, as the 2-layer file's); with
+#               NCU, the decode steps at PROFILE_BATCH sequences, default 1), and
+#               --per-layer for 2L against each 3-layer report present (3L adds a Q4_K
+#               MoE layer, 3Lq6 a Q4_K/Q6_K one, as the 2-layer file's); with
 #               MORE=1, PATHS_VS against the llama.cpp figures of the call before
 #               (--llama-from; reports $which-more.*), where one call's time ran out
 # Reports go to the device tool's $OUT; CALL_S bounds a call (default 585 s).
