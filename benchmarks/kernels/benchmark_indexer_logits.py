@@ -21,6 +21,11 @@ within 1.3x of the fp8-dot path, prefill within 2.5x). Both paths' logits are
 compared on every case's inputs before timing. With DISABLE_MMA_V3=1 in the
 environment Triton compiles the dots as mma.sync, as it does on SM80/86/89/120 (no
 wgmma there); the report records it.
+
+The 16-bit key cache (VLLM_SPARSE_INDEXER_CACHE=16bit) runs beside them: bf16 q and
+keys (256 bytes a key), no scales; its column is its time over the fp8-key path the
+GPU takes by default (fp8 dots, else 16-bit ones). Its prefill logits are checked
+against the fp8 path's on the same values (the keys' scales folded in, bf16-rounded).
 """
 
 import argparse
@@ -42,15 +47,16 @@ TARGET_16BIT = {"prefill": 2.5, "decode": 1.3}
 DOTS = {"fp8": False, "16bit": True}  # name -> upcast
 
 
-def check_same(calls: dict, rows: list[tuple[int, int]]) -> None:
+def check_same(calls: dict, rows: list[tuple[int, int]], rtol: float = 1e-3) -> None:
     """The dot kinds' logits agree on these (row, valid keys) (fp32 sums of the same
-    fp8 products, up to fp8 tensor cores' reduced-precision accumulation)."""
+    fp8 products, up to fp8 tensor cores' reduced-precision accumulation; `rtol`
+    2e-2 for bf16-rounded keys)."""
     if len(calls) < 2:
         return
     a, b = calls["fp8"](), calls["16bit"]()
     for r, n in rows:
         scale = a[r, :n].abs().max().item()
-        torch.testing.assert_close(b[r, :n], a[r, :n], rtol=1e-3, atol=1e-3 * scale)
+        torch.testing.assert_close(b[r, :n], a[r, :n], rtol=rtol, atol=rtol * scale)
 
 
 def prefill_case(M, N, dg, dots):
@@ -67,6 +73,11 @@ def prefill_case(M, N, dg, dots):
     for name, call in calls.items():
         key = "triton_us" if name == "fp8" else "triton_16bit_us"
         row[key] = 1e3 * do_bench(call, warmup=10, rep=50, return_mode="median")
+    q16, k16 = q.to(torch.bfloat16), (k.float() * ks_[:, None]).to(torch.bfloat16)
+    keys16 = lambda: il.triton_mqa_logits(q16, k16, None, w, lo, hi)  # noqa: E731
+    check_same({"fp8": calls[dots[0]], "16bit": keys16},
+               [(m, int(hi[m])) for m in range(0, M, max(1, M // 16))], rtol=2e-2)
+    row["triton_keys16_us"] = 1e3 * do_bench(keys16, warmup=10, rep=50, return_mode="median")
     if dg is not None:
         row["deepgemm_us"] = 1e3 * do_bench(
             lambda: dg.fp8_fp4_mqa_logits((q, None), (k, ks_), w, lo, hi, clean_logits=False),
@@ -102,6 +113,11 @@ def decode_case(batch, ctx, dg, max_model_len, dots):
     for name in dots:
         key = "triton_us" if name == "fp8" else "triton_16bit_us"
         row[key] = graph_us([triton_call(t, DOTS[name]) for t in tables])
+    cache16 = torch.randn(nb, BS, D, device="cuda").to(torch.bfloat16)
+    q16 = torch.randn(batch, 1, H, D, device="cuda").to(torch.bfloat16)
+    row["triton_keys16_us"] = graph_us([
+        (lambda t=t: il.triton_paged_mqa_logits(q16, cache16, w, seq, t, max_model_len))
+        for t in tables])
     # eager, Python launch included (what do_bench alone reports at small sizes)
     first = dots[0]
     row["triton_eager_us" if first == "fp8" else "triton_16bit_eager_us"] = 1e3 * do_bench(
@@ -120,8 +136,12 @@ def decode_case(batch, ctx, dg, max_model_len, dots):
 
 
 def with_ratios(row: dict) -> dict:
-    """The row with the 16-bit/fp8 time ratio and whether it meets its target."""
+    """The row with the 16-bit/fp8 time ratio and whether it meets its target, and
+    the 16-bit key cache's time over the default fp8-key path's."""
     row = dict(row)
+    default = row.get("triton_us", row.get("triton_16bit_us"))
+    if "triton_keys16_us" in row and default is not None:
+        row["ratio_keys16"] = row["triton_keys16_us"] / default
     if "triton_us" in row and "triton_16bit_us" in row:
         row["ratio_16bit_fp8"] = row["triton_16bit_us"] / row["triton_us"]
         row["target_16bit_fp8"] = TARGET_16BIT[row["kind"]]
@@ -141,8 +161,8 @@ def table(rows: list[dict]) -> list[str]:
                 else f"{r['bytes'] / t / 1e6:.2f}")
 
     out = ["| case | fp8-dot us | 16-bit-dot us | 16-bit/fp8 (target) | DeepGEMM us "
-           "| fp8-dot/DeepGEMM | rate fp8 / 16-bit | eager us |",
-           "|---|---:|---:|---:|---:|---:|---:|---:|"]
+           "| fp8-dot/DeepGEMM | rate fp8 / 16-bit | eager us | 16-bit keys us (/ fp8 keys) |",
+           "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         if r["kind"] == "prefill":
             name, unit = f"prefill M={r['M']} N={r['N']}", "TFLOP/s"
@@ -155,8 +175,11 @@ def table(rows: list[dict]) -> list[str]:
             ratio = f"{r['ratio_16bit_fp8']:.2f} (<= {r['target_16bit_fp8']}: {verdict})"
         vs_dg = "-" if fp8 is None or dgt is None else f"{fp8 / dgt:.2f}"
         eager = us(r.get("triton_eager_us", r.get("triton_16bit_eager_us")))
+        keys16 = us(r.get("triton_keys16_us"))
+        if "ratio_keys16" in r:
+            keys16 += f" ({r['ratio_keys16']:.2f})"
         out.append(f"| {name} | {us(fp8)} | {us(b16)} | {ratio} | {us(dgt)} | {vs_dg} "
-                   f"| {rate(r, fp8)} / {rate(r, b16)} {unit} | {eager} |")
+                   f"| {rate(r, fp8)} / {rate(r, b16)} {unit} | {eager} | {keys16} |")
     return out
 
 

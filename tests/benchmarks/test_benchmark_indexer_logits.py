@@ -1,7 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
 """The indexer benchmark (benchmarks/kernels/benchmark_indexer_logits.py): both dot
 kinds of the Triton kernels side by side, their ratio checked against the SM80/86
-targets, in its JSON rows and its table; on a GPU, a small case of each kind runs."""
+targets, and the 16-bit key cache's time over the default path's, in its JSON rows
+and its table; on a GPU, a small case of each kind runs."""
 
 import pytest
 import torch
@@ -29,9 +30,11 @@ def test_table_side_by_side():
                            "triton_us": 300.0, "triton_16bit_us": 600.0, "deepgemm_us": 85.0}),
         bench.with_ratios({"kind": "decode", "batch": 256, "ctx": 65536,
                            "bytes": 256 * 65536 * 132, "triton_us": 900.0,
-                           "triton_16bit_us": 1260.0, "triton_eager_us": 901.0}),
+                           "triton_16bit_us": 1260.0, "triton_eager_us": 901.0,
+                           "triton_keys16_us": 1800.0}),
         bench.with_ratios({"kind": "decode", "batch": 1, "ctx": 8192, "bytes": 8192 * 132,
-                           "triton_16bit_us": 6.0, "triton_16bit_eager_us": 70.0}),
+                           "triton_16bit_us": 6.0, "triton_16bit_eager_us": 70.0,
+                           "triton_keys16_us": 9.0}),
     ]
     lines = bench.table(rows)
     assert lines[0].startswith("| case | fp8-dot us | 16-bit-dot us | 16-bit/fp8 (target) |")
@@ -41,8 +44,11 @@ def test_table_side_by_side():
     assert cells[0][6] == "458 / 229 TFLOP/s"
     # decode reads the same bytes either way: the rates differ by the time ratio
     assert cells[1][3] == "1.40 (<= 1.3: NOT met)" and cells[1][6] == "2.46 / 1.76 TB/s"
-    assert cells[1][7] == "901.0 |"
-    assert cells[2][1:4] == ["-", "6.0", "-"] and cells[2][7] == "70.0 |"
+    assert cells[1][7] == "901.0" and cells[1][8] == "1800.0 (2.00) |"
+    assert cells[0][8] == "- |"
+    # without fp8 dots (SM80/86) the 16-bit keys go against the 16-bit-dot path
+    assert cells[2][1:4] == ["-", "6.0", "-"] and cells[2][7] == "70.0"
+    assert cells[2][8] == "9.0 (1.50) |"
 
 
 def test_check_same_compares_the_valid_keys():
@@ -60,6 +66,6 @@ def test_cases_run_both_dot_kinds():
     prefill = bench.with_ratios(bench.prefill_case(256, 1024, None, dots))
     decode = bench.with_ratios(bench.decode_case(2, 1024, None, 2048, dots))
     for row in (prefill, decode):
-        assert row["triton_16bit_us"] > 0
+        assert row["triton_16bit_us"] > 0 and row["triton_keys16_us"] > 0
         assert ("ratio_16bit_fp8" in row) == (len(dots) == 2)
     assert decode["bytes"] == 2 * 1024 * 132

@@ -4,6 +4,8 @@ logits[t, s] = scale_k[s] * sum_h w[t, h] * relu(q[t, h] . k[s]) (from the
 dequantized fp8 inputs), both dot paths (fp8 dots, and 16-bit dots on the e4m3
 bytes converted in registers: SM80/86) against each other, the e4m3 conversions
 of the 16-bit path bit for bit, and on the GPU against DeepGEMM on the same inputs.
+The 16-bit key cache (VLLM_SPARSE_INDEXER_CACHE=16bit): its logits on 16-bit q and
+k against the same reference, its cache write and gather against torch indexing.
 
 Without a GPU the kernels run in Triton's interpreter: both paths, the 16-bit
 one with its integer-operation conversion (on a GPU also its inline PTX)."""
@@ -439,7 +441,8 @@ def test_e4m3_as_bytes_is_a_constant_to_torch_compile(monkeypatch):
 
 
 @pytest.mark.parametrize("name,values", [(il.DOTS_ENV, ("fp8", "16bit")),
-                                         (il.LOGITS_BACKEND_ENV, ("deepgemm", "triton"))])
+                                         (il.LOGITS_BACKEND_ENV, ("deepgemm", "triton")),
+                                         (il.CACHE_ENV, ("fp8", "16bit"))])
 def test_switches_key_the_compile_cache(monkeypatch, name, values):
     """vLLM keys its torch.compile cache on the environment variables it knows: with the
     dots in the key, a graph traced with e4m3 bytes (16-bit dots) is not loaded where q
@@ -529,6 +532,149 @@ def test_auto_backend_follows_vllm_support(monkeypatch, capability, deep_gemm_in
         assert il.indexer_logits_backend() == ("deepgemm" if native else "triton")
         # the same rule as upstream's DeepGEMM wrappers, less VLLM_USE_DEEP_GEMM
         assert native == (deep_gemm_installed and cuda.CudaPlatform.support_deep_gemm())
+    finally:
+        il.indexer_logits_backend.cache_clear()
+
+
+# --------------------------------------------------------------------------------------
+# The 16-bit key cache (CPU: Triton interpreter, and GPU)
+# --------------------------------------------------------------------------------------
+KEYS16 = pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16],
+                                 ids=["bf16", "fp16"])
+# Triton 3.6's interpreter multiplies bfloat16 operands of tl.dot as their raw bit
+# patterns (a 16 x 16 product comes out ~1e10): the bf16 logits run on the GPU only.
+KEYS16_DOT = pytest.mark.parametrize(
+    "dtype", [pytest.param(torch.bfloat16, marks=pytest.mark.gpu), torch.float16],
+    ids=["bf16", "fp16"])
+
+
+@KEYS16_DOT
+def test_prefill_logits_16bit_keys(dtype):
+    """16-bit q and k, no key scales: the formula with scale 1, the 16-bit values
+    exact in the float64 reference."""
+    g = torch.Generator().manual_seed(5)
+    M, H, D, N = 7, 4, 32, 150
+    q, k = torch.randn(M, H, D, generator=g).to(dtype), torch.randn(N, D, generator=g).to(dtype)
+    w = torch.randn(M, H, generator=g)
+    ks = torch.randint(0, 60, (M,), generator=g, dtype=torch.int32)
+    ke = torch.minimum(ks + torch.randint(1, 120, (M,), generator=g, dtype=torch.int32),
+                       torch.tensor(N, dtype=torch.int32))
+    to = dict(device=DEVICE)
+    out = il.triton_mqa_logits(q.to(**to), k.to(**to), None, w.to(**to),
+                               ks.to(**to), ke.to(**to)).cpu()
+    ref = reference_logits(q, k, torch.ones(N), w)
+    tol = dict(rtol=2e-3, atol=2e-3) if ON_GPU else dict(rtol=1e-5, atol=1e-4)
+    for m in range(M):
+        lo, hi = int(ks[m]), int(ke[m])
+        torch.testing.assert_close(out[m, lo:hi].double(), ref[m, lo:hi], **tol)
+        assert torch.isneginf(out[m, :lo]).all()
+
+
+def paged_cache_16bit(keys, BS, NB, max_model_len, g):
+    """The 16-bit key cache [NB, BS, D] holding `keys` [k [n, D]] of the requests
+    in random blocks, and their block table."""
+    D, dtype = keys[0].shape[1], keys[0].dtype
+    cache = torch.full((NB, BS, D), float("nan"), dtype=dtype)
+    table = torch.zeros(len(keys), math.ceil(max_model_len / BS), dtype=torch.int32)
+    free = torch.randperm(NB, generator=g).tolist()
+    for b, k in enumerate(keys):
+        for first in range(0, k.shape[0], BS):
+            blk = free.pop()
+            table[b, first // BS] = blk
+            rows = k[first:first + BS]
+            cache[blk, :rows.shape[0]] = rows
+    return cache, table
+
+
+@pytest.mark.parametrize("next_n", [1, 2])
+@KEYS16_DOT
+def test_paged_decode_logits_16bit_keys(next_n, dtype):
+    g = torch.Generator().manual_seed(6)
+    B, H, D, BS, NB = 3, 4, 32, 16, 40
+    ctx = [37, 16, 90]
+    max_model_len = 112
+    q = torch.randn(B, next_n, H, D, generator=g).to(dtype)
+    w = torch.randn(B * next_n, H, generator=g)
+    keys = [torch.randn(n, D, generator=g).to(dtype) for n in ctx]
+    cache, table = paged_cache_16bit(keys, BS, NB, max_model_len, g)
+    cache[cache.isnan()] = 0  # unwritten slots of a block: masked, but not NaN
+    seq_lens = torch.tensor([[c - next_n + j + 1 for j in range(next_n)] for c in ctx],
+                            dtype=torch.int32)
+    to = dict(device=DEVICE)
+    out = il.triton_paged_mqa_logits(q.to(**to), cache.to(**to), w.to(**to), seq_lens.to(**to),
+                                     table.to(**to), max_model_len).cpu()
+    tol = dict(rtol=2e-3, atol=2e-3) if ON_GPU else dict(rtol=1e-5, atol=1e-4)
+    for b, k in enumerate(keys):
+        for j in range(next_n):
+            r, n = b * next_n + j, int(seq_lens[b, j])
+            ref = reference_logits(q[b, j:j + 1], k[:n], torch.ones(n), w[r:r + 1])[0]
+            torch.testing.assert_close(out[r, :n].double(), ref, **tol)
+            assert torch.isneginf(out[r, n:math.ceil(n / BS) * BS]).all()
+
+
+@KEYS16
+def test_write_k_cache_16bit(dtype):
+    """Each key lands at its slot (block * BS + offset), bit for bit; padding slots
+    (-1) write nothing; the other slots keep what they held."""
+    g = torch.Generator().manual_seed(7)
+    NB, BS, D, T = 6, 16, 32, 40
+    k = torch.randn(T, 2 * D, generator=g).to(dtype)[:, :D]  # a strided view, as kw's
+    slots = torch.randperm(NB * BS, generator=g)[:T].to(torch.int64)
+    slots[[3, 17, 39]] = -1
+    before = torch.randn(NB, BS, D, generator=g).to(dtype)
+    cache = before.clone().to(DEVICE)
+    il.write_k_cache_16bit(k.to(DEVICE), cache, slots.to(DEVICE))
+    expect = before.clone().view(-1, D)
+    valid = slots >= 0
+    expect[slots[valid]] = k[valid]
+    assert torch.equal(cache.cpu().view(-1, D), expect)
+    with pytest.raises(TypeError, match="16-bit key cache"):
+        il.write_k_cache_16bit(k.float().to(DEVICE), cache, slots.to(DEVICE))
+
+
+@KEYS16
+def test_gather_k_cache_16bit(dtype):
+    """Rows [cu[b], cu[b + 1]) of the output are request b's first positions, read
+    through its block table; rows past cu[-1] (an upper-bound allocation) stay."""
+    g = torch.Generator().manual_seed(8)
+    NB, BS, D = 24, 16, 32
+    lens = [37, 1, 16, 70]
+    keys = [torch.randn(n, D, generator=g).to(dtype) for n in lens]
+    cache, table = paged_cache_16bit(keys, BS, NB, 80, g)
+    cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32)
+    T = int(cu[-1]) + 11
+    out = torch.full((T, D), 7.0, dtype=dtype, device=DEVICE)
+    il.gather_k_cache_16bit(cache.to(DEVICE), out, table.to(DEVICE), cu.to(DEVICE))
+    out = out.cpu()
+    assert torch.equal(out[:int(cu[-1])], torch.cat(keys))
+    assert (out[int(cu[-1]):] == 7.0).all()
+
+
+def test_cache_switch(monkeypatch):
+    """fp8 by default; 16bit takes the Triton kernels (DeepGEMM reads fp8 keys) with
+    16-bit dots; other values, DeepGEMM forced and fp8 dots forced are refused."""
+    _report_capability(monkeypatch, (9, 0))
+    monkeypatch.delenv(il.CACHE_ENV, raising=False)
+    monkeypatch.setenv(il.LOGITS_BACKEND_ENV, "deepgemm")
+    il.indexer_logits_backend.cache_clear()
+    try:
+        assert not il.indexer_cache_16bit() and il.indexer_logits_backend() == "deepgemm"
+        monkeypatch.setenv(il.CACHE_ENV, " 16BIT ")
+        assert il.indexer_cache_16bit()
+        il.indexer_logits_backend.cache_clear()
+        with pytest.raises(ValueError, match="DeepGEMM reads fp8 keys"):
+            il.indexer_logits_backend()
+        for backend in ("auto", "triton"):
+            monkeypatch.setenv(il.LOGITS_BACKEND_ENV, backend)
+            il.indexer_logits_backend.cache_clear()
+            assert il.indexer_logits_backend() == "triton"
+        il.check_triton_indexer_supported()
+        monkeypatch.setenv(il.DOTS_ENV, "fp8")
+        with pytest.raises(RuntimeError, match="16-bit keys take 16-bit dots"):
+            il.check_triton_indexer_supported()
+        monkeypatch.setenv(il.CACHE_ENV, "bf16")
+        with pytest.raises(ValueError, match="expected fp8 or 16bit"):
+            il.indexer_cache_16bit()
     finally:
         il.indexer_logits_backend.cache_clear()
 

@@ -16,8 +16,9 @@ on an H200).
 
 The portable indexer's kernels are compiled the same way, with fp8 dots (SM89 on)
 and with the 16-bit dots of GPUs without them (SM80/86; every target, as forceable),
-and so is upstream's q rope + quantization kernel with the e4m3 stores as bytes that
-SM80/86 need (Triton has no e4m3 type there).
+on the 16-bit key cache's bf16 and fp16 keys with its write and gather kernels, and so
+is upstream's q rope + quantization kernel with the e4m3 stores as bytes that SM80/86
+need (Triton has no e4m3 type there).
 
 The compiles run in a subprocess: the test session runs Triton in interpreter
 mode, which cannot compile.
@@ -164,20 +165,23 @@ def compile_indexer(arch: int) -> list[dict]:
     """The portable indexer's prefill and decode kernels for `arch`, as launched
     for GLM-5 (32 heads x 128, fp8 q and k; decode blocks of 64 tokens): with fp8
     dots where the target has them, and with 16-bit dots (q and k as e4m3 bytes,
-    converted by inline PTX); and upstream's q rope + quantization kernel storing
-    fp8 or bytes."""
+    converted by inline PTX); on the 16-bit key cache (`dots` bf16 or fp16: q and k
+    in that type) with its write and gather kernels; and upstream's q rope +
+    quantization kernel storing fp8 or bytes."""
     real_triton()
     from vllm.model_executor.layers import sparse_attn_indexer as sai
     from vllm.v1.attention.ops import triton_indexer_logits as il
 
     out = []
-    for dots in ("fp8", "16bit") if arch >= FP8_FROM else ("16bit",):
-        e4m3 = "*fp8e4nv" if dots == "fp8" else "*u8"
+    dot_kinds = ("fp8", "16bit") if arch >= FP8_FROM else ("16bit",)
+    for dots in dot_kinds + ("bf16", "fp16"):
+        e4m3 = {"fp8": "*fp8e4nv", "16bit": "*u8"}.get(dots, f"*{dots}")
         ptrs = {"Q": e4m3, "W": "*fp32", "OUT": "*fp32"}
-        prefill = dict(ptrs, K=e4m3, KS="*fp32", CU_KS="*i32", CU_KE="*i32")
+        scales = e4m3 if dots in ("bf16", "fp16") else "*fp32"  # (16-bit keys: unread)
+        prefill = dict(ptrs, K=e4m3, KS=scales, CU_KS="*i32", CU_KE="*i32")
         prefill.update({n: "i32" for n in ("M", "N", "stride_qm", "stride_qh", "stride_km",
                                            "stride_wm", "stride_om")})
-        decode = dict(ptrs, KV_VALUES=e4m3, KV_SCALES="*fp32", SEQ_LENS="*i32",
+        decode = dict(ptrs, KV_VALUES=e4m3, KV_SCALES=scales, SEQ_LENS="*i32",
                       BLOCK_TABLE="*i32")
         decode.update({n: "i32" for n in ("max_model_len", "stride_qr", "stride_qh",
                                           "stride_wr", "stride_bt", "stride_block",
@@ -189,12 +193,26 @@ def compile_indexer(arch: int) -> list[dict]:
              {"NEXT_N": 1, "H": 32, "D": 128, "BS": 64, "SPLITS": 16}, 4),
         ):
             aligned = [k for k, v in sig.items() if v.startswith("*") or k.startswith("stride")]
-            consts = dict(consts, UPCAST=dots == "16bit", ASM=True)
+            consts = dict(consts, UPCAST=dots == "16bit", ASM=True,
+                          KEYS16=dots in ("bf16", "fp16"))
             kernel = compile_kernel(fn, arch, sig, consts, aligned, {"num_warps": warps})
             ttgir = kernel.asm["ttgir"]
             out.append({"kernel": name, "dots": dots, "shared": kernel.metadata.shared,
                         "e4m3_type": "f8E4M3FN" in ttgir, "dot_operands": dot_operands(ttgir),
                         **resource_usage(kernel.asm["cubin"])})
+    write = {"K": "*bf16", "CACHE": "*bf16", "SLOTS": "*i64", "stride_k": "i32"}
+    gather = {"CACHE": "*bf16", "OUT": "*bf16", "BLOCK_TABLE": "*i32", "CU_SEQ_LENS": "*i32",
+              "batch_size": "i32", "num_tokens": "i32", "stride_bt": "i32",
+              "stride_block": "i32", "stride_out": "i32"}
+    for name, fn, sig, consts, warps in (
+        ("write_k_cache_16bit", il._write_k_cache_16bit_kernel, write, {"D": 128}, 1),
+        ("gather_k_cache_16bit", il._gather_k_cache_16bit_kernel, gather,
+         {"BS": 64, "D": 128, "BLOCK_T": 32}, 4),
+    ):
+        aligned = [k for k, v in sig.items() if v.startswith("*") or k.startswith("stride")]
+        kernel = compile_kernel(fn, arch, sig, consts, aligned, {"num_warps": warps})
+        out.append({"kernel": name, "shared": kernel.metadata.shared,
+                    **resource_usage(kernel.asm["cubin"])})
     rope = {"positions": "*i64", "q": "*bf16", "q_s0": "i32", "q_s1": "i32",
             "cos_sin_cache": "*bf16", "cos_sin_s0": "i32", "q_fp8_s0": "i32",
             "q_fp8_s1": "i32", "weights": "*bf16", "weights_s0": "i32", "weights_s1": "i32",
@@ -351,6 +369,25 @@ def test_indexer_kernels_compile_with_16bit_dots(indexer_compiled, arch):
         assert not k["e4m3_type"] and k["dot_operands"] == ["f16"], k
         assert 0 < k["shared"] <= SHARED_MEM[arch], k
         assert k["spills"] == 0, k
+
+
+@pytest.mark.parametrize("arch", sorted(SHARED_MEM))
+def test_indexer_kernels_compile_for_16bit_keys(indexer_compiled, arch):
+    # the 16-bit key cache (VLLM_SPARSE_INDEXER_CACHE=16bit) on every target: dots on
+    # the keys' own type, within the shared memory, nothing spilled; its cache write
+    # and gather kernels likewise
+    for dots, operand in (("bf16", "bf16"), ("fp16", "f16")):
+        kernels = [k for k in indexer_compiled[arch] if k.get("dots") == dots]
+        assert [k["kernel"] for k in kernels] == ["prefill", "decode"]
+        for k in kernels:
+            assert not k["e4m3_type"] and k["dot_operands"] == [operand], k
+            assert 0 < k["shared"] <= SHARED_MEM[arch], k
+            assert k["spills"] == 0, k
+    cache = {k["kernel"]: k for k in indexer_compiled[arch]
+             if k["kernel"].endswith("k_cache_16bit")}
+    assert sorted(cache) == ["gather_k_cache_16bit", "write_k_cache_16bit"]
+    for k in cache.values():
+        assert k["shared"] <= SHARED_MEM[arch] and k["spills"] == 0, k
 
 
 @pytest.mark.parametrize("kernel", ["q_rope_quant", "q_rope_quant_inductor"])

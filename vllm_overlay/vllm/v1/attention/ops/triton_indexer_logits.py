@@ -36,6 +36,13 @@ Triton kernels run on SM80/86/89 and on GPUs DeepGEMM has no kernels for.
 `VLLM_SPARSE_INDEXER_DOTS` = auto (default) | fp8 | 16bit chooses the Triton
 kernels' dots: auto takes fp8 dots where the GPU has them; 16bit runs the SM80/86
 path on any GPU (tests); fp8 is refused where the GPU has no fp8 dots.
+
+`VLLM_SPARSE_INDEXER_CACHE` = fp8 (default) | 16bit chooses the key cache: 16bit
+stores the keys in the model's dtype (128 x 2 bytes a token instead of 128 fp8
+bytes and a scale) and leaves the queries unquantized, as llama.cpp's indexer
+does; the logits then take 16-bit q and k (no scales) on the Triton kernels, with
+16-bit dots. fp8 rounding of q and k moves the top-k selection where scores are
+close; the 16-bit cache avoids that at twice the indexer cache's bytes.
 """
 
 import functools
@@ -51,17 +58,24 @@ logger = init_logger(__name__)
 
 LOGITS_BACKEND_ENV = "VLLM_SPARSE_INDEXER_LOGITS"
 DOTS_ENV = "VLLM_SPARSE_INDEXER_DOTS"
+CACHE_ENV = "VLLM_SPARSE_INDEXER_CACHE"
+_SWITCH_DEFAULTS = {LOGITS_BACKEND_ENV: "auto", DOTS_ENV: "auto", CACHE_ENV: "fp8"}
 
 
 def _register_switches() -> None:
-    """Both switches as vLLM environment variables: vLLM keys its torch.compile cache
-    on the ones it knows, and the dots set the dtype of the traced q quantization
-    (e4m3_as_bytes), so a graph compiled for one must not load for the other."""
+    """The switches as vLLM environment variables: vLLM keys its torch.compile cache
+    on the ones it knows, and the dots and the cache set what the traced indexer
+    computes (the q quantization's dtype, or none), so a graph compiled for one
+    must not load for the other."""
     from vllm import envs
 
-    for name in (LOGITS_BACKEND_ENV, DOTS_ENV):
+    for name, default in _SWITCH_DEFAULTS.items():
         envs.environment_variables.setdefault(
-            name, lambda name=name: os.environ.get(name, "auto").strip().lower())
+            name,
+            lambda name=name, default=default: os.environ.get(name, default)
+            .strip()
+            .lower(),
+        )
 
 
 _register_switches()
@@ -82,6 +96,15 @@ def indexer_logits_backend() -> str:
         raise ValueError(
             f"{LOGITS_BACKEND_ENV}={choice!r}: expected auto, deepgemm or triton"
         )
+    if indexer_cache_16bit():
+        # DeepGEMM's logits kernels read fp8 keys only.
+        if choice == "deepgemm":
+            raise ValueError(
+                f"{LOGITS_BACKEND_ENV}=deepgemm: DeepGEMM reads fp8 keys, and "
+                f"{CACHE_ENV}=16bit stores 16-bit ones (leave {LOGITS_BACKEND_ENV} "
+                "unset for the Triton kernels)"
+            )
+        return "triton"
     if choice != "auto":
         return choice
     from vllm.utils.import_utils import has_deep_gemm
@@ -89,6 +112,14 @@ def indexer_logits_backend() -> str:
     if has_deep_gemm() and current_platform.support_deep_gemm():
         return "deepgemm"
     return "triton"
+
+
+def indexer_cache_16bit() -> bool:
+    """Whether the indexer's key cache holds 16-bit keys (VLLM_SPARSE_INDEXER_CACHE)."""
+    choice = os.environ.get(CACHE_ENV, "fp8").strip().lower()
+    if choice not in ("fp8", "16bit"):
+        raise ValueError(f"{CACHE_ENV}={choice!r}: expected fp8 or 16bit")
+    return choice == "16bit"
 
 
 def _fp8_dot_supported() -> bool:
@@ -120,6 +151,18 @@ def check_triton_indexer_supported() -> None:
             "The portable sparse attention indexer (DeepSeek-V3.2 / GLM-5) needs "
             f"compute capability 8.0 or newer; this GPU reports {cap}."
         )
+    if indexer_cache_16bit():
+        if os.environ.get(DOTS_ENV, "auto").strip().lower() == "fp8":
+            raise RuntimeError(
+                f"{DOTS_ENV}=fp8 with {CACHE_ENV}=16bit: 16-bit keys take 16-bit "
+                f"dots (leave {DOTS_ENV} unset)."
+            )
+        logger.info_once(
+            "Sparse attention indexer: Triton logits kernels on 16-bit keys and "
+            "queries (%s=16bit).",
+            CACHE_ENV,
+        )
+        return
     dots = triton_indexer_dots()
     if dots == "fp8" and not _fp8_dot_supported():
         raise RuntimeError(
@@ -232,6 +275,7 @@ def _mqa_logits_kernel(
     BLOCK_N: tl.constexpr,
     UPCAST: tl.constexpr,
     ASM: tl.constexpr,
+    KEYS16: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -249,7 +293,8 @@ def _mqa_logits_kernel(
             mask=mask_n[:, None],
             other=0.0,
         )
-        k_scale = tl.load(KS + offs_n, mask=mask_n, other=0.0)
+        if not KEYS16:
+            k_scale = tl.load(KS + offs_n, mask=mask_n, other=0.0)
         # All heads of BLOCK_M rows form the M dimension of one dot.
         offs_mh = tl.arange(0, BLOCK_M * H)
         row = pid_m * BLOCK_M + offs_mh // H
@@ -269,7 +314,8 @@ def _mqa_logits_kernel(
         s = tl.dot(q, tl.trans(k))  # [BLOCK_M * H, BLOCK_N], fp32
         s = tl.maximum(s, 0.0) * w[:, None]
         logits = tl.sum(tl.reshape(s, (BLOCK_M, H, BLOCK_N)), axis=1)
-        logits = logits * k_scale[None, :]
+        if not KEYS16:
+            logits = logits * k_scale[None, :]
         valid = (offs_n[None, :] >= ks[:, None]) & (offs_n[None, :] < ke[:, None])
         logits = tl.where(valid, logits, float("-inf"))
         tl.store(
@@ -282,7 +328,7 @@ def _mqa_logits_kernel(
 def triton_mqa_logits(
     q: torch.Tensor,
     k: torch.Tensor,
-    k_scale: torch.Tensor,
+    k_scale: torch.Tensor | None,
     weights: torch.Tensor,
     cu_seqlen_ks: torch.Tensor,
     cu_seqlen_ke: torch.Tensor,
@@ -290,16 +336,21 @@ def triton_mqa_logits(
 ) -> torch.Tensor:
     """Prefill logits [M, N] (see module docstring).
 
-    upcast: 16-bit dots (q and k read as bytes); None: `triton_indexer_dots()`.
+    16-bit q and k (the 16-bit key cache) take no k_scale; fp8 ones, upcast:
+    16-bit dots (q and k read as bytes); None: `triton_indexer_dots()`.
     """
     M, H, D = q.shape
     N = k.shape[0]
-    assert k.shape[1] == D and k_scale.numel() == N and weights.shape == (M, H)
+    keys16 = k.dtype in (torch.float16, torch.bfloat16)
+    assert k.shape[1] == D and weights.shape == (M, H)
+    assert (k_scale is None and q.dtype == k.dtype) if keys16 else k_scale.numel() == N
     assert q.stride(2) == 1 and k.stride(1) == 1 and weights.stride(1) == 1
     out = torch.empty(M, N, dtype=torch.float32, device=q.device)
     if M == 0 or N == 0:
         return out
-    if upcast is None:
+    if keys16:
+        upcast = False
+    elif upcast is None:
         upcast = triton_indexer_dots() == "16bit"
     if upcast:
         q, k = q.view(torch.uint8), k.view(torch.uint8)
@@ -309,7 +360,7 @@ def triton_mqa_logits(
     _mqa_logits_kernel[grid](
         q,
         k,
-        k_scale.reshape(-1),
+        k if keys16 else k_scale.reshape(-1),
         weights,
         cu_seqlen_ks,
         cu_seqlen_ke,
@@ -327,6 +378,7 @@ def triton_mqa_logits(
         BLOCK_N=block_n,
         UPCAST=upcast,
         ASM=q.is_cuda and current_platform.is_cuda(),
+        KEYS16=keys16,
         num_warps=8,
     )
     return out
@@ -355,6 +407,7 @@ def _paged_mqa_logits_kernel(
     SPLITS: tl.constexpr,
     UPCAST: tl.constexpr,
     ASM: tl.constexpr,
+    KEYS16: tl.constexpr,
 ):
     r = tl.program_id(0)
     split = tl.program_id(1)
@@ -370,15 +423,18 @@ def _paged_mqa_logits_kernel(
     w = tl.load(W + r.to(tl.int64) * stride_wr + offs_h)
     for blk in range(split, tl.cdiv(seq_len, BS), SPLITS):
         phys = tl.load(BLOCK_TABLE + req.to(tl.int64) * stride_bt + blk).to(tl.int64)
-        base = phys * stride_block  # bytes == fp8 elements
+        base = phys * stride_block  # elements (fp8: bytes)
         k = tl.load(KV_VALUES + base + offs_t[:, None] * D + offs_d[None, :])
-        k_scale = tl.load(KV_SCALES + (base + BS * D) // 4 + offs_t)
+        if not KEYS16:
+            k_scale = tl.load(KV_SCALES + (base + BS * D) // 4 + offs_t)
         if UPCAST:
             k = e4m3_bytes_to_f16(k, ASM)
             k_scale = k_scale * 65536.0
         s = tl.dot(q, tl.trans(k))  # [H, BS]
         s = tl.maximum(s, 0.0) * w[:, None]
-        logits = tl.sum(s, axis=0) * k_scale
+        logits = tl.sum(s, axis=0)
+        if not KEYS16:
+            logits = logits * k_scale
         pos = blk * BS + offs_t
         logits = tl.where(pos < seq_len, logits, float("-inf"))
         tl.store(OUT + r.to(tl.int64) * stride_or + pos, logits, mask=pos < max_model_len)
@@ -396,17 +452,24 @@ def triton_paged_mqa_logits(
     """Decode logits [B * next_n, max_model_len] (see module docstring).
 
     kv_cache: the indexer cache, uint8 [num_blocks, BS, D + 4] (or a view with
-    a unit head dimension); seq_lens: int32 [B, next_n] (or [B] for next_n 1);
-    upcast: 16-bit dots (q and keys read as bytes); None: `triton_indexer_dots()`.
+    a unit head dimension), or the 16-bit key cache [num_blocks, BS, D] in q's
+    dtype; seq_lens: int32 [B, next_n] (or [B] for next_n 1); upcast (fp8
+    keys): 16-bit dots (q and keys read as bytes); None: `triton_indexer_dots()`.
     """
     B, next_n, H, D = q.shape
     num_blocks, bs = kv_cache.shape[0], kv_cache.shape[1]
-    assert kv_cache.dtype == torch.uint8 and kv_cache.stride(0) == bs * (D + 4)
+    keys16 = kv_cache.dtype in (torch.float16, torch.bfloat16)
+    if keys16:
+        assert q.dtype == kv_cache.dtype and kv_cache.stride(0) == bs * D
+    else:
+        assert kv_cache.dtype == torch.uint8 and kv_cache.stride(0) == bs * (D + 4)
     rows = B * next_n
     out = torch.empty(rows, max_model_len, dtype=torch.float32, device=q.device)
     if rows == 0:
         return out
-    if upcast is None:
+    if keys16:
+        upcast = False
+    elif upcast is None:
         upcast = triton_indexer_dots() == "16bit"
     seq_lens = seq_lens.reshape(-1)
     assert seq_lens.numel() == rows
@@ -417,10 +480,15 @@ def triton_paged_mqa_logits(
         q = q.view(torch.uint8)
     num_sms = current_platform.num_compute_units() if q.is_cuda else 8
     splits = max(1, min(64, triton.cdiv(2 * num_sms, rows)))
+    if keys16:
+        values, scales = flat, flat  # no scales
+    else:
+        values = flat if upcast else flat.view(current_platform.fp8_dtype())
+        scales = flat.view(torch.float32)
     _paged_mqa_logits_kernel[(rows, splits)](
         q,
-        flat if upcast else flat.view(current_platform.fp8_dtype()),
-        flat.view(torch.float32),
+        values,
+        scales,
         weights,
         seq_lens.contiguous(),
         block_table,
@@ -439,14 +507,120 @@ def triton_paged_mqa_logits(
         SPLITS=splits,
         UPCAST=upcast,
         ASM=q.is_cuda and current_platform.is_cuda(),
+        KEYS16=keys16,
         num_warps=4,
     )
     return out
 
 
+@triton.jit
+def _write_k_cache_16bit_kernel(K, CACHE, SLOTS, stride_k, D: tl.constexpr):
+    t = tl.program_id(0)
+    slot = tl.load(SLOTS + t).to(tl.int64)
+    if slot >= 0:
+        offs_d = tl.arange(0, D)
+        k = tl.load(K + t.to(tl.int64) * stride_k + offs_d)
+        tl.store(CACHE + slot * D + offs_d, k)
+
+
+def write_k_cache_16bit(
+    k: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """Store keys [T, D] into the 16-bit key cache [num_blocks, BS, D] at their
+    slots (block * BS + offset); a slot of -1 (padding) is skipped. The 16-bit
+    cache's `ops.indexer_k_quant_and_cache`."""
+    T, D = k.shape
+    num_blocks, bs = kv_cache.shape[0], kv_cache.shape[1]
+    if k.dtype != kv_cache.dtype:
+        raise TypeError(
+            f"indexer keys are {k.dtype}, the 16-bit key cache {kv_cache.dtype}"
+        )
+    assert kv_cache.stride(0) == bs * D and kv_cache.stride(1) == D
+    assert k.stride(1) == 1 and slot_mapping.numel() >= T
+    if T == 0:
+        return
+    _write_k_cache_16bit_kernel[(T,)](
+        k, kv_cache, slot_mapping, k.stride(0), D=D, num_warps=1
+    )
+
+
+@triton.jit
+def _gather_k_cache_16bit_kernel(
+    CACHE,
+    OUT,
+    BLOCK_TABLE,
+    CU_SEQ_LENS,
+    batch_size,
+    num_tokens,
+    stride_bt,
+    stride_block,
+    stride_out,
+    BS: tl.constexpr,
+    D: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+):
+    offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    offs_d = tl.arange(0, D)
+    # The request of each output row: cu_seq_lens[b] <= t < cu_seq_lens[b + 1].
+    req = tl.full((BLOCK_T,), -1, tl.int32)
+    for b in range(batch_size):
+        start = tl.load(CU_SEQ_LENS + b)
+        end = tl.load(CU_SEQ_LENS + b + 1)
+        req = tl.where((offs_t >= start) & (offs_t < end), b, req)
+    valid = (req >= 0) & (offs_t < num_tokens)
+    req = tl.maximum(req, 0)
+    pos = offs_t - tl.load(CU_SEQ_LENS + req, mask=valid, other=0)
+    phys = tl.load(
+        BLOCK_TABLE + req.to(tl.int64) * stride_bt + pos // BS, mask=valid, other=0
+    ).to(tl.int64)
+    src = phys * stride_block + (pos % BS).to(tl.int64) * D
+    k = tl.load(CACHE + src[:, None] + offs_d[None, :], mask=valid[:, None])
+    tl.store(
+        OUT + offs_t[:, None].to(tl.int64) * stride_out + offs_d[None, :],
+        k,
+        mask=valid[:, None],
+    )
+
+
+def gather_k_cache_16bit(
+    kv_cache: torch.Tensor,
+    out: torch.Tensor,
+    block_table: torch.Tensor,
+    cu_seq_lens: torch.Tensor,
+) -> None:
+    """Gather the keys of each request's first cu_seq_lens[b + 1] - cu_seq_lens[b]
+    positions from the 16-bit key cache into rows [cu_seq_lens[b], cu_seq_lens[b + 1])
+    of out [T, D]; rows past cu_seq_lens[-1] are left as they are. The 16-bit
+    cache's `ops.cp_gather_indexer_k_quant_cache` (out's T may be an upper bound:
+    no host synchronisation)."""
+    num_blocks, bs, D = kv_cache.shape[0], kv_cache.shape[1], out.shape[1]
+    assert out.dtype == kv_cache.dtype and out.stride(1) == 1
+    assert kv_cache.stride(0) == bs * D and kv_cache.stride(1) == D
+    assert block_table.stride(1) == 1
+    T = out.shape[0]
+    if T == 0:
+        return
+    block_t = 32
+    _gather_k_cache_16bit_kernel[(triton.cdiv(T, block_t),)](
+        kv_cache,
+        out,
+        block_table,
+        cu_seq_lens,
+        cu_seq_lens.numel() - 1,
+        T,
+        block_table.stride(0),
+        kv_cache.stride(0),
+        out.stride(0),
+        BS=bs,
+        D=D,
+        BLOCK_T=block_t,
+        num_warps=4,
+    )
+
+
 def mqa_logits(
     q: tuple[torch.Tensor, torch.Tensor | None],
-    kv: tuple[torch.Tensor, torch.Tensor],
+    kv: tuple[torch.Tensor, torch.Tensor | None],
     weights: torch.Tensor,
     cu_seqlen_ks: torch.Tensor,
     cu_seqlen_ke: torch.Tensor,
