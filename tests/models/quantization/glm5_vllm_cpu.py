@@ -19,7 +19,7 @@ replaced by nothing.
 Prints JSON on its last line, a list with one entry per file: {"params": {name:
 [dtype, shape]}, "indexer_layers": [...], "errors": {name: relative error},
 "norm_eps": {name: eps of each RMSNorm}, "scaled_norms": {name: [error, error with
-the file's eps]}}, the errors of the parameters held unquantized against the HF
+the file's eps]}, "indexer_caches": {name: [head_size, dtype, page bytes]}}, the errors of the parameters held unquantized against the HF
 checkpoint given by --hf, in vLLM's fused layout (None: no such HF tensor or another
 shape); "scaled_norms" (float16 only): each RMSNorm whose eps changed, run in float32
 on a residual stream divided by routed_scaling_factor as vLLM's float16 layers carry
@@ -157,7 +157,18 @@ def summary(model, hf: dict[str, torch.Tensor] | None) -> dict:
         "errors": errors,
         "norm_eps": {n: m.variance_epsilon for n, m in rms_norms(model)},
         "scaled_norms": scaled_norms(model),
+        "indexer_caches": indexer_caches(model),
     }
+
+
+def indexer_caches(model) -> dict:
+    """{layer name: [head_size, dtype, page bytes]} of each indexer key cache's KV cache
+    spec, as the engine allocates it."""
+    from vllm.model_executor.models.deepseek_v2 import DeepseekV32IndexerCache
+
+    specs = {m.prefix: m.get_kv_cache_spec(None) for m in model.modules()
+             if isinstance(m, DeepseekV32IndexerCache)}
+    return {n: [s.head_size, str(s.dtype), s.page_size_bytes] for n, s in specs.items()}
 
 
 def rms_norms(model):

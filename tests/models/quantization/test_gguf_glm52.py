@@ -168,6 +168,26 @@ def test_quantized_glm5_fills_vllm_model(run_without_gpu, glm5_gguf, glm5_ggufs)
     assert all(e is not None and e <= REL_ERR["Q8_0"] for e in got["errors"].values())
 
 
+@pytest.mark.parametrize("dtype", ("bfloat16", "float16"))
+def test_indexer_key_cache_16bit(run_without_gpu, monkeypatch, glm5_ggufs, dtype):
+    """VLLM_SPARSE_INDEXER_CACHE=16bit: each indexer's key cache spec holds 128 values a
+    token in the model's dtype (256 bytes) where the default holds 128 fp8 bytes and a
+    float32 scale (132 bytes), on a Q4_K_M file."""
+    monkeypatch.delenv("VLLM_SPARSE_INDEXER_CACHE", raising=False)
+    fp8, = run_without_gpu("tests.models.quantization.glm5_vllm_cpu", glm5_ggufs["Q4_K_M"],
+                           "--dtype", dtype)
+    monkeypatch.setenv("VLLM_SPARSE_INDEXER_CACHE", "16bit")
+    keys16, = run_without_gpu("tests.models.quantization.glm5_vllm_cpu",
+                              glm5_ggufs["Q4_K_M"], "--dtype", dtype)
+    names = [f"model.layers.{i}.self_attn.indexer.k_cache" for i in fp8["indexer_layers"]]
+    assert sorted(fp8["indexer_caches"]) == sorted(keys16["indexer_caches"]) == sorted(names)
+    for name in names:
+        head, cache_dtype, page = fp8["indexer_caches"][name]
+        assert [head, cache_dtype] == [132, "torch.uint8"]
+        block_size = page // 132
+        assert keys16["indexer_caches"][name] == [128, f"torch.{dtype}", block_size * 256]
+
+
 @pytest.mark.parametrize("kind", ("bf16", "Q4_K_M"))
 def test_copied_indexers_load_the_same_parameters(glm52_ggufs, kind):
     plain, copies = glm52_ggufs[kind], glm52_ggufs[f"copies-{kind}"]

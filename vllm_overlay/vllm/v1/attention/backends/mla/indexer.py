@@ -244,6 +244,10 @@ def get_max_prefill_buffer_size(vllm_config: VllmConfig):
     # within the flashmla_sparse workspace.
     # For DeepSeek-V3.2, the max_model_len is 163840.
     #   40 * 163840 * 132 = 865075200 bytes = 825 MB
+    from vllm.v1.attention.ops.triton_indexer_logits import indexer_cache_16bit
+
+    if indexer_cache_16bit():  # overlay: 256-byte 16-bit keys, half the entries
+        return max_model_len * 20
     return max_model_len * 40
 
 
