@@ -5,7 +5,8 @@
         [--paths portable-fp16 portable-bf16 upstream-bf16 portable-fp16-bi
                  upstream-bf16-gguf-moe portable-fp16-gguf-moe upstream-bf16-dense-marlin
                  portable-fp16-dense-marlin upstream-bf16-dense portable-fp16-dense
-                 upstream-bf16-dense-marlin-32] [--eager]
+                 upstream-bf16-dense-marlin-32 portable-bf16-keys16 portable-fp16-keys16]
+        [--eager]
         [--json FILE]
         [--rounding bfloat16 float16] [--device cuda] [--llama-gpu-layers N]
         [--max-tokens 32] [--llama-runner ctypes|c] [--llama-src DIR]
@@ -26,7 +27,9 @@ index_topk, then 32 greedy tokens):
   Q6_K products of 8-64 tokens on q6_k_triton's Triton GEMM, with the prompts prefilled 32
   tokens a step so that the metric's prompt logprobs come from them;
   `upstream-bf16-dense-marlin-32`: dense Marlin alone in the same steps, the `-dense` row's
-  control, since a 32-token step also runs the other products on int8 activations);
+  control, since a 32-token step also runs the other products on int8 activations;
+  `-keys16`: VLLM_SPARSE_INDEXER_CACHE=16bit, the indexer's keys cached and its queries
+  kept in the model's dtype, where the default rounds both to e4m3);
 - llama.cpp: benchmarks/llama_cpp_logits.py on libllama.so of `--llama-lib` (all layers
   on the GPU unless --llama-gpu-layers, prompt in one batch);
 - rounding alone: transformers on the same dequantized weights in each dtype of
@@ -81,15 +84,22 @@ PATHS = {
                             "dtype": "float16", **STEPS_OF_32},
     # upstream-bf16-dense without the Q6_K products: what its 32-token steps alone change
     "upstream-bf16-dense-marlin-32": {"dtype": "bfloat16", **STEPS_OF_32},
+    # the two portable paths with the indexer's keys and queries in 16 bits
+    "portable-bf16-keys16": {"attention_backend": "TRITON_MLA_SPARSE", "indexer": "triton",
+                             "dtype": "bfloat16"},
+    "portable-fp16-keys16": {"attention_backend": "TRITON_MLA_SPARSE", "indexer": "triton",
+                             "dtype": "float16"},
 }
 DENSE = {"VLLM_GGUF_DENSE_MARLIN": "1", "VLLM_GGUF_Q6_K_TRITON": "1"}
+KEYS16 = {"VLLM_SPARSE_INDEXER_CACHE": "16bit"}
 PATH_ENV = {"portable-fp16-bi": {"VLLM_BATCH_INVARIANT": "1"},
             "upstream-bf16-gguf-moe": {"VLLM_GGUF_MOE_MARLIN": "0"},
             "portable-fp16-gguf-moe": {"VLLM_GGUF_MOE_MARLIN": "0"},
             "upstream-bf16-dense-marlin": {"VLLM_GGUF_DENSE_MARLIN": "1"},
             "portable-fp16-dense-marlin": {"VLLM_GGUF_DENSE_MARLIN": "1"},
             "upstream-bf16-dense": DENSE, "portable-fp16-dense": DENSE,
-            "upstream-bf16-dense-marlin-32": {"VLLM_GGUF_DENSE_MARLIN": "1"}}
+            "upstream-bf16-dense-marlin-32": {"VLLM_GGUF_DENSE_MARLIN": "1"},
+            "portable-bf16-keys16": KEYS16, "portable-fp16-keys16": KEYS16}
 
 
 # the overlay's switches: (on unless 0, the default; else only with 1), and glm5_generate's

@@ -4,7 +4,7 @@
     python -m benchmarks.glm5_vs_llama_cpp --gguf FILE.gguf --llama-bench BIN
         [--llama-batched-bench BIN2] [--json out.json] [--md out.md]
         [--paths portable upstream sm120 portable-gguf-moe portable-dense-marlin
-                 portable-dense portable-q6k]
+                 portable-dense portable-q6k portable-keys16]
         [--prompts 512 8192] [--depths 0 8192] [--batches 1 8 32] [--gen 128] [--profile]
         [--profile-batch 1] [--llama-profile NCU]
     python -m benchmarks.glm5_vs_llama_cpp --per-layer SHALLOW.json DEEP.json [--md out.md]
@@ -25,7 +25,9 @@ llama-bench from tools/gpu-host/build-llama-cpp-cuda.sh (CUDA, the pinned sdist)
   Q4_K experts run vLLM's Marlin MoE by default); `portable-dense-marlin`: `portable` with
   VLLM_GGUF_DENSE_MARLIN=1 (Q4_K linear layers on vLLM's Marlin GEMM); `portable-dense`:
   that and VLLM_GGUF_Q6_K_TRITON=1 (linear Q6_K products of a few tokens on
-  q6_k_triton's Triton GEMM); `portable-q6k`: `portable` with VLLM_GGUF_Q6_K_TRITON=1 alone.
+  q6_k_triton's Triton GEMM); `portable-q6k`: `portable` with VLLM_GGUF_Q6_K_TRITON=1 alone;
+  `portable-keys16`: `portable` with VLLM_SPARSE_INDEXER_CACHE=16bit (the indexer's keys and
+  queries in 16 bits: twice the indexer cache's bytes read at depth).
   Prefill: one new PROMPT-token request, max_tokens 1, best of three: PROMPT / TTFT.
   Decode at DEPTH and batch B: B requests of max(DEPTH, 1) tokens, their prompts first
   put in the prefix cache, then 1 + GEN tokens each, REPS times (the same prompts); the
@@ -94,6 +96,9 @@ PATHS = {
     # portable, with only the Q6_K products of a few tokens on q6_k_triton's GEMM
     "portable-q6k": {"backend": "TRITON_MLA_SPARSE", "indexer": "triton", "dtype": "float16",
                      "env": {"VLLM_GGUF_Q6_K_TRITON": "1"}},
+    # portable, with the indexer's 16-bit key cache (off by default)
+    "portable-keys16": {"backend": "TRITON_MLA_SPARSE", "indexer": "triton",
+                        "dtype": "float16", "env": {"VLLM_SPARSE_INDEXER_CACHE": "16bit"}},
 }
 TARGETS = {"decode_b1": 1.0, "decode_b32_aggregate": 3.0, "prefill": 1.0}
 LLAMA_PROFILE_GEN = 8  # tokens decoded in llama.cpp's profiled tg run

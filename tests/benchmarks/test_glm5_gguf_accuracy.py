@@ -40,13 +40,16 @@ def test_dense_paths_prefill_through_the_q6_k_products():
     ("upstream-bf16-dense", "upstream-bf16", "VLLM_GGUF_DENSE_MARLIN", "1"),
     ("upstream-bf16-dense", "upstream-bf16", "VLLM_GGUF_Q6_K_TRITON", "1"),
     ("upstream-bf16-dense-marlin-32", "upstream-bf16", "VLLM_GGUF_DENSE_MARLIN", "1"),
+    ("portable-bf16-keys16", "portable-bf16", "VLLM_SPARSE_INDEXER_CACHE", "16bit"),
+    ("portable-fp16-keys16", "portable-fp16", "VLLM_SPARSE_INDEXER_CACHE", "16bit"),
 ])
 def test_paths_that_differ_only_in_their_environment(monkeypatch, path, base, var, value):
     """`portable-fp16-bi` is `portable-fp16` with VLLM_BATCH_INVARIANT=1 added to the
     engine's environment (the rest of it kept), the `-gguf-moe` paths theirs with
     VLLM_GGUF_MOE_MARLIN=0, the `-dense-marlin` ones with VLLM_GGUF_DENSE_MARLIN=1, the
     `-dense` ones with that and VLLM_GGUF_Q6_K_TRITON=1 (and their prompts in steps of
-    CHUNK tokens, as `-dense-marlin-32`'s); the other paths inherit this process's."""
+    CHUNK tokens, as `-dense-marlin-32`'s), the `-keys16` ones with
+    VLLM_SPARSE_INDEXER_CACHE=16bit; the other paths inherit this process's."""
     monkeypatch.setenv("VLLM_OVERLAY_SOMETHING", "kept")
     monkeypatch.delenv(var, raising=False)
     chunked = {"max_num_batched_tokens": CHUNK} if path.endswith(("-dense", "-32")) else {}
@@ -59,7 +62,8 @@ def test_paths_that_differ_only_in_their_environment(monkeypatch, path, base, va
                                            "portable-fp16-dense-marlin",
                                            "upstream-bf16-dense-marlin",
                                            "portable-fp16-dense", "upstream-bf16-dense",
-                                           "upstream-bf16-dense-marlin-32"])
+                                           "upstream-bf16-dense-marlin-32",
+                                           "portable-bf16-keys16", "portable-fp16-keys16"])
 
 
 def test_which_paths_must_show_marlin_calls(monkeypatch):
@@ -71,7 +75,7 @@ def test_which_paths_must_show_marlin_calls(monkeypatch):
     assert {p for p in acc.PATHS if acc.runs(p, "VLLM_GGUF_MOE_MARLIN")} == {
         "portable-fp16", "portable-bf16", "upstream-bf16", "portable-fp16-dense-marlin",
         "upstream-bf16-dense-marlin", "portable-fp16-dense", "upstream-bf16-dense",
-        "upstream-bf16-dense-marlin-32"}
+        "upstream-bf16-dense-marlin-32", "portable-bf16-keys16", "portable-fp16-keys16"}
     monkeypatch.setenv("VLLM_GGUF_MOE_MARLIN", "0")
     assert not any(acc.runs(p, "VLLM_GGUF_MOE_MARLIN") for p in acc.PATHS)
 
