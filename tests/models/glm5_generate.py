@@ -51,6 +51,17 @@ def count_triton_indexer_calls() -> dict[str, int]:
     return calls
 
 
+def count_keys16_cache_calls() -> dict[str, int]:
+    """Count the 16-bit indexer key cache's writes and prefill gathers (in-process
+    engine; VLLM_SPARSE_INDEXER_CACHE=16bit): {"write": n, "gather": n}."""
+    from vllm.v1.attention.ops import triton_indexer_logits as il
+
+    calls = {"write": 0, "gather": 0}
+    for kind in calls:
+        count_into(calls, kind, il, f"{kind}_k_cache_16bit")
+    return calls
+
+
 def count_marlin_moe_calls() -> dict[str, int] | None:
     """Count the calls into the Q4_K experts' Marlin MoE (in-process engine); None where
     VLLM_GGUF_MOE_MARLIN=0 turns it off."""
@@ -169,6 +180,7 @@ def main():
     from vllm.v1.attention.ops import triton_indexer_logits as il
 
     calls = count_triton_indexer_calls()
+    keys16_calls = count_keys16_cache_calls()
     marlin_calls = count_marlin_moe_calls()
     dense_marlin = count_dense_marlin_layers()
     q6_k_calls = count_q6_k_triton_calls()
@@ -226,6 +238,7 @@ def main():
         "indexer_backend": il.indexer_logits_backend(),
         "indexer_dots": il.triton_indexer_dots(),
         "triton_indexer_calls": calls,
+        "keys16_cache_calls": keys16_calls,
         "marlin_moe_calls": marlin_calls and marlin_calls["moe"],
         "dense_marlin_layers": dense_marlin and dense_marlin["converted"],
         "q6_k_triton_calls": q6_k_calls and q6_k_calls["q6_k"],

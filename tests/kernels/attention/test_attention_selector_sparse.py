@@ -403,7 +403,8 @@ def test_glm5_on_sm8x_without_flags(cuda_platform_config, monkeypatch, capabilit
         assert il.indexer_logits_backend() == "triton"
         assert il.triton_indexer_dots() == "16bit" and il.e4m3_as_bytes()
         # the indexer layer's start-up check (it refused SM8x before)
-        indexer = sai.SparseAttnIndexer(SimpleNamespace(prefix="layers.0.indexer.k_cache"),
+        indexer = sai.SparseAttnIndexer(SimpleNamespace(prefix="layers.0.indexer.k_cache",
+                                                        dtype=torch.uint8),
                                         128, "ue8m0", 2048, 128, 4096, 8192,
                                         torch.full((8, 2048), -1, dtype=torch.int32))
         assert indexer.topk_tokens == 2048

@@ -564,10 +564,12 @@ def test_prefill_logits_16bit_keys(dtype):
                                ks.to(**to), ke.to(**to)).cpu()
     ref = reference_logits(q, k, torch.ones(N), w)
     tol = dict(rtol=2e-3, atol=2e-3) if ON_GPU else dict(rtol=1e-5, atol=1e-4)
+    # (one program row covers the 7 queries: -inf outside each range, within the tiles)
+    first, last = int(ks.min()) // 128 * 128, min(N, -(-int(ke.max()) // 128) * 128)
     for m in range(M):
         lo, hi = int(ks[m]), int(ke[m])
         torch.testing.assert_close(out[m, lo:hi].double(), ref[m, lo:hi], **tol)
-        assert torch.isneginf(out[m, :lo]).all()
+        assert torch.isneginf(torch.cat([out[m, first:lo], out[m, hi:last]])).all()
 
 
 def paged_cache_16bit(keys, BS, NB, max_model_len, g):
@@ -596,8 +598,7 @@ def test_paged_decode_logits_16bit_keys(next_n, dtype):
     q = torch.randn(B, next_n, H, D, generator=g).to(dtype)
     w = torch.randn(B * next_n, H, generator=g)
     keys = [torch.randn(n, D, generator=g).to(dtype) for n in ctx]
-    cache, table = paged_cache_16bit(keys, BS, NB, max_model_len, g)
-    cache[cache.isnan()] = 0  # unwritten slots of a block: masked, but not NaN
+    cache, table = paged_cache_16bit(keys, BS, NB, max_model_len, g)  # (NaN where unwritten)
     seq_lens = torch.tensor([[c - next_n + j + 1 for j in range(next_n)] for c in ctx],
                             dtype=torch.int32)
     to = dict(device=DEVICE)
@@ -651,32 +652,50 @@ def test_gather_k_cache_16bit(dtype):
 
 
 def test_cache_switch(monkeypatch):
-    """fp8 by default; 16bit takes the Triton kernels (DeepGEMM reads fp8 keys) with
-    16-bit dots; other values, DeepGEMM forced and fp8 dots forced are refused."""
+    """fp8 by default, 16bit on request, other values refused; a layer with 16-bit keys
+    refuses DeepGEMM forced (it reads fp8 keys) and fp8 dots forced."""
     _report_capability(monkeypatch, (9, 0))
     monkeypatch.delenv(il.CACHE_ENV, raising=False)
-    monkeypatch.setenv(il.LOGITS_BACKEND_ENV, "deepgemm")
-    il.indexer_logits_backend.cache_clear()
-    try:
-        assert not il.indexer_cache_16bit() and il.indexer_logits_backend() == "deepgemm"
-        monkeypatch.setenv(il.CACHE_ENV, " 16BIT ")
-        assert il.indexer_cache_16bit()
-        il.indexer_logits_backend.cache_clear()
-        with pytest.raises(ValueError, match="DeepGEMM reads fp8 keys"):
-            il.indexer_logits_backend()
-        for backend in ("auto", "triton"):
-            monkeypatch.setenv(il.LOGITS_BACKEND_ENV, backend)
-            il.indexer_logits_backend.cache_clear()
-            assert il.indexer_logits_backend() == "triton"
-        il.check_triton_indexer_supported()
-        monkeypatch.setenv(il.DOTS_ENV, "fp8")
-        with pytest.raises(RuntimeError, match="16-bit keys take 16-bit dots"):
-            il.check_triton_indexer_supported()
-        monkeypatch.setenv(il.CACHE_ENV, "bf16")
-        with pytest.raises(ValueError, match="expected fp8 or 16bit"):
-            il.indexer_cache_16bit()
-    finally:
-        il.indexer_logits_backend.cache_clear()
+    assert not il.indexer_cache_16bit()
+    monkeypatch.setenv(il.CACHE_ENV, " 16BIT ")
+    assert il.indexer_cache_16bit()
+    for name in (il.LOGITS_BACKEND_ENV, il.DOTS_ENV):
+        monkeypatch.delenv(name, raising=False)
+    il.check_triton_indexer_supported(keys16=True)
+    for name, value in ((il.LOGITS_BACKEND_ENV, "deepgemm"), (il.DOTS_ENV, "fp8")):
+        monkeypatch.setenv(name, value)
+        with pytest.raises(RuntimeError, match="16-bit keys take the Triton kernels"):
+            il.check_triton_indexer_supported(keys16=True)
+        il.check_triton_indexer_supported()  # (layers of fp8 keys: as before)
+        monkeypatch.delenv(name)
+    monkeypatch.setenv(il.CACHE_ENV, "bf16")
+    with pytest.raises(ValueError, match="expected fp8 or 16bit"):
+        il.indexer_cache_16bit()
+
+
+def test_16bit_keys_take_the_triton_kernels(monkeypatch):
+    """Whatever computes fp8 keys (DeepGEMM here), 16-bit keys go to the Triton
+    kernels; fp8 keys keep the chosen backend."""
+    from vllm.utils import deep_gemm
+
+    seen = []
+    monkeypatch.setattr(il, "indexer_logits_backend", lambda: "deepgemm")
+    monkeypatch.setattr(deep_gemm, "fp8_fp4_mqa_logits", lambda *a, **kw: seen.append("dg"))
+    monkeypatch.setattr(deep_gemm, "fp8_fp4_paged_mqa_logits",
+                        lambda *a, **kw: seen.append("dg-paged"))
+    monkeypatch.setattr(il, "triton_mqa_logits", lambda *a: seen.append("triton"))
+    monkeypatch.setattr(il, "triton_paged_mqa_logits", lambda *a: seen.append("triton-paged"))
+    ks, ke = torch.zeros(2, dtype=torch.int32), torch.ones(2, dtype=torch.int32)
+    for dtype in (torch.bfloat16, FP8):
+        q, k = torch.zeros(2, 4, 16, dtype=dtype), torch.zeros(8, 16, dtype=dtype)
+        scales = None if dtype != FP8 else torch.ones(8)
+        cache = (torch.zeros(2, 4, 16, dtype=dtype) if dtype != FP8
+                 else torch.zeros(2, 4, 20, dtype=torch.uint8))
+        il.mqa_logits((q, None), (k, scales), torch.ones(2, 4), ks, ke, clean_logits=False)
+        il.paged_mqa_logits((q[:, None], None), cache, torch.ones(2, 4),
+                            torch.ones(2, 1, dtype=torch.int32),
+                            torch.zeros(2, 2, dtype=torch.int32), None, 8, clean_logits=False)
+    assert seen == ["triton", "triton-paged", "dg", "dg-paged"]
 
 
 # --------------------------------------------------------------------------------------

@@ -462,12 +462,13 @@ def test_token_types_are_optional(meta):
 
 # -- the indexer's RoPE layout ------------------------------------------------------------
 
-def vllm_index_scores(config, weights, layer, hidden, qr) -> torch.Tensor:
+def vllm_index_scores(config, weights, layer, hidden, qr, keys16=False) -> torch.Tensor:
     """Index scores [T, T] (causal) of vLLM's Indexer.forward (models/deepseek_v2.py)
     with the rotary embedding DeepseekV2's attention builds for it
     (get_rope(..., is_neox_style=not config.indexer_rope_interleave)); its fp8
     quantization of q is left out and its top-k kernel replaced by the score
-    the kernel takes the top-k of: sum over heads of relu(q.k) times the weights."""
+    the kernel takes the top-k of: sum over heads of relu(q.k) times the weights.
+    keys16: the indexer of the 16-bit key cache, which must not quantize q at all."""
     import vllm.model_executor.models.deepseek_v2 as deepseek_v2
     from vllm.config import DeviceConfig, VllmConfig, set_current_vllm_config
     from vllm.model_executor.layers.rotary_embedding import get_rope
@@ -487,16 +488,20 @@ def vllm_index_scores(config, weights, layer, hidden, qr) -> torch.Tensor:
         wk_weights_proj=lambda x: (x @ wk_weights_proj.T, None),
         k_norm=k_norm, n_head=config.index_n_heads, head_dim=config.index_head_dim,
         rope_dim=config.qk_rope_head_dim, is_inplace_rope=False, use_fused_indexer_q=False,
+        keys16=keys16,
         quant_block_size=config.index_head_dim, scale_fmt=None,
         softmax_scale=config.index_head_dim ** -0.5, n_head_scale=config.index_n_heads ** -0.5,
         indexer_op=lambda hidden_states, q, k, weights: got.update(q=q, k=k, weights=weights))
 
     def no_fp8(q, block, **kwargs):
+        assert not keys16, "the 16-bit key cache's q was quantized"
         return q, torch.ones(q.shape[0], q.shape[1] // block)
 
     T = hidden.shape[0]
     with patch.object(deepseek_v2, "per_token_group_quant_fp8", no_fp8), torch.no_grad():
         deepseek_v2.Indexer.forward(indexer, hidden, qr, torch.arange(T), rope)
+    assert got["q"].shape == (T, config.index_n_heads, config.index_head_dim)
+    assert got["weights"].dtype == torch.float32
     scores = torch.einsum("thd,ud->thu", got["q"], got["k"]).relu()
     scores = torch.einsum("thu,th->tu", scores, got["weights"])
     return scores.masked_fill(~torch.ones(T, T, dtype=torch.bool).tril(), float("-inf"))
@@ -566,3 +571,19 @@ def test_indexer_rope_layout_follows_transformers(indexer_case):
         for other, weights in ((neox, c.weights), (theta, c.weights), (config, rope_last)):
             wrong = selects(vllm_index_scores(other, weights, *args), topk, config.index_topk)
             assert wrong.float().mean() < 0.05, (layer, wrong.float().mean())
+
+
+def test_indexer_16bit_keys_select_as_transformers(indexer_case):
+    """With the 16-bit key cache (VLLM_SPARSE_INDEXER_CACHE=16bit) vLLM's
+    Indexer.forward hands the op q as computed (no fp8 quantization) and the head
+    weights scaled by the softmax and head scales alone: on every full layer the
+    scores still select transformers' top-k for every query."""
+    c = indexer_case
+    for layer in FULL:
+        attn = c.hf.model.layers[layer].self_attn
+        with torch.no_grad():
+            qr = attn.q_a_layernorm(attn.q_a_proj(c.hidden))
+            topk = attn.indexer(c.hidden, qr, c.cos_sin, c.mask, c.positions)[0]
+        scores = vllm_index_scores(c.config, c.weights, layer, c.hidden[0], qr[0], keys16=True)
+        ok = selects(scores, topk, c.config.index_topk)
+        assert ok.all(), (layer, ok.float().mean())

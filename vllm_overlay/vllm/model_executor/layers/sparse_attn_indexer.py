@@ -823,8 +823,11 @@ class SparseAttnIndexer(CustomOp):
                 f"{indexer_logits.CACHE_ENV}=16bit needs a CUDA GPU (the Triton "
                 "indexer kernels)"
             )
-        # overlay: DeepGEMM is needed only where it computes the logits
-        if current_platform.is_cuda():
+        # overlay: DeepGEMM is needed only where it computes the logits (not for
+        # 16-bit keys)
+        if current_platform.is_cuda() and k_cache.dtype != torch.uint8:
+            indexer_logits.check_triton_indexer_supported(keys16=True)
+        elif current_platform.is_cuda():
             backend = indexer_logits.indexer_logits_backend()
             if backend == "deepgemm" and not has_deep_gemm():
                 raise RuntimeError(

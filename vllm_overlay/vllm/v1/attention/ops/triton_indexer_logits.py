@@ -37,12 +37,13 @@ Triton kernels run on SM80/86/89 and on GPUs DeepGEMM has no kernels for.
 kernels' dots: auto takes fp8 dots where the GPU has them; 16bit runs the SM80/86
 path on any GPU (tests); fp8 is refused where the GPU has no fp8 dots.
 
-`VLLM_SPARSE_INDEXER_CACHE` = fp8 (default) | 16bit chooses the key cache: 16bit
-stores the keys in the model's dtype (128 x 2 bytes a token instead of 128 fp8
-bytes and a scale) and leaves the queries unquantized, as llama.cpp's indexer
-does; the logits then take 16-bit q and k (no scales) on the Triton kernels, with
-16-bit dots. fp8 rounding of q and k moves the top-k selection where scores are
-close; the 16-bit cache avoids that at twice the indexer cache's bytes.
+`VLLM_SPARSE_INDEXER_CACHE` = fp8 (default) | 16bit chooses the key cache of
+DeepSeek-V3.2 / GLM-5's indexer (vLLM's deepseek_v2 model): 16bit stores the keys in
+the model's dtype (128 x 2 bytes a token instead of 128 fp8 bytes and a scale) and
+leaves the queries unquantized, as llama.cpp's indexer does; the logits then take
+16-bit q and k (no scales) on the Triton kernels, with 16-bit dots, whatever backend
+computes fp8 keys. fp8 rounding of q and k moves the top-k selection where scores
+are close; the 16-bit cache avoids that at twice the indexer cache's bytes.
 """
 
 import functools
@@ -96,15 +97,6 @@ def indexer_logits_backend() -> str:
         raise ValueError(
             f"{LOGITS_BACKEND_ENV}={choice!r}: expected auto, deepgemm or triton"
         )
-    if indexer_cache_16bit():
-        # DeepGEMM's logits kernels read fp8 keys only.
-        if choice == "deepgemm":
-            raise ValueError(
-                f"{LOGITS_BACKEND_ENV}=deepgemm: DeepGEMM reads fp8 keys, and "
-                f"{CACHE_ENV}=16bit stores 16-bit ones (leave {LOGITS_BACKEND_ENV} "
-                "unset for the Triton kernels)"
-            )
-        return "triton"
     if choice != "auto":
         return choice
     from vllm.utils.import_utils import has_deep_gemm
@@ -142,21 +134,24 @@ def triton_indexer_dots() -> str:
     return choice
 
 
-def check_triton_indexer_supported() -> None:
+def check_triton_indexer_supported(keys16: bool = False) -> None:
     """The Triton kernels need 16-bit tensor-core dots (compute capability 8.0+);
-    fp8 dots, if forced, need 8.9+."""
+    fp8 dots, if forced, need 8.9+. keys16: an indexer layer with the 16-bit key
+    cache, which the Triton kernels compute whatever the backend of fp8 keys
+    (DeepGEMM reads fp8 keys only), with 16-bit dots."""
     cap = current_platform.get_device_capability()
     if not current_platform.has_device_capability(80):
         raise RuntimeError(
             "The portable sparse attention indexer (DeepSeek-V3.2 / GLM-5) needs "
             f"compute capability 8.0 or newer; this GPU reports {cap}."
         )
-    if indexer_cache_16bit():
-        if os.environ.get(DOTS_ENV, "auto").strip().lower() == "fp8":
-            raise RuntimeError(
-                f"{DOTS_ENV}=fp8 with {CACHE_ENV}=16bit: 16-bit keys take 16-bit "
-                f"dots (leave {DOTS_ENV} unset)."
-            )
+    if keys16:
+        for name, value in ((LOGITS_BACKEND_ENV, "deepgemm"), (DOTS_ENV, "fp8")):
+            if os.environ.get(name, "auto").strip().lower() == value:
+                raise RuntimeError(
+                    f"{name}={value} with {CACHE_ENV}=16bit: 16-bit keys take the "
+                    f"Triton kernels' 16-bit dots (leave {name} unset)."
+                )
         logger.info_once(
             "Sparse attention indexer: Triton logits kernels on 16-bit keys and "
             "queries (%s=16bit).",
@@ -626,8 +621,10 @@ def mqa_logits(
     cu_seqlen_ke: torch.Tensor,
     clean_logits: bool,
 ) -> torch.Tensor:
-    """`vllm.utils.deep_gemm.fp8_fp4_mqa_logits` on the chosen backend."""
-    if indexer_logits_backend() == "deepgemm":
+    """`vllm.utils.deep_gemm.fp8_fp4_mqa_logits` on the chosen backend (16-bit keys:
+    the Triton kernel)."""
+    keys16 = kv[0].dtype in (torch.float16, torch.bfloat16)
+    if not keys16 and indexer_logits_backend() == "deepgemm":
         from vllm.utils.deep_gemm import fp8_fp4_mqa_logits
 
         return fp8_fp4_mqa_logits(
@@ -650,8 +647,10 @@ def paged_mqa_logits(
     max_model_len: int,
     clean_logits: bool,
 ) -> torch.Tensor:
-    """`vllm.utils.deep_gemm.fp8_fp4_paged_mqa_logits` on the chosen backend."""
-    if indexer_logits_backend() == "deepgemm":
+    """`vllm.utils.deep_gemm.fp8_fp4_paged_mqa_logits` on the chosen backend (the
+    16-bit key cache: the Triton kernel)."""
+    keys16 = kv_cache.dtype in (torch.float16, torch.bfloat16)
+    if not keys16 and indexer_logits_backend() == "deepgemm":
         from vllm.utils.deep_gemm import fp8_fp4_paged_mqa_logits
 
         return fp8_fp4_paged_mqa_logits(
