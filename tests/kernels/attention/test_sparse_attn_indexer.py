@@ -1,0 +1,161 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The sparse attention indexer op (`sparse_attn_indexer`) with the 16-bit key cache
+(VLLM_SPARSE_INDEXER_CACHE=16bit), end to end on the CPU: the keys of a step written
+into the paged cache, prefill over two chunks gathering their requests' keys, and
+decode with requests of unequal lengths (the padded path of MTP with a short prefill),
+against a float64 reference of the top-k each token must select.
+
+The op's CUDA-only pieces are replaced by torch equivalents with the semantics of
+vLLM's kernels (`top_k_per_row_prefill`: indices from the row's first key;
+`top_k_per_row_decode`: from the request's first key); the Triton kernels (logits,
+cache write and gather, sequence packing) run in the interpreter. fp16: Triton 3.6's
+interpreter dots bf16 operands as bit patterns."""
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from vllm.model_executor.layers import sparse_attn_indexer as sai
+from vllm.v1.attention.backends.mla.indexer import (
+    DeepseekV32IndexerMetadata,
+    DeepseekV32IndexerPrefillChunkMetadata,
+    DeepseekV32IndexerPrefillMetadata,
+    DeepSeekV32IndexerDecodeMetadata,
+)
+
+H, D, BS, NB, TOPK, MAX_LEN = 4, 32, 16, 24, 8, 64
+LAYER = "model.layers.0.self_attn.indexer.k_cache"
+
+
+def _topk_rows(logits, lengths, starts, out, topk):
+    for r, (n, s) in enumerate(zip(lengths, starts)):
+        out[r] = -1
+        if n > 0:
+            idx = torch.topk(logits[r, s:s + n], min(topk, n)).indices
+            out[r, :idx.numel()] = idx.to(out.dtype)
+
+
+def top_k_per_row_prefill(logits, ks, ke, out, num_rows, stride0, stride1, topk):
+    ks, ke = ks.tolist(), ke.tolist()
+    _topk_rows(logits, [e - s for s, e in zip(ks, ke)], ks, out, topk)
+
+
+def top_k_per_row_decode(logits, next_n, seq_lens, out, num_rows, stride0, stride1, topk):
+    lens = seq_lens.reshape(-1).tolist()
+    assert len(lens) == num_rows
+    _topk_rows(logits, lens, [0] * num_rows, out, topk)
+
+
+class Workspace:
+    """One buffer for every request, as vLLM's workspace manager, filled with NaN
+    (what a previous step left there must not matter)."""
+
+    def __init__(self):
+        self.buffer = torch.full((1 << 20,), float("nan"), dtype=torch.float16).view(torch.uint8)
+
+    def get_simultaneous(self, *specs):
+        out, offset = [], 0
+        for shape, dtype in specs:
+            n = torch.Size(shape).numel() * dtype.itemsize
+            out.append(self.buffer[offset:offset + n].view(dtype).view(shape))
+            offset += -(-n // 256) * 256
+        return out
+
+
+def reference_topk(q, w, keys, n):
+    """The top-k positions among keys[:n] of one token (float64 formula)."""
+    s = torch.einsum("hd,nd->hn", q.double(), keys[:n].double()).relu()
+    logits = (s * w.double()[:, None]).sum(0)
+    return set(torch.topk(logits, min(TOPK, n)).indices.tolist())
+
+
+@pytest.mark.parametrize("decode_lens", [[1, 1], [1, 2]], ids=["plain", "padded"])
+def test_keys16_indexer_op(monkeypatch, decode_lens):
+    g = torch.Generator().manual_seed(3)
+    dtype = torch.float16
+    # decode requests first (vLLM's order): context lengths after this step's tokens
+    decode_ctx = [21, 37][:len(decode_lens)]
+    # prefill requests: (tokens already cached, new tokens), one chunk each
+    prefill = [(10, 7), (0, 20)]
+    reqs = [(c - d, d) for c, d in zip(decode_ctx, decode_lens)] + prefill
+    keys = [torch.randn(old + new, D, generator=g).to(dtype) for old, new in reqs]
+    free = torch.randperm(NB, generator=g).tolist()
+    tables = torch.zeros(len(reqs), MAX_LEN // BS, dtype=torch.int32)
+    cache = torch.full((NB, BS, D), float("nan"), dtype=dtype)
+    slots, new_keys = [], []
+    for r, ((old, new), k) in enumerate(zip(reqs, keys)):
+        for b in range(-(-(old + new) // BS)):
+            tables[r, b] = free.pop()
+        for pos in range(old + new):
+            slot = int(tables[r, pos // BS]) * BS + pos % BS
+            if pos < old:
+                cache.view(-1, D)[slot] = k[pos]  # cached by earlier steps
+            else:
+                slots.append(slot)
+                new_keys.append(k[pos])
+    T = len(slots)
+    slot_mapping = torch.tensor(slots + [-1], dtype=torch.int64)  # + a padding token
+    k_step = torch.stack(new_keys + [torch.full((D,), 7.0, dtype=dtype)])
+    q = torch.randn(T + 1, H, D, generator=g).to(dtype)
+    w = torch.randn(T + 1, H, generator=g)
+
+    nd, num_decodes = sum(decode_lens), len(decode_lens)
+    Lmax = max(decode_lens)
+    chunks, token = [], nd
+    for i, (old, new) in enumerate(prefill):
+        r = num_decodes + i
+        total = old + new
+        ks = torch.zeros(new, dtype=torch.int32)
+        chunks.append(DeepseekV32IndexerPrefillChunkMetadata(
+            block_table=tables[r:r + 1], cu_seqlen_ks=ks,
+            cu_seqlen_ke=torch.arange(old + 1, total + 1, dtype=torch.int32),
+            cu_seq_lens=torch.tensor([0, total], dtype=torch.int32),
+            token_to_seq=torch.zeros(total, dtype=torch.int32), total_seq_lens=total,
+            token_start=token, token_end=token + new, num_reqs=1,
+            local_cu_seq_lens=torch.tensor([0, total], dtype=torch.int32),
+            local_total_seq_lens=total, max_local_total_seq_lens=total + 5))
+        token += new
+    # decode: per (request, j) the keys token j sees, as the builder's native path
+    seq_lens = torch.tensor([[c - Lmax + j + 1 for j in range(Lmax)] for c in decode_ctx],
+                            dtype=torch.int32)
+    meta = DeepseekV32IndexerMetadata(
+        seq_lens=torch.tensor([c for c, _ in reqs]), max_seq_len=MAX_LEN,
+        slot_mapping=slot_mapping[:T], num_decodes=num_decodes, num_decode_tokens=nd,
+        num_prefills=len(prefill), num_prefill_tokens=T - nd,
+        decode=DeepSeekV32IndexerDecodeMetadata(
+            block_table=tables[:num_decodes], seq_lens=seq_lens,
+            decode_lens=torch.tensor(decode_lens, dtype=torch.int32),
+            requires_padding=min(decode_lens) != Lmax,
+            schedule_metadata=torch.empty(0, dtype=torch.int32)),
+        prefill=DeepseekV32IndexerPrefillMetadata(chunks=chunks))
+
+    monkeypatch.setattr(sai, "get_forward_context",
+                        lambda: SimpleNamespace(attn_metadata={LAYER: meta}))
+    monkeypatch.setattr(sai, "current_workspace_manager", Workspace)
+    monkeypatch.setattr(sai, "ops", SimpleNamespace(
+        top_k_per_row_prefill=top_k_per_row_prefill,
+        top_k_per_row_decode=top_k_per_row_decode))
+    topk_buffer = torch.full((T + 1, TOPK), 5, dtype=torch.int32)
+    sai.sparse_attn_indexer(
+        torch.empty(T + 1, 8), LAYER, cache, q, None, k_step, w, 128, "ue8m0", TOPK, D,
+        MAX_LEN, 256, topk_buffer, False, False)
+
+    # every key of the step is in the cache now (the padding token's nowhere)
+    for (old, new), k, r in zip(reqs, keys, range(len(reqs))):
+        for pos in range(old + new):
+            slot = int(tables[r, pos // BS]) * BS + pos % BS
+            assert torch.equal(cache.view(-1, D)[slot], k[pos]), (r, pos)
+    assert not (cache == 7.0).all(-1).any()
+    got = [set(row) - {-1} for row in topk_buffer[:T].tolist()]
+    token = 0
+    for b, d in enumerate(decode_lens):  # decode: as many keys as seq_lens gives
+        for j in range(d):
+            n = int(seq_lens[b, j])
+            assert got[token] == reference_topk(q[token], w[token], keys[b], n), (b, j)
+            token += 1
+    for i, (old, new) in enumerate(prefill):  # prefill: causal
+        for j in range(new):
+            ref = reference_topk(q[token], w[token], keys[num_decodes + i], old + j + 1)
+            assert got[token] == ref, (i, j)
+            token += 1
