@@ -2,8 +2,9 @@
 """The sparse attention indexer op (`sparse_attn_indexer`) with the 16-bit key cache
 (VLLM_SPARSE_INDEXER_CACHE=16bit), end to end on the CPU: the keys of a step written
 into the paged cache, prefill over two chunks gathering their requests' keys, and
-decode with requests of unequal lengths (the padded path of MTP with a short prefill),
-against a float64 reference of the top-k each token must select.
+decode as vLLM 0.26's metadata builder lays it out (one token a request; MTP's two,
+context lengths per token; a CUDA-graph batch padded with requests of no tokens, the
+packed path), against a float64 reference of the top-k each token must select.
 
 The op's CUDA-only pieces are replaced by torch equivalents with the semantics of
 vLLM's kernels (`top_k_per_row_prefill`: indices from the row's first key;
@@ -70,14 +71,17 @@ def reference_topk(q, w, keys, n):
     return set(torch.topk(logits, min(TOPK, n)).indices.tolist())
 
 
-@pytest.mark.parametrize("decode_lens", [[1, 1], [1, 2]], ids=["plain", "padded"])
-def test_keys16_indexer_op(monkeypatch, decode_lens):
+@pytest.mark.parametrize("decode_lens,with_prefill", [
+    ([1, 1], True), ([2, 2], True), ([2, 2, 0], False)], ids=["plain", "mtp", "padded"])
+def test_keys16_indexer_op(monkeypatch, decode_lens, with_prefill):
     g = torch.Generator().manual_seed(3)
     dtype = torch.float16
     # decode requests first (vLLM's order): context lengths after this step's tokens
-    decode_ctx = [21, 37][:len(decode_lens)]
+    # (0: a padding request of a CUDA-graph batch, the last; decodes are otherwise of
+    # one length: split_decodes_and_prefills(require_uniform=True))
+    decode_ctx = [21, 37, 0][:len(decode_lens)]
     # prefill requests: (tokens already cached, new tokens), one chunk each
-    prefill = [(10, 7), (0, 20)]
+    prefill = [(10, 7), (0, 20)] if with_prefill else []
     reqs = [(c - d, d) for c, d in zip(decode_ctx, decode_lens)] + prefill
     keys = [torch.randn(old + new, D, generator=g).to(dtype) for old, new in reqs]
     free = torch.randperm(NB, generator=g).tolist()
@@ -95,7 +99,7 @@ def test_keys16_indexer_op(monkeypatch, decode_lens):
                 slots.append(slot)
                 new_keys.append(k[pos])
     T = len(slots)
-    slot_mapping = torch.tensor(slots + [-1], dtype=torch.int64)  # + a padding token
+    slot_mapping = torch.tensor(slots + [-1], dtype=torch.int64)  # + a graph's padding token
     k_step = torch.stack(new_keys + [torch.full((D,), 7.0, dtype=dtype)])
     q = torch.randn(T + 1, H, D, generator=g).to(dtype)
     w = torch.randn(T + 1, H, generator=g)
@@ -117,18 +121,18 @@ def test_keys16_indexer_op(monkeypatch, decode_lens):
             local_total_seq_lens=total, max_local_total_seq_lens=total + 5))
         token += new
     # decode: per (request, j) the keys token j sees, as the builder's native path
-    seq_lens = torch.tensor([[c - Lmax + j + 1 for j in range(Lmax)] for c in decode_ctx],
-                            dtype=torch.int32)
+    seq_lens = torch.tensor([[max(0, c - Lmax + j + 1) for j in range(Lmax)]
+                             for c in decode_ctx], dtype=torch.int32)
     meta = DeepseekV32IndexerMetadata(
         seq_lens=torch.tensor([c for c, _ in reqs]), max_seq_len=MAX_LEN,
-        slot_mapping=slot_mapping[:T], num_decodes=num_decodes, num_decode_tokens=nd,
+        slot_mapping=slot_mapping, num_decodes=num_decodes, num_decode_tokens=nd,
         num_prefills=len(prefill), num_prefill_tokens=T - nd,
         decode=DeepSeekV32IndexerDecodeMetadata(
             block_table=tables[:num_decodes], seq_lens=seq_lens,
             decode_lens=torch.tensor(decode_lens, dtype=torch.int32),
             requires_padding=min(decode_lens) != Lmax,
             schedule_metadata=torch.empty(0, dtype=torch.int32)),
-        prefill=DeepseekV32IndexerPrefillMetadata(chunks=chunks))
+        prefill=DeepseekV32IndexerPrefillMetadata(chunks=chunks) if chunks else None)
 
     monkeypatch.setattr(sai, "get_forward_context",
                         lambda: SimpleNamespace(attn_metadata={LAYER: meta}))
@@ -136,7 +140,7 @@ def test_keys16_indexer_op(monkeypatch, decode_lens):
     monkeypatch.setattr(sai, "ops", SimpleNamespace(
         top_k_per_row_prefill=top_k_per_row_prefill,
         top_k_per_row_decode=top_k_per_row_decode))
-    topk_buffer = torch.full((T + 1, TOPK), 5, dtype=torch.int32)
+    topk_buffer = torch.full((64, TOPK), 5, dtype=torch.int32)  # (max_num_batched_tokens)
     sai.sparse_attn_indexer(
         torch.empty(T + 1, 8), LAYER, cache, q, None, k_step, w, 128, "ue8m0", TOPK, D,
         MAX_LEN, 256, topk_buffer, False, False)

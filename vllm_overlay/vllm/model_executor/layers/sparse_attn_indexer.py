@@ -557,7 +557,6 @@ def sparse_attn_indexer(
         assert decode_metadata is not None
         kv_cache = kv_cache_as_quant_view(kv_cache, head_dim, use_fp4_cache)
         decode_lens = decode_metadata.decode_lens
-        decode_weights = None  # overlay: packed with q where q is packed
         if num_decode_tokens == 0:
             padded_q_quant_decode_tokens = q_quant[:1].reshape(1, 1, *q_quant.shape[1:])
             padded_q_scale = (
@@ -601,11 +600,6 @@ def sparse_attn_indexer(
                     q_quant[:num_decode_tokens], decode_lens
                 )
                 padded_q_scale = None
-            # overlay: the head weights packed as q (row b * Lmax + j is token j of
-            # request b, not token b * Lmax + j); upstream's later releases pack them
-            decode_weights = pack_seq_triton(
-                weights[:num_decode_tokens], decode_lens, pad_value=0
-            ).reshape(-1, *weights.shape[1:])
         else:
             padded_q_quant_decode_tokens = q_quant[:num_decode_tokens].reshape(
                 decode_lens.shape[0], -1, *q_quant.shape[1:]
@@ -620,8 +614,6 @@ def sparse_attn_indexer(
         batch_size = padded_q_quant_decode_tokens.shape[0]
         next_n = padded_q_quant_decode_tokens.shape[1]
         num_padded_tokens = batch_size * next_n
-        if decode_weights is None:  # overlay: q not packed
-            decode_weights = weights[:num_padded_tokens]
         seq_lens = decode_metadata.seq_lens[:batch_size]
         # seq_lens is always 2D: (B, next_n) for native spec decode, (B, 1)
         # otherwise. deep_gemm fp8_fp4_paged_mqa_logits requires 2D context_lens;
@@ -640,7 +632,7 @@ def sparse_attn_indexer(
             logits = torch.ops.vllm.xpu_fp8_paged_mqa_logits(
                 padded_q_quant_cast,
                 kv_cache,
-                decode_weights,  # overlay: packed with q
+                weights[:num_padded_tokens],
                 seq_lens_xpu,
                 decode_metadata.block_table,
                 decode_metadata.schedule_metadata,
@@ -651,7 +643,7 @@ def sparse_attn_indexer(
             logits = indexer_logits.paged_mqa_logits(
                 (padded_q_quant_cast, padded_q_scale),
                 kv_cache,
-                decode_weights,  # overlay: packed with q
+                weights[:num_padded_tokens],
                 seq_lens,
                 decode_metadata.block_table,
                 decode_metadata.schedule_metadata,
@@ -659,14 +651,7 @@ def sparse_attn_indexer(
                 clean_logits=False,
             )
         num_rows = logits.shape[0]
-        if decode_metadata.requires_padding:
-            # overlay: the padded rows in a buffer of their own; in topk_indices_buffer
-            # they would overwrite the rows of the first prefill tokens, after them
-            topk_indices = topk_indices_buffer.new_full(
-                (num_padded_tokens, topk_tokens), -1
-            )
-        else:
-            topk_indices = topk_indices_buffer[:num_padded_tokens, :topk_tokens]
+        topk_indices = topk_indices_buffer[:num_padded_tokens, :topk_tokens]
 
         use_cooperative_topk = (
             current_platform.is_cuda()
