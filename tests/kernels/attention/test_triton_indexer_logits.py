@@ -82,22 +82,32 @@ def test_prefill_logits(upcast):
         assert torch.isneginf(outside).all()
 
 
+def place_in_blocks(lengths, BS, NB, max_model_len, g):
+    """Random blocks of BS tokens for requests of `lengths` tokens: their block table
+    and, for each block, (request, its first position, the block)."""
+    table = torch.zeros(len(lengths), math.ceil(max_model_len / BS), dtype=torch.int32)
+    free = torch.randperm(NB, generator=g).tolist()
+    places = []
+    for b, n in enumerate(lengths):
+        for first in range(0, n, BS):
+            places.append((b, first, free.pop()))
+            table[b, first // BS] = places[-1][2]
+    return table, places
+
+
 def paged_cache(keys, BS, NB, max_model_len, g):
     """The indexer's paged K cache (uint8 [NB, BS, D + 4]: per block BS x D fp8
     values, then BS fp32 scales) holding `keys` [(k fp8 [n, D], scale [n])] of the
     requests in random blocks, and their block table."""
     D = keys[0][0].shape[1]
     cache = torch.zeros(NB, BS, D + 4, dtype=torch.uint8)
-    table = torch.zeros(len(keys), math.ceil(max_model_len / BS), dtype=torch.int32)
-    free = torch.randperm(NB, generator=g).tolist()
     flat = cache.view(NB, -1)
-    for b, (k, sc) in enumerate(keys):
-        for first in range(0, k.shape[0], BS):
-            blk = free.pop()
-            table[b, first // BS] = blk
-            rows = k[first:first + BS]
-            flat[blk, :rows.shape[0] * D] = rows.reshape(-1).view(torch.uint8)
-            flat[blk, BS * D:BS * D + 4 * rows.shape[0]] = sc[first:first + BS].view(torch.uint8)
+    table, places = place_in_blocks([k.shape[0] for k, _ in keys], BS, NB, max_model_len, g)
+    for b, first, blk in places:
+        k, sc = keys[b]
+        rows = k[first:first + BS]
+        flat[blk, :rows.shape[0] * D] = rows.reshape(-1).view(torch.uint8)
+        flat[blk, BS * D:BS * D + 4 * rows.shape[0]] = sc[first:first + BS].view(torch.uint8)
     return cache, table
 
 
@@ -574,17 +584,13 @@ def test_prefill_logits_16bit_keys(dtype):
 
 def paged_cache_16bit(keys, BS, NB, max_model_len, g):
     """The 16-bit key cache [NB, BS, D] holding `keys` [k [n, D]] of the requests
-    in random blocks, and their block table."""
+    in random blocks (NaN in the slots no key fills), and their block table."""
     D, dtype = keys[0].shape[1], keys[0].dtype
     cache = torch.full((NB, BS, D), float("nan"), dtype=dtype)
-    table = torch.zeros(len(keys), math.ceil(max_model_len / BS), dtype=torch.int32)
-    free = torch.randperm(NB, generator=g).tolist()
-    for b, k in enumerate(keys):
-        for first in range(0, k.shape[0], BS):
-            blk = free.pop()
-            table[b, first // BS] = blk
-            rows = k[first:first + BS]
-            cache[blk, :rows.shape[0]] = rows
+    table, places = place_in_blocks([k.shape[0] for k in keys], BS, NB, max_model_len, g)
+    for b, first, blk in places:
+        rows = keys[b][first:first + BS]
+        cache[blk, :rows.shape[0]] = rows
     return cache, table
 
 
