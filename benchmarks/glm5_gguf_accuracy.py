@@ -119,6 +119,24 @@ def runs(path: str, switch: str) -> bool:
     return on and env.get("VLLM_BATCH_INVARIANT", "0") != "1"
 
 
+def switch_counts(source: str, path: str, res: dict) -> dict:
+    """The counts of the switches' kernels in a path's glm5_generate result, checked:
+    on the Q4_K_M file each switch the path turns on must have run, and on every file
+    the 16-bit indexer key cache must have been written exactly where the path asks
+    for it (VLLM_SPARSE_INDEXER_CACHE=16bit)."""
+    counts = {key: res.get(key) for _, key in SWITCHES.values()}
+    for switch, (_, key) in SWITCHES.items():
+        if source == "gguf-Q4_K_M" and runs(path, switch) and not counts[key]:
+            raise RuntimeError(f"{path}: {switch} is on but {key} is {counts[key]!r}")
+    env = path_env(path) or os.environ
+    keys16 = env.get("VLLM_SPARSE_INDEXER_CACHE", "fp8").strip().lower() == "16bit"
+    counts["keys16_writes"] = res["keys16_cache_calls"]["write"]
+    if keys16 != (counts["keys16_writes"] > 0):
+        raise RuntimeError(f"{path}: the 16-bit indexer key cache {'is' if keys16 else 'is not'}"
+                           f" asked for but was written {counts['keys16_writes']} times")
+    return counts
+
+
 def path_env(path: str) -> dict | None:
     """The environment of a path's engine process (None: this process's own)."""
     return {**os.environ, **PATH_ENV[path]} if path in PATH_ENV else None
@@ -200,10 +218,7 @@ def main():
         f, ref = sources[source]
         res = generate(f, out / f"{source}-{path}.json", eager=args.eager,
                        env=path_env(path), max_tokens=str(args.max_tokens), **PATHS[path])
-        counts = {key: res.get(key) for _, key in SWITCHES.values()}
-        for switch, (_, key) in SWITCHES.items():
-            if source == "gguf-Q4_K_M" and runs(path, switch) and not counts[key]:
-                raise RuntimeError(f"{path}: {switch} is on but {key} is {counts[key]!r}")
+        counts = switch_counts(source, path, res)
         return {**compare(ref, res), "attention_backend": res.get("attention_backend"),
                 "indexer_backend": res["indexer_backend"], "dtype": res["dtype"], **counts}
 

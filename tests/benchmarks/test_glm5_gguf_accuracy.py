@@ -105,6 +105,32 @@ def test_which_paths_must_show_q6_k_triton_calls(monkeypatch):
     assert {p for p in acc.PATHS if not acc.runs(p, "VLLM_GGUF_Q6_K_TRITON")} == {"portable-fp16-bi"}
 
 
+def test_switch_counts_check_what_ran(monkeypatch):
+    """A path's row fails where a switch it turns on did not run on the Q4_K_M file, and
+    on any file where the 16-bit indexer key cache was written without being asked for
+    or not written where asked for."""
+    for name in ("VLLM_GGUF_MOE_MARLIN", "VLLM_GGUF_DENSE_MARLIN", "VLLM_GGUF_Q6_K_TRITON",
+                 "VLLM_BATCH_INVARIANT", "VLLM_SPARSE_INDEXER_CACHE"):
+        monkeypatch.delenv(name, raising=False)
+
+    def result(marlin=1, writes=0):
+        return {"marlin_moe_calls": marlin, "dense_marlin_layers": None,
+                "q6_k_triton_calls": None, "keys16_cache_calls": {"write": writes, "gather": 1}}
+
+    got = acc.switch_counts("gguf-Q4_K_M", "portable-fp16", result())
+    assert got == {"marlin_moe_calls": 1, "dense_marlin_layers": None,
+                   "q6_k_triton_calls": None, "keys16_writes": 0}
+    with pytest.raises(RuntimeError, match="VLLM_GGUF_MOE_MARLIN is on"):
+        acc.switch_counts("gguf-Q4_K_M", "portable-fp16", result(marlin=0))
+    acc.switch_counts("gguf-bf16", "portable-fp16", result(marlin=0))  # (no Q4_K there)
+    assert acc.switch_counts("gguf-bf16", "portable-fp16-keys16",
+                             result(writes=40))["keys16_writes"] == 40
+    with pytest.raises(RuntimeError, match="is asked for but was written 0 times"):
+        acc.switch_counts("gguf-q8_0", "portable-bf16-keys16", result())
+    with pytest.raises(RuntimeError, match="is not asked for but was written 3 times"):
+        acc.switch_counts("gguf-q8_0", "portable-bf16", result(writes=3))
+
+
 def test_switches_read_as_their_modules_read_them(monkeypatch):
     """Each switch of SWITCHES is on for a path exactly where its module's enabled() is
     on in that path's environment."""

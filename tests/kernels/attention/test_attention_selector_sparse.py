@@ -370,6 +370,47 @@ def test_validate_configuration(cuda_platform_config, monkeypatch, capability):
         "index_topk (2000) must be a multiple of 128"]
 
 
+@pytest.mark.parametrize("deep_gemm", [True, False])
+def test_indexer_layer_with_16bit_keys(cuda_platform_config, monkeypatch, deep_gemm):
+    """VLLM_SPARSE_INDEXER_CACHE=16bit on an H200 (capability 9.0): an indexer layer
+    whose cache holds 16-bit keys starts on the Triton kernels with or without DeepGEMM
+    (a layer of fp8 keys needs it where it is the backend), refuses DeepGEMM or fp8
+    dots forced, and a float32 cache."""
+    from vllm.model_executor.layers import sparse_attn_indexer as sai
+    from vllm.v1.attention.ops import triton_indexer_logits as il
+
+    platform = cuda.CudaPlatform()
+    monkeypatch.setattr(cuda.CudaPlatform, "get_device_capability",
+                        classmethod(lambda cls, device_id=0: DeviceCapability(9, 0)))
+    monkeypatch.setattr(il, "current_platform", platform)
+    monkeypatch.setattr(sai, "current_platform", platform)
+    monkeypatch.setattr(sai, "has_deep_gemm", lambda: deep_gemm)
+    for env in (il.LOGITS_BACKEND_ENV, il.DOTS_ENV):
+        monkeypatch.delenv(env, raising=False)
+    monkeypatch.setenv(il.CACHE_ENV, "16bit")
+
+    def layer(dtype):
+        return sai.SparseAttnIndexer(SimpleNamespace(prefix="layers.0.indexer.k_cache",
+                                                     dtype=dtype),
+                                     128, "ue8m0", 2048, 128, 4096, 8192,
+                                     torch.full((8, 2048), -1, dtype=torch.int32))
+
+    # (DeepGEMM the backend of fp8 keys, as vLLM's auto choice on an H200)
+    monkeypatch.setattr(il, "indexer_logits_backend", lambda: "deepgemm")
+    for dtype in (torch.bfloat16, torch.float16):
+        layer(dtype)
+    if not deep_gemm:
+        with pytest.raises(RuntimeError, match="requires DeepGEMM"):
+            layer(torch.uint8)
+    for env, value in ((il.LOGITS_BACKEND_ENV, "deepgemm"), (il.DOTS_ENV, "fp8")):
+        monkeypatch.setenv(env, value)
+        with pytest.raises(RuntimeError, match="16-bit keys take the Triton kernels"):
+            layer(torch.bfloat16)
+        monkeypatch.delenv(env)
+    with pytest.raises(ValueError, match="float16 or bfloat16 model; this one is"):
+        layer(torch.float32)
+
+
 @pytest.mark.parametrize("capability,shared_mem", [((8, 0), 163 * 1024), ((8, 6), 99 * 1024)])
 def test_glm5_on_sm8x_without_flags(cuda_platform_config, monkeypatch, capability, shared_mem):
     """GLM-5 on A100/A800 (SM80) and RTX 3090/A6000 (SM86), as on a GPU host: sparse
