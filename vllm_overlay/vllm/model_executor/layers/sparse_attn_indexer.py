@@ -350,7 +350,7 @@ def sparse_attn_indexer(
     k_cache_prefix = _resolve_layer_name(k_cache_prefix)
     # overlay: 16-bit queries come with the 16-bit key cache
     keys16_dtype = (
-        q_quant.dtype if q_quant.dtype in (torch.float16, torch.bfloat16) else None
+        q_quant.dtype if q_quant.dtype in indexer_logits.KEYS16_DTYPES else None
     )
 
     # assert isinstance(attn_metadata, dict)
@@ -811,7 +811,7 @@ class SparseAttnIndexer(CustomOp):
         # overlay: the 16-bit key cache (VLLM_SPARSE_INDEXER_CACHE) holds the model's
         # dtype and is read by the Triton kernels of the CUDA path (ROCm's and XPU's
         # read fp8 keys)
-        if k_cache.dtype not in (torch.uint8, torch.float16, torch.bfloat16):
+        if k_cache.dtype not in (torch.uint8, *indexer_logits.KEYS16_DTYPES):
             raise ValueError(
                 f"{indexer_logits.CACHE_ENV}=16bit needs a float16 or bfloat16 "
                 f"model; this one is {k_cache.dtype}"

@@ -61,6 +61,13 @@ LOGITS_BACKEND_ENV = "VLLM_SPARSE_INDEXER_LOGITS"
 DOTS_ENV = "VLLM_SPARSE_INDEXER_DOTS"
 CACHE_ENV = "VLLM_SPARSE_INDEXER_CACHE"
 _SWITCH_DEFAULTS = {LOGITS_BACKEND_ENV: "auto", DOTS_ENV: "auto", CACHE_ENV: "fp8"}
+# the dtypes of the 16-bit key cache's keys (and queries): the model's
+KEYS16_DTYPES = (torch.float16, torch.bfloat16)
+
+
+def _switch(name: str) -> str:
+    """A switch's value as set (lower case, its default where unset), not validated."""
+    return os.environ.get(name, _SWITCH_DEFAULTS[name]).strip().lower()
 
 
 def _register_switches() -> None:
@@ -70,13 +77,8 @@ def _register_switches() -> None:
     must not load for the other."""
     from vllm import envs
 
-    for name, default in _SWITCH_DEFAULTS.items():
-        envs.environment_variables.setdefault(
-            name,
-            lambda name=name, default=default: os.environ.get(name, default)
-            .strip()
-            .lower(),
-        )
+    for name in _SWITCH_DEFAULTS:
+        envs.environment_variables.setdefault(name, lambda name=name: _switch(name))
 
 
 _register_switches()
@@ -92,7 +94,7 @@ def indexer_logits_backend() -> str:
     Not `is_deep_gemm_supported()`: its VLLM_USE_DEEP_GEMM switch is about
     DeepGEMM's GEMMs, and upstream's indexer uses DeepGEMM regardless of it.
     """
-    choice = os.environ.get(LOGITS_BACKEND_ENV, "auto").strip().lower()
+    choice = _switch(LOGITS_BACKEND_ENV)
     if choice not in ("auto", "deepgemm", "triton"):
         raise ValueError(
             f"{LOGITS_BACKEND_ENV}={choice!r}: expected auto, deepgemm or triton"
@@ -108,7 +110,7 @@ def indexer_logits_backend() -> str:
 
 def indexer_cache_16bit() -> bool:
     """Whether the indexer's key cache holds 16-bit keys (VLLM_SPARSE_INDEXER_CACHE)."""
-    choice = os.environ.get(CACHE_ENV, "fp8").strip().lower()
+    choice = _switch(CACHE_ENV)
     if choice not in ("fp8", "16bit"):
         raise ValueError(f"{CACHE_ENV}={choice!r}: expected fp8 or 16bit")
     return choice == "16bit"
@@ -126,7 +128,7 @@ def triton_indexer_dots() -> str:
     path of GPUs without fp8 dots (SM80/86), forceable on any GPU. Read per call
     (cheap), so that it follows the capability tests and the test hook report.
     """
-    choice = os.environ.get(DOTS_ENV, "auto").strip().lower()
+    choice = _switch(DOTS_ENV)
     if choice not in ("auto", "fp8", "16bit"):
         raise ValueError(f"{DOTS_ENV}={choice!r}: expected auto, fp8 or 16bit")
     if choice == "auto":
@@ -147,7 +149,7 @@ def check_triton_indexer_supported(keys16: bool = False) -> None:
         )
     if keys16:
         for name, value in ((LOGITS_BACKEND_ENV, "deepgemm"), (DOTS_ENV, "fp8")):
-            if os.environ.get(name, "auto").strip().lower() == value:
+            if _switch(name) == value:
                 raise RuntimeError(
                     f"{name}={value} with {CACHE_ENV}=16bit: 16-bit keys take the "
                     f"Triton kernels' 16-bit dots (leave {name} unset)."
@@ -336,7 +338,7 @@ def triton_mqa_logits(
     """
     M, H, D = q.shape
     N = k.shape[0]
-    keys16 = k.dtype in (torch.float16, torch.bfloat16)
+    keys16 = k.dtype in KEYS16_DTYPES
     assert k.shape[1] == D and weights.shape == (M, H)
     assert (k_scale is None and q.dtype == k.dtype) if keys16 else k_scale.numel() == N
     assert q.stride(2) == 1 and k.stride(1) == 1 and weights.stride(1) == 1
@@ -453,7 +455,7 @@ def triton_paged_mqa_logits(
     """
     B, next_n, H, D = q.shape
     num_blocks, bs = kv_cache.shape[0], kv_cache.shape[1]
-    keys16 = kv_cache.dtype in (torch.float16, torch.bfloat16)
+    keys16 = kv_cache.dtype in KEYS16_DTYPES
     if keys16:
         assert q.dtype == kv_cache.dtype and kv_cache.stride(0) == bs * D
     else:
@@ -623,7 +625,7 @@ def mqa_logits(
 ) -> torch.Tensor:
     """`vllm.utils.deep_gemm.fp8_fp4_mqa_logits` on the chosen backend (16-bit keys:
     the Triton kernel)."""
-    keys16 = kv[0].dtype in (torch.float16, torch.bfloat16)
+    keys16 = kv[0].dtype in KEYS16_DTYPES
     if not keys16 and indexer_logits_backend() == "deepgemm":
         from vllm.utils.deep_gemm import fp8_fp4_mqa_logits
 
@@ -649,7 +651,7 @@ def paged_mqa_logits(
 ) -> torch.Tensor:
     """`vllm.utils.deep_gemm.fp8_fp4_paged_mqa_logits` on the chosen backend (the
     16-bit key cache: the Triton kernel)."""
-    keys16 = kv_cache.dtype in (torch.float16, torch.bfloat16)
+    keys16 = kv_cache.dtype in KEYS16_DTYPES
     if not keys16 and indexer_logits_backend() == "deepgemm":
         from vllm.utils.deep_gemm import fp8_fp4_paged_mqa_logits
 
