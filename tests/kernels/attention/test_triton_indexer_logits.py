@@ -54,6 +54,44 @@ def recall(ours, ref, k):
     return (ref[top] >= kth - 1e-5 * kth.abs().clamp(min=1)).double().mean().item()
 
 
+def prefill_bounds(M, N, g):
+    """Random per-row key bounds [ks, ke) of M query rows over N keys."""
+    ks = torch.randint(0, 60, (M,), generator=g, dtype=torch.int32)
+    ke = torch.minimum(ks + torch.randint(1, 120, (M,), generator=g, dtype=torch.int32),
+                       torch.tensor(N, dtype=torch.int32))
+    return ks, ke
+
+
+def assert_prefill_rows(out, ref, ks, ke, **tol):
+    """Each row against the reference over [ks, ke), and -inf elsewhere within the
+    128-wide key tiles that overlap the union of the rows' ranges (one program row
+    covers them all: it computes those tiles only)."""
+    N = out.shape[1]
+    first, last = int(ks.min()) // 128 * 128, min(N, -(-int(ke.max()) // 128) * 128)
+    for m in range(out.shape[0]):
+        lo, hi = int(ks[m]), int(ke[m])
+        torch.testing.assert_close(out[m, lo:hi].double(), ref[m, lo:hi], **tol)
+        assert torch.isneginf(torch.cat([out[m, first:lo], out[m, hi:last]])).all()
+
+
+def mtp_seq_lens(ctx, next_n):
+    """[B, next_n]: token j of next_n sees ctx - next_n + j + 1 keys (causal MTP rows)."""
+    return torch.tensor([[c - next_n + j + 1 for j in range(next_n)] for c in ctx],
+                        dtype=torch.int32)
+
+
+def assert_decode_rows(out, q, w, keys, seq_lens, BS, **tol):
+    """Each decode row against the reference over its valid keys (`keys`: a request's
+    keys and their scales), and -inf to the end of its last block."""
+    next_n = seq_lens.shape[1]
+    for b, (k, sc) in enumerate(keys):
+        for j in range(next_n):
+            r, n = b * next_n + j, int(seq_lens[b, j])
+            ref = reference_logits(q[b, j:j + 1], k[:n], sc[:n], w[r:r + 1])[0]
+            torch.testing.assert_close(out[r, :n].double(), ref, **tol)
+            assert torch.isneginf(out[r, n:math.ceil(n / BS) * BS]).all()
+
+
 # --------------------------------------------------------------------------------------
 # CPU (Triton interpreter) and GPU
 # --------------------------------------------------------------------------------------
@@ -64,22 +102,12 @@ def test_prefill_logits(upcast):
     q, k = random_fp8(M, H, D, g=g), random_fp8(N, D, g=g)
     k_scale = torch.rand(N, generator=g) + 0.5
     w = torch.randn(M, H, generator=g)
-    ks = torch.randint(0, 60, (M,), generator=g, dtype=torch.int32)
-    ke = torch.minimum(ks + torch.randint(1, 120, (M,), generator=g, dtype=torch.int32),
-                       torch.tensor(N, dtype=torch.int32))
+    ks, ke = prefill_bounds(M, N, g)
     ke[3] = ks[3]  # an empty row
     to = dict(device=DEVICE)
     out = il.triton_mqa_logits(q.to(**to), k.to(**to), k_scale.to(**to), w.to(**to),
                                ks.to(**to), ke.to(**to), upcast=upcast).cpu()
-    ref = reference_logits(q, k, k_scale, w)
-    # One program row covers all 7 queries; it computes the 128-wide key tiles
-    # that overlap the union of their ranges and writes -inf outside each range.
-    first, last = int(ks.min()) // 128 * 128, min(N, -(-int(ke.max()) // 128) * 128)
-    for m in range(M):
-        lo, hi = int(ks[m]), int(ke[m])
-        torch.testing.assert_close(out[m, lo:hi].double(), ref[m, lo:hi], rtol=1e-4, atol=1e-3)
-        outside = torch.cat([out[m, first:lo], out[m, hi:last]])
-        assert torch.isneginf(outside).all()
+    assert_prefill_rows(out, reference_logits(q, k, k_scale, w), ks, ke, rtol=1e-4, atol=1e-3)
 
 
 def place_in_blocks(lengths, BS, NB, max_model_len, g):
@@ -122,20 +150,12 @@ def test_paged_decode_logits(next_n, upcast):
     w = torch.randn(B * next_n, H, generator=g)
     keys = [(random_fp8(n, D, g=g), torch.rand(n, generator=g) + 0.5) for n in ctx]
     cache, table = paged_cache(keys, BS, NB, max_model_len, g)
-    # Token j of next_n sees ctx - next_n + j + 1 keys (causal MTP rows).
-    seq_lens = torch.tensor([[c - next_n + j + 1 for j in range(next_n)] for c in ctx],
-                            dtype=torch.int32)
+    seq_lens = mtp_seq_lens(ctx, next_n)
     to = dict(device=DEVICE)
     out = il.triton_paged_mqa_logits(q.to(**to), cache.to(**to), w.to(**to), seq_lens.to(**to),
                                      table.to(**to), max_model_len, upcast=upcast).cpu()
     assert out.shape == (B * next_n, max_model_len)
-    for b, (k, sc) in enumerate(keys):
-        for j in range(next_n):
-            r, n = b * next_n + j, int(seq_lens[b, j])
-            ref = reference_logits(q[b, j:j + 1], k[:n], sc[:n], w[r:r + 1])[0]
-            torch.testing.assert_close(out[r, :n].double(), ref, rtol=1e-4, atol=1e-3)
-            tail = out[r, n:math.ceil(n / BS) * BS]
-            assert torch.isneginf(tail).all()
+    assert_decode_rows(out, q, w, keys, seq_lens, BS, rtol=1e-4, atol=1e-3)
 
 
 # the interpreter computes both paths' dots in fp32 from exact operands; fp8 tensor
@@ -186,8 +206,7 @@ def test_16bit_dots_match_fp8_dots_decode(next_n):
                                max_model_len, g)
     q = wide_fp8(len(ctx), next_n, 32, D, g=g)
     w = torch.randn(len(ctx) * next_n, 32, generator=g) * 0.1
-    seq = torch.tensor([[n - next_n + j + 1 for j in range(next_n)] for n in ctx],
-                       dtype=torch.int32)
+    seq = mtp_seq_lens(ctx, next_n)
     args = [x.to(DEVICE) for x in (q, cache, w, seq, table)]
     b16 = il.triton_paged_mqa_logits(*args, max_model_len, upcast=True).cpu()
     fp8 = il.triton_paged_mqa_logits(*args, max_model_len, upcast=False).cpu()
@@ -553,6 +572,9 @@ KEYS16 = pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16],
                                  ids=["bf16", "fp16"])
 # Triton 3.6's interpreter multiplies bfloat16 operands of tl.dot as their raw bit
 # patterns (a 16 x 16 product comes out ~1e10): the bf16 logits run on the GPU only.
+# 16-bit operands exact in the float64 reference: the interpreter's fp32 sums; a GPU's
+# tensor cores
+KEYS16_TOL = dict(rtol=2e-3, atol=2e-3) if ON_GPU else dict(rtol=1e-5, atol=1e-4)
 KEYS16_DOT = pytest.mark.parametrize(
     "dtype", [pytest.param(torch.bfloat16, marks=pytest.mark.gpu), torch.float16],
     ids=["bf16", "fp16"])
@@ -566,20 +588,11 @@ def test_prefill_logits_16bit_keys(dtype):
     M, H, D, N = 7, 4, 32, 150
     q, k = torch.randn(M, H, D, generator=g).to(dtype), torch.randn(N, D, generator=g).to(dtype)
     w = torch.randn(M, H, generator=g)
-    ks = torch.randint(0, 60, (M,), generator=g, dtype=torch.int32)
-    ke = torch.minimum(ks + torch.randint(1, 120, (M,), generator=g, dtype=torch.int32),
-                       torch.tensor(N, dtype=torch.int32))
+    ks, ke = prefill_bounds(M, N, g)
     to = dict(device=DEVICE)
     out = il.triton_mqa_logits(q.to(**to), k.to(**to), None, w.to(**to),
                                ks.to(**to), ke.to(**to)).cpu()
-    ref = reference_logits(q, k, torch.ones(N), w)
-    tol = dict(rtol=2e-3, atol=2e-3) if ON_GPU else dict(rtol=1e-5, atol=1e-4)
-    # (one program row covers the 7 queries: -inf outside each range, within the tiles)
-    first, last = int(ks.min()) // 128 * 128, min(N, -(-int(ke.max()) // 128) * 128)
-    for m in range(M):
-        lo, hi = int(ks[m]), int(ke[m])
-        torch.testing.assert_close(out[m, lo:hi].double(), ref[m, lo:hi], **tol)
-        assert torch.isneginf(torch.cat([out[m, first:lo], out[m, hi:last]])).all()
+    assert_prefill_rows(out, reference_logits(q, k, torch.ones(N), w), ks, ke, **KEYS16_TOL)
 
 
 def paged_cache_16bit(keys, BS, NB, max_model_len, g):
@@ -605,18 +618,12 @@ def test_paged_decode_logits_16bit_keys(next_n, dtype):
     w = torch.randn(B * next_n, H, generator=g)
     keys = [torch.randn(n, D, generator=g).to(dtype) for n in ctx]
     cache, table = paged_cache_16bit(keys, BS, NB, max_model_len, g)  # (NaN where unwritten)
-    seq_lens = torch.tensor([[c - next_n + j + 1 for j in range(next_n)] for c in ctx],
-                            dtype=torch.int32)
+    seq_lens = mtp_seq_lens(ctx, next_n)
     to = dict(device=DEVICE)
     out = il.triton_paged_mqa_logits(q.to(**to), cache.to(**to), w.to(**to), seq_lens.to(**to),
                                      table.to(**to), max_model_len).cpu()
-    tol = dict(rtol=2e-3, atol=2e-3) if ON_GPU else dict(rtol=1e-5, atol=1e-4)
-    for b, k in enumerate(keys):
-        for j in range(next_n):
-            r, n = b * next_n + j, int(seq_lens[b, j])
-            ref = reference_logits(q[b, j:j + 1], k[:n], torch.ones(n), w[r:r + 1])[0]
-            torch.testing.assert_close(out[r, :n].double(), ref, **tol)
-            assert torch.isneginf(out[r, n:math.ceil(n / BS) * BS]).all()
+    assert_decode_rows(out, q, w, [(k, torch.ones(k.shape[0])) for k in keys], seq_lens, BS,
+                       **KEYS16_TOL)
 
 
 @KEYS16
@@ -772,8 +779,7 @@ def test_decode_matches_deepgemm(next_n, ctx, batch, upcast):
     table = table.cuda()
     q = random_fp8(batch, next_n, 32, D, g=g).cuda()
     w = _glm5_weights(batch * next_n, g)
-    seq = torch.tensor([[n - next_n + j + 1 for j in range(next_n)] for n in lens],
-                       dtype=torch.int32).cuda()
+    seq = mtp_seq_lens(lens, next_n).cuda()
     ours = il.triton_paged_mqa_logits(q, cache, w, seq, table, max_model_len, upcast=upcast)
     meta = dg.get_paged_mqa_logits_metadata(seq, BS, torch.cuda.get_device_properties(0)
                                             .multi_processor_count)

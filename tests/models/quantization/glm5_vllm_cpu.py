@@ -16,15 +16,16 @@ parameter was filled, the RMSNorm eps of a float16 model's scaled residual strea
 (fp16_residual_scale.py); process_weights_after_loading, which prepares kernels, is
 replaced by nothing.
 
-Prints JSON on its last line, a list with one entry per file: {"params": {name:
-[dtype, shape]}, "indexer_layers": [...], "errors": {name: relative error},
-"norm_eps": {name: eps of each RMSNorm}, "scaled_norms": {name: [error, error with
-the file's eps]}, "indexer_caches": {name: [head_size, dtype, page bytes]}}, the errors of the parameters held unquantized against the HF
-checkpoint given by --hf, in vLLM's fused layout (None: no such HF tensor or another
-shape); "scaled_norms" (float16 only): each RMSNorm whose eps changed, run in float32
-on a residual stream divided by routed_scaling_factor as vLLM's float16 layers carry
-it, against the same norm on the undivided stream with the file's eps (max abs error
-over max abs value), and the same with the file's eps on the divided stream.
+Prints JSON on its last line, a list with one entry per file: {"params": {name: [dtype,
+shape]}, "indexer_layers": [...], "errors": {name: relative error}, "norm_eps": {name:
+eps of each RMSNorm}, "scaled_norms": {name: [error, error with the file's eps]},
+"indexer_caches": {name: [head_size, dtype, page bytes]}}, the errors of the parameters
+held unquantized against the HF checkpoint given by --hf, in vLLM's fused layout (None:
+no such HF tensor or another shape); "scaled_norms" (float16 only): each RMSNorm whose
+eps changed, run in float32 on a residual stream divided by routed_scaling_factor as
+vLLM's float16 layers carry it, against the same norm on the undivided stream with the
+file's eps (max abs error over max abs value), and the same with the file's eps on the
+divided stream.
 """
 
 import argparse

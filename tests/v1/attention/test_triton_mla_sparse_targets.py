@@ -161,6 +161,11 @@ def dot_operands(ttgir: str) -> list[str]:
     return sorted(types - {"f32", "i64"})
 
 
+def aligned_args(sig: dict) -> list[str]:
+    """The pointers and strides of a signature: 16-byte aligned at GLM-5's shapes."""
+    return [k for k, v in sig.items() if v.startswith("*") or k.startswith("stride")]
+
+
 def compile_indexer(arch: int) -> list[dict]:
     """The portable indexer's prefill and decode kernels for `arch`, as launched
     for GLM-5 (32 heads x 128, fp8 q and k; decode blocks of 64 tokens): with fp8
@@ -175,9 +180,10 @@ def compile_indexer(arch: int) -> list[dict]:
     out = []
     dot_kinds = ("fp8", "16bit") if arch >= FP8_FROM else ("16bit",)
     for dots in dot_kinds + ("bf16", "fp16"):
+        keys16 = dots in ("bf16", "fp16")
         e4m3 = {"fp8": "*fp8e4nv", "16bit": "*u8"}.get(dots, f"*{dots}")
         ptrs = {"Q": e4m3, "W": "*fp32", "OUT": "*fp32"}
-        scales = e4m3 if dots in ("bf16", "fp16") else "*fp32"  # (16-bit keys: unread)
+        scales = e4m3 if keys16 else "*fp32"  # (16-bit keys: unread)
         prefill = dict(ptrs, K=e4m3, KS=scales, CU_KS="*i32", CU_KE="*i32")
         prefill.update({n: "i32" for n in ("M", "N", "stride_qm", "stride_qh", "stride_km",
                                            "stride_wm", "stride_om")})
@@ -192,10 +198,9 @@ def compile_indexer(arch: int) -> list[dict]:
             ("decode", il._paged_mqa_logits_kernel, decode,
              {"NEXT_N": 1, "H": 32, "D": 128, "BS": 64, "SPLITS": 16}, 4),
         ):
-            aligned = [k for k, v in sig.items() if v.startswith("*") or k.startswith("stride")]
-            consts = dict(consts, UPCAST=dots == "16bit", ASM=True,
-                          KEYS16=dots in ("bf16", "fp16"))
-            kernel = compile_kernel(fn, arch, sig, consts, aligned, {"num_warps": warps})
+            consts = dict(consts, UPCAST=dots == "16bit", ASM=True, KEYS16=keys16)
+            kernel = compile_kernel(fn, arch, sig, consts, aligned_args(sig),
+                                    {"num_warps": warps})
             ttgir = kernel.asm["ttgir"]
             out.append({"kernel": name, "dots": dots, "shared": kernel.metadata.shared,
                         "e4m3_type": "f8E4M3FN" in ttgir, "dot_operands": dot_operands(ttgir),
@@ -209,8 +214,7 @@ def compile_indexer(arch: int) -> list[dict]:
         ("gather_k_cache_16bit", il._gather_k_cache_16bit_kernel, gather,
          {"BS": 64, "D": 128, "BLOCK_T": 32}, 4),
     ):
-        aligned = [k for k, v in sig.items() if v.startswith("*") or k.startswith("stride")]
-        kernel = compile_kernel(fn, arch, sig, consts, aligned, {"num_warps": warps})
+        kernel = compile_kernel(fn, arch, sig, consts, aligned_args(sig), {"num_warps": warps})
         out.append({"kernel": name, "shared": kernel.metadata.shared,
                     **resource_usage(kernel.asm["cubin"])})
     rope = {"positions": "*i64", "q": "*bf16", "q_s0": "i32", "q_s1": "i32",
