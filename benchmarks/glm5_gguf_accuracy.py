@@ -142,9 +142,19 @@ def path_env(path: str) -> dict | None:
     return {**os.environ, **PATH_ENV[path]} if path in PATH_ENV else None
 
 
-# rounding alone: transformers' dtype, or float32 with vLLM's fp8 indexer q and k
-ROUNDING = {"bfloat16": "transformers-bf16", "float16": "transformers-fp16",
-            "fp8-indexer": "transformers-fp8-indexer"}
+# rounding alone: --rounding choice -> (row, glm5_hf_reference's options). The last two
+# are the overlay's default paths' roundings without its kernels: the model's dtype with
+# vLLM's fp8 indexer q and k (the overlay's float16 layers scale the residual stream, with
+# the RMSNorm eps matched: the same function, so no scale here).
+ROUNDING = {
+    "bfloat16": ("transformers-bf16", {"dtype": "bfloat16"}),
+    "float16": ("transformers-fp16", {"dtype": "float16"}),
+    "fp8-indexer": ("transformers-fp8-indexer", {"indexer_fp8": True}),
+    "bfloat16-fp8-indexer": ("transformers-bf16-fp8-indexer",
+                             {"dtype": "bfloat16", "indexer_fp8": True}),
+    "float16-fp8-indexer": ("transformers-fp16-fp8-indexer",
+                            {"dtype": "float16", "indexer_fp8": True}),
+}
 
 
 def llama_cpp_run(gguf: Path, out: Path, lib: str, bindings: str | None,
@@ -229,17 +239,15 @@ def main():
                                           args.max_tokens, args.llama_runner,
                                           args.llama_src))
 
-    def rounding(source, dtype):
+    def rounding(source, choice):
         ckpt = glm5_accuracy_matrix.checkpoint(out, source)
-        fp8 = dtype == "fp8-indexer"
-        res = hf_reference(ckpt, out / f"{source}-{dtype}.json", device=args.device,
-                           dtype="float32" if fp8 else dtype, max_tokens=args.max_tokens,
-                           indexer_fp8=fp8)
+        res = hf_reference(ckpt, out / f"{source}-{choice}.json", device=args.device,
+                           max_tokens=args.max_tokens, **ROUNDING[choice][1])
         return compare(sources[source][1], res)
 
     jobs = {(s, "llama.cpp"): (llama, (s,)) for s in SOURCES}
     jobs.update({(s, path): (overlay, (s, path)) for s in SOURCES for path in args.paths})
-    jobs.update({(s, ROUNDING[d]): (rounding, (s, d)) for s in SOURCES for d in args.rounding})
+    jobs.update({(s, ROUNDING[d][0]): (rounding, (s, d)) for s in SOURCES for d in args.rounding})
     results = {}
     with concurrent.futures.ThreadPoolExecutor(args.parallel) as pool:
         futures = {pool.submit(fn, *a): k for k, (fn, a) in jobs.items()}
@@ -251,7 +259,7 @@ def main():
                 results[k] = {"error": str(e)[-1500:]}  # the end holds the cause
             print("row " + json.dumps({"source": k[0], "engine": k[1], **results[k]}),
                   flush=True)
-    columns = [ROUNDING[d] for d in args.rounding] + args.paths
+    columns = [ROUNDING[d][0] for d in args.rounding] + args.paths
     lines = rows_table(results, columns)
     print("\n".join(lines))
     report = [{"source": s, "engine": e, **r} for (s, e), r in sorted(results.items())]
