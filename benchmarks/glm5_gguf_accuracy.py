@@ -8,7 +8,8 @@
                  upstream-bf16-dense-marlin-32 portable-bf16-keys16 portable-fp16-keys16]
         [--eager]
         [--json FILE]
-        [--rounding bfloat16 float16] [--device cuda] [--llama-gpu-layers N]
+        [--rounding bfloat16 float16 fp8-indexer bfloat16-fp8-indexer float16-fp8-indexer]
+        [--device cuda] [--llama-gpu-layers N]
         [--max-tokens 32] [--llama-runner ctypes|c] [--llama-src DIR]
 
 The tiny GLM-5 (tests/models/glm5_tiny.py) as llama.cpp writes it: bf16, q8_0
@@ -35,7 +36,8 @@ index_topk, then 32 greedy tokens):
 - rounding alone: transformers on the same dequantized weights in each dtype of
   `--rounding` (rows `transformers-bf16`, `transformers-fp16`), what any engine computing in
   that dtype starts from, and in float32 with the indexer's q and k rounded to e4m3 as vLLM's
-  indexer stores them (`transformers-fp8-indexer`).
+  indexer stores them (`transformers-fp8-indexer`), or in bf16/fp16 with them so rounded
+  (`transformers-bf16-fp8-indexer`, `-fp16-`: the overlay's default paths without its kernels).
 With no `--paths` and `--device cpu --llama-gpu-layers 0` it runs without a GPU (llama.cpp's
 CPU build: its CPU kernels, not its CUDA ones).
 One metric, tests/models/glm5_runs.compare(): the mean |delta| of the prompt tokens'
