@@ -1,7 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 """What the docs list that the code also knows: the overlay files (upstream.lock) and
-build.py's exit codes. (The README's backend selection table is checked by
-tests/kernels/attention/test_attention_selector_sparse.py.)"""
+build.py's exit codes; and that their links lead somewhere. (The README's backend
+selection table is checked by tests/kernels/attention/test_attention_selector_sparse.py.)"""
 
 import ast
 import re
@@ -41,3 +41,37 @@ def test_exit_codes_listed():
     # build.py's docstring (its --help) names the same codes
     usage = ast.get_docstring(ast.parse((ROOT / "build.py").read_text()))
     assert {int(n) for n in re.findall(r"(\d+) [a-z]", usage.split("Exit codes:")[1])} == codes
+
+
+def slug(heading: str) -> str:
+    """GitHub's anchor of a Markdown heading: lower case, punctuation dropped (word
+    characters, spaces and hyphens kept), spaces as hyphens."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def anchors(path: Path) -> set[str]:
+    """A Markdown file's heading anchors, repeats numbered as GitHub numbers them."""
+    seen: dict[str, int] = {}
+    out = set()
+    for m in re.finditer(r"^#{1,6} (.+)$", path.read_text(), re.M):
+        s = slug(m[1])
+        out.add(f"{s}-{seen[s]}" if s in seen else s)
+        seen[s] = seen.get(s, 0) + 1
+    return out
+
+
+def test_doc_links_resolve():
+    """Every relative link of README.md and docs/ names a file that exists and, with
+    a #fragment, one of its headings: results move and headings get renamed."""
+    broken = []
+    for doc in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
+        for target in re.findall(r"\]\(([^)\s]+)\)", doc.read_text()):
+            if re.match(r"[a-z]+:", target):
+                continue  # https:, mailto:
+            file, _, fragment = target.partition("#")
+            path = (doc.parent / file).resolve() if file else doc
+            if not path.exists():
+                broken.append(f"{doc.name}: {target} (no such file)")
+            elif fragment and path.suffix == ".md" and fragment not in anchors(path):
+                broken.append(f"{doc.name}: {target} (no such heading)")
+    assert not broken, "\n".join(broken)
