@@ -4,7 +4,7 @@ GGUF the way the engine does it for `--speculative-config '{"method": "mtp", ...
 and run on given inputs.
 
     python -m tests.models.quantization.glm5_mtp_cpu FILE.gguf --out OUT.pt [--inputs IN.pt] [--tokens N]
-        [--dtype float32|bfloat16]
+        [--dtype float32|bfloat16|float16]
 
 Run it as a script (glm5_vllm_cpu's stubs change vLLM's platform for the process).
 The configs are made by vLLM's own code: EngineArgs for the target (nothing but the
@@ -35,7 +35,8 @@ until process_weights_after_loading, as "<name>:<shard id>" per shard, its weigh
 type likewise).
 
 Prints JSON on its last line: the draft's config fields, its parameters'
-[dtype, shape] as loaded, which quant method each module took, and what the
+[dtype, shape] as loaded, which quant method each module took, the eps of each of
+its RMSNorms (as the loader left them: float16 changes some), and what the
 proposer shares: whether the draft's embedding and each MTP layer's head are the
 target's modules, and the GGUF tensor each of them was loaded from.
 """
@@ -47,7 +48,7 @@ import sys
 import torch
 
 from tests.models.quantization.glm5_vllm_cpu import (describe, init_single_process,
-                                                     stub_device_selection)
+                                                     rms_norms, stub_device_selection)
 
 
 def configs(gguf_file: str, num_speculative_tokens: int, dtype: str):
@@ -163,13 +164,13 @@ def dense_mla(layer, q, kv_c_normed, k_pe, output_shape=None):
 def moe_forward(runner, shared_experts, hidden_states, router_logits, input_ids=None):
     """The MoE runner's output (routed plus shared experts), in PyTorch: the
     router's logits from its gate (vLLM's GateLinear), sigmoid scores, the
-    correction bias for the choice only, top-k, renormalized weights scaled by
-    routed_scaling_factor (the router's or the runner's), the loaded w13 (gate
-    rows, then up) and w2 stacks; the shared experts are vLLM's module."""
+    correction bias for the choice only, top-k, renormalized weights (scaled by
+    the router's routed_scaling_factor, 1 where the runner applies it), the loaded
+    w13 (gate rows, then up) and w2 stacks; the shared experts are vLLM's module,
+    and the runner's own rule applies its routed_scaling_factor (in float16 it
+    divides the shared output instead, for the decoder layer's scaled stream)."""
     experts = runner.routed_experts
-    # the runner scales the routed output (for fp16 it divides the shared output
-    # instead, and the decoder layer compensates): here, not fp16
-    assert hidden_states.dtype != torch.float16 and experts.scoring_func == "sigmoid"
+    assert experts.scoring_func == "sigmoid"
     x = hidden_states.float()
     if runner.gate is not None:  # the router runs inside (is_internal_router)
         router_logits = runner.gate(hidden_states)
@@ -181,17 +182,18 @@ def moe_forward(runner, shared_experts, hidden_states, router_logits, input_ids=
     weights = scores.gather(1, top)
     if experts.renormalize:
         weights = weights / weights.sum(-1, keepdim=True)
-    weights = weights * experts.routed_scaling_factor * runner.routed_scaling_factor
+    weights = weights * experts.routed_scaling_factor
     w13, w2 = experts.w13_weight.float(), experts.w2_weight.float()
     inter = w2.shape[-1]
-    out = torch.zeros_like(x)
+    routed = torch.zeros_like(x)
     for k in range(top.shape[1]):
         g = torch.einsum("th,tih->ti", x, w13[top[:, k]])
         act = torch.nn.functional.silu(g[:, :inter]) * g[:, inter:]
-        out += weights[:, k:k + 1] * torch.einsum("ti,thi->th", act, w2[top[:, k]])
-    if shared_experts is not None:
-        out += shared_experts(hidden_states).float()
-    return out.to(hidden_states.dtype)
+        routed += weights[:, k:k + 1] * torch.einsum("ti,thi->th", act, w2[top[:, k]])
+    routed = routed.to(hidden_states.dtype)
+    shared = shared_experts(hidden_states) if shared_experts is not None else None
+    shared, routed = runner._maybe_apply_routed_scale_to_output(shared, routed)
+    return routed if shared is None else routed + shared
 
 
 def stub_kernels(model) -> None:
@@ -260,6 +262,7 @@ def main():
         "model_class": type(model).__name__,
         "params": loaded["params"],
         "quant_methods": quant_methods(model),
+        "norm_eps": {n: m.variance_epsilon for n, m in rms_norms(model)},
         "sharing": sharing(target, model),
     }))
 

@@ -360,6 +360,66 @@ def test_draft_logits_equal_the_nextn_block(drafts, mtp_inputs, checkpoint, trai
     assert (got.argmax(-1) == rule)[1:].float().mean().item() >= 0.5
 
 
+SCALE = 2.5  # GLM-5's routed_scaling_factor (the trained model's is 1)
+
+
+@pytest.fixture(scope="module")
+def scaled(trained, mtp_ggufs, tmp_path_factory) -> tuple[Path, Path]:
+    """(checkpoint, its bf16 GGUF): the trained model with GLM-5's routed_scaling_factor
+    and its routed experts' down projections divided by it (the same function, up to
+    bf16 rounding): where vLLM's float16 layers divide the residual stream by it."""
+    from safetensors.torch import load_file, save_file
+
+    tmp = tmp_path_factory.mktemp("gguf-mtp-scaled")
+    ckpt = tmp / "glm5-trained-scaled"
+    shutil.copytree(trained, ckpt)
+    config = json.loads((ckpt / "config.json").read_text())
+    (ckpt / "config.json").write_text(json.dumps({**config, "routed_scaling_factor": SCALE}))
+    tensors = load_file(ckpt / "model.safetensors")
+    for name, t in tensors.items():
+        if ".mlp.experts." in name and name.endswith("down_proj.weight"):
+            tensors[name] = (t.float() / SCALE).bfloat16()
+    save_file(tensors, ckpt / "model.safetensors", metadata={"format": "pt"})
+    return ckpt, gr.convert(mtp_ggufs[0], ckpt, tmp / "glm5-trained-scaled-bf16.gguf", "bf16")
+
+
+def test_float16_draft_computes_the_nextn_block(scaled, run_without_gpu, mtp_inputs, tmp_path):
+    """In float16 vLLM's DeepSeek layers carry the residual stream divided by
+    routed_scaling_factor. The MTP block divides its own (eh_proj's output) as layer 0
+    does, and the loader divides the eps of the norms that see it (the block's
+    post-attention norm, the shared head's) by the factor squared: the float16 draft's
+    logits are the nextn block's (fp32) within float16's rounding, closer than the
+    bfloat16 draft's. (A block that divides only its attention and MoE outputs, as
+    upstream's does, is 0.45 of the logits' scale off.)"""
+    from safetensors.torch import load_file
+
+    ckpt, gguf = scaled
+    torch.save({k: mtp_inputs[k] for k in ("input_ids", "positions", "hidden_states")},
+               tmp_path / "inputs.pt")
+    hf = {k: v.float() for k, v in load_file(ckpt / "model.safetensors").items()}
+    ref = mtp_reference(hf, reference_config(ckpt), mtp_inputs["input_ids"],
+                        mtp_inputs["positions"], mtp_inputs["hidden_states"])
+    scale = ref.abs().max().item()
+    logits, errors, eps = {}, {}, {}
+    for dtype in ("float16", "bfloat16"):
+        summary = run_without_gpu("tests.models.quantization.glm5_mtp_cpu", gguf, "--out",
+                                  tmp_path / f"{dtype}.pt", "--inputs", tmp_path / "inputs.pt",
+                                  "--dtype", dtype)
+        logits[dtype] = torch.load(tmp_path / f"{dtype}.pt")["logits"]
+        errors[dtype] = (logits[dtype] - ref).abs().max().item() / scale
+        eps[dtype] = summary["norm_eps"]
+    assert errors["float16"] < errors["bfloat16"] / 2, errors
+    assert torch.equal(logits["float16"].argmax(-1), ref.argmax(-1))
+    file_eps = json.loads((ckpt / "config.json").read_text())["rms_norm_eps"]
+    stream = {f"model.layers.{N}.mtp_block.post_attention_layernorm",
+              f"model.layers.{N}.shared_head.norm"}
+    assert {n for n, e in eps["float16"].items() if e != file_eps} == stream
+    assert all(eps["float16"][n] == pytest.approx(file_eps / SCALE**2, rel=1e-12)
+               for n in stream)
+    assert set(eps["bfloat16"]) == set(eps["float16"])
+    assert all(e == file_eps for e in eps["bfloat16"].values())
+
+
 def draft_config(gguf_file: Path):
     """The draft's ModelConfig vLLM builds for `--speculative-config '{"method":
     "mtp", "num_speculative_tokens": 1}'` on a GGUF (nothing but the file)."""

@@ -1296,6 +1296,8 @@ class DeepseekV2DecoderLayer(nn.Module):
         )
 
         # Self Attention
+        # overlay: layer 0, or a draft's first layer (an MTP block: eh_proj's output)
+        starts_stream = residual is None
         if residual is None:
             residual = hidden_states
             hidden_states = self.input_layernorm(hidden_states)
@@ -1319,7 +1321,7 @@ class DeepseekV2DecoderLayer(nn.Module):
             # We scale both hidden_states and residual before
             # rmsnorm, and rmsnorm result would not affect by scale.
             hidden_states *= 1.0 / self.routed_scaling_factor
-            if self.layer_idx == 0:
+            if starts_stream:  # overlay: not layer_idx == 0, which an MTP block is not
                 # The residual is shared by all layers, we only scale it on
                 # first layer.
                 residual *= 1.0 / self.routed_scaling_factor
