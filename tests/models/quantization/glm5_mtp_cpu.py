@@ -20,14 +20,10 @@ With --inputs (a torch file {"input_ids": [T], "positions": [T], "hidden_states"
 [T, hidden]}), the draft's forward runs on the CPU (DeepSeekMTP.forward and
 compute_logits, vLLM's own modules: embedding, enorm/hnorm, eh_proj, the decoder
 layer's norms, projections, RoPE and shared experts, the shared head, the logits
-processor) with three device kernels replaced by plain PyTorch on the loaded
-parameters, valid while T <= index_topk (the sparse top-k then selects every
-earlier token):
-- MLA attention: causal softmax attention of the absorbed query over the latent
-  cache, `kv_b_proj` split per head into W_UK/W_UV as MLAAttention splits it;
-- the DSA indexer: not run (its top-k is every token);
-- the routed experts: sigmoid scores, the correction bias for the choice,
-  top-k, renormalized, scaled, over the loaded w13/w2 stacks (gate rows first).
+processor) with three device kernels (MLA attention, the DSA indexer, the routed
+experts) replaced by plain PyTorch on the loaded parameters, as glm5_vllm_cpu.py
+runs the target (stub_kernels), valid while T <= index_topk (the sparse top-k then
+selects every earlier token).
 OUT.pt holds {"logits": [T, vocab], "hidden_states": [T, hidden] (pre-norm),
 "params": {name: tensor}} (the draft's parameters as loaded, before the proposer
 shares the target's; a GGUF parameter of merged shards, which stays uninitialized
@@ -48,7 +44,8 @@ import sys
 import torch
 
 from tests.models.quantization.glm5_vllm_cpu import (describe, init_single_process,
-                                                     rms_norms, stub_device_selection)
+                                                     rms_norms, stub_device_selection,
+                                                     stub_kernels)
 
 
 def configs(gguf_file: str, num_speculative_tokens: int, dtype: str):
@@ -141,77 +138,6 @@ def loaded_tensors(model) -> dict[str, torch.Tensor]:
 def quant_methods(model) -> dict[str, str]:
     return {name: type(m.quant_method).__name__ for name, m in model.named_modules()
             if getattr(m, "quant_method", None) is not None}
-
-
-def dense_mla(layer, q, kv_c_normed, k_pe, output_shape=None):
-    """MLAAttention's output for a causal prefill of every token, in PyTorch."""
-    num_heads, nope, v = layer.num_heads, layer.qk_nope_head_dim, layer.v_head_dim
-    w = layer.kv_b_proj.weight.float().view(num_heads, nope + v, -1)
-    w_uk, w_uv = w[:, :nope], w[:, nope:]  # [H, nope, kv_lora], [H, v, kv_lora]
-    q = q.float()
-    q_nope, q_pe = q[..., :nope], q[..., nope:]
-    # absorbed: q_nope W_UK against the latents, plus the RoPE parts
-    scores = torch.einsum("thn,hnc,sc->hts", q_nope, w_uk, kv_c_normed.float())
-    scores = scores + torch.einsum("thr,sr->hts", q_pe, k_pe.float().squeeze(1))
-    scores = scores * layer.scale
-    t = q.shape[0]
-    causal = torch.ones(t, t, dtype=torch.bool).tril()
-    probs = scores.masked_fill(~causal, float("-inf")).softmax(-1)
-    out = torch.einsum("hts,sc,hvc->thv", probs, kv_c_normed.float(), w_uv)
-    return out.reshape(t, num_heads * v).to(kv_c_normed.dtype)
-
-
-def moe_forward(runner, shared_experts, hidden_states, router_logits, input_ids=None):
-    """The MoE runner's output (routed plus shared experts), in PyTorch: the
-    router's logits from its gate (vLLM's GateLinear), sigmoid scores, the
-    correction bias for the choice only, top-k, renormalized weights (scaled by
-    the router's routed_scaling_factor, 1 where the runner applies it), the loaded
-    w13 (gate rows, then up) and w2 stacks; the shared experts are vLLM's module,
-    and the runner's own rule applies its routed_scaling_factor (in float16 it
-    divides the shared output instead, for the decoder layer's scaled stream)."""
-    experts = runner.routed_experts
-    assert experts.scoring_func == "sigmoid"
-    x = hidden_states.float()
-    if runner.gate is not None:  # the router runs inside (is_internal_router)
-        router_logits = runner.gate(hidden_states)
-        router_logits = router_logits[0] if isinstance(router_logits, tuple) else router_logits
-    scores = router_logits.float().sigmoid()
-    bias = experts.e_score_correction_bias
-    choice = scores + (bias.float() if bias is not None else 0.0)
-    top = choice.topk(experts.top_k, dim=-1).indices
-    weights = scores.gather(1, top)
-    if experts.renormalize:
-        weights = weights / weights.sum(-1, keepdim=True)
-    weights = weights * experts.routed_scaling_factor
-    w13, w2 = experts.w13_weight.float(), experts.w2_weight.float()
-    inter = w2.shape[-1]
-    routed = torch.zeros_like(x)
-    for k in range(top.shape[1]):
-        g = torch.einsum("th,tih->ti", x, w13[top[:, k]])
-        act = torch.nn.functional.silu(g[:, :inter]) * g[:, inter:]
-        routed += weights[:, k:k + 1] * torch.einsum("ti,thi->th", act, w2[top[:, k]])
-    routed = routed.to(hidden_states.dtype)
-    shared = shared_experts(hidden_states) if shared_experts is not None else None
-    shared, routed = runner._maybe_apply_routed_scale_to_output(shared, routed)
-    return routed if shared is None else routed + shared
-
-
-def stub_kernels(model) -> None:
-    """Replace the device kernels of every MTP layer by the PyTorch above."""
-    import functools
-    import types
-
-    from vllm.model_executor.layers.attention import MLAAttention
-    from vllm.model_executor.models.deepseek_v2 import DeepseekV2MoE
-
-    for module in model.modules():
-        if isinstance(module, MLAAttention):
-            module.forward = types.MethodType(dense_mla, module)
-        elif isinstance(module, DeepseekV2MoE):
-            module.experts.forward = functools.partial(moe_forward, module.experts,
-                                                       module.shared_experts)
-        elif getattr(module, "indexer", None) is not None and hasattr(module, "skip_topk"):
-            module.skip_topk = True  # every earlier token is in the top-k
 
 
 def run(config, model, inputs: dict) -> dict:

@@ -3,9 +3,10 @@
 the GGUF plugin's loader does it in the engine, for tests without a GPU.
 
     python -m tests.models.quantization.glm5_vllm_cpu FILE.gguf [FILE.gguf ...] [--hf DIR]
+        [--dtype bfloat16|float16|float32] [--inputs IDS.pt --out LOGITS.pt]
 
 Run it as a script (the stubs below change vLLM's platform for the whole process).
-What the engine would pick from the device is stubbed; nothing is run:
+What the engine would pick from the device is stubbed:
 - the platform (none here) puts tensors on the CPU and reports 132 SMs;
 - sparse MLA layers take the TRITON_MLA_SPARSE backend class (constructed, not
   run) and no dense-MHA prefill backend (sparse MLA's fallback when none fits);
@@ -14,7 +15,18 @@ Then the loader itself (vllm_gguf_plugin.loader.GGUFModelLoader.load_model): the
 adapter's load spec, the model, load_weights, the adapter's check that every
 parameter was filled, the RMSNorm eps of a float16 model's scaled residual stream
 (fp16_residual_scale.py); process_weights_after_loading, which prepares kernels, is
-replaced by nothing.
+replaced by nothing. vLLM's custom ops run their PyTorch (forward_native) paths.
+
+With --inputs (a torch file of token ids [T], T <= index_topk: the sparse top-k then
+selects every earlier token) the one file's model runs them on the CPU (vLLM's
+modules: embedding, norms, projections, RoPE, the decoder layers' float16 scaling, the
+shared experts, the head) with three device kernels replaced by plain PyTorch on the
+loaded parameters (stub_kernels): MLA attention (causal softmax attention of the
+absorbed query over the latents, kv_b_proj split per head as MLAAttention splits it),
+the DSA indexer (not run), the routed experts (sigmoid scores, the correction bias for
+the choice, top-k, renormalized, the runner's own routed_scaling_factor rule); the
+float32 logits [T, vocab] go to --out. GGUF products of quantized types need the
+device: bf16, f16 and f32 files only.
 
 Prints JSON on its last line, a list with one entry per file: {"params": {name: [dtype,
 shape]}, "indexer_layers": [...], "errors": {name: relative error}, "norm_eps": {name:
@@ -72,24 +84,120 @@ def init_single_process() -> None:
         initialize_model_parallel(1, 1)
 
 
+def dense_mla(layer, q, kv_c_normed, k_pe, output_shape=None):
+    """MLAAttention's output for a causal prefill of every token, in PyTorch."""
+    num_heads, nope, v = layer.num_heads, layer.qk_nope_head_dim, layer.v_head_dim
+    w = layer.kv_b_proj.weight.float().view(num_heads, nope + v, -1)
+    w_uk, w_uv = w[:, :nope], w[:, nope:]  # [H, nope, kv_lora], [H, v, kv_lora]
+    q = q.float()
+    q_nope, q_pe = q[..., :nope], q[..., nope:]
+    # absorbed: q_nope W_UK against the latents, plus the RoPE parts
+    scores = torch.einsum("thn,hnc,sc->hts", q_nope, w_uk, kv_c_normed.float())
+    scores = scores + torch.einsum("thr,sr->hts", q_pe, k_pe.float().squeeze(1))
+    scores = scores * layer.scale
+    t = q.shape[0]
+    causal = torch.ones(t, t, dtype=torch.bool).tril()
+    probs = scores.masked_fill(~causal, float("-inf")).softmax(-1)
+    out = torch.einsum("hts,sc,hvc->thv", probs, kv_c_normed.float(), w_uv)
+    return out.reshape(t, num_heads * v).to(kv_c_normed.dtype)
+
+
+def moe_forward(runner, shared_experts, hidden_states, router_logits, input_ids=None):
+    """The MoE runner's output (routed plus shared experts), in PyTorch: the
+    router's logits from its gate (vLLM's GateLinear), sigmoid scores, the
+    correction bias for the choice only, top-k, renormalized weights (scaled by
+    the router's routed_scaling_factor, 1 where the runner applies it), the loaded
+    w13 (gate rows, then up) and w2 stacks; the shared experts are vLLM's module,
+    and the runner's own rule applies its routed_scaling_factor (in float16 it
+    divides the shared output instead, for the decoder layer's scaled stream)."""
+    experts = runner.routed_experts
+    assert experts.scoring_func == "sigmoid"
+    x = hidden_states.float()
+    if runner.gate is not None:  # the router runs inside (is_internal_router)
+        router_logits = runner.gate(hidden_states)
+        router_logits = router_logits[0] if isinstance(router_logits, tuple) else router_logits
+    scores = router_logits.float().sigmoid()
+    bias = experts.e_score_correction_bias
+    choice = scores + (bias.float() if bias is not None else 0.0)
+    top = choice.topk(experts.top_k, dim=-1).indices
+    weights = scores.gather(1, top)
+    if experts.renormalize:
+        weights = weights / weights.sum(-1, keepdim=True)
+    weights = weights * experts.routed_scaling_factor
+    w13, w2 = experts.w13_weight.float(), experts.w2_weight.float()
+    inter = w2.shape[-1]
+    routed = torch.zeros_like(x)
+    for k in range(top.shape[1]):
+        g = torch.einsum("th,tih->ti", x, w13[top[:, k]])
+        act = torch.nn.functional.silu(g[:, :inter]) * g[:, inter:]
+        routed += weights[:, k:k + 1] * torch.einsum("ti,thi->th", act, w2[top[:, k]])
+    routed = routed.to(hidden_states.dtype)
+    shared = shared_experts(hidden_states) if shared_experts is not None else None
+    shared, routed = runner._maybe_apply_routed_scale_to_output(shared, routed)
+    return routed if shared is None else routed + shared
+
+
+def stub_kernels(model) -> None:
+    """Replace the device kernels of every MTP layer by the PyTorch above."""
+    import functools
+    import types
+
+    from vllm.model_executor.layers.attention import MLAAttention
+    from vllm.model_executor.models.deepseek_v2 import DeepseekV2MoE
+
+    for module in model.modules():
+        if isinstance(module, MLAAttention):
+            module.forward = types.MethodType(dense_mla, module)
+        elif isinstance(module, DeepseekV2MoE):
+            module.experts.forward = functools.partial(moe_forward, module.experts,
+                                                       module.shared_experts)
+        elif getattr(module, "indexer", None) is not None and hasattr(module, "skip_topk"):
+            module.skip_topk = True  # every earlier token is in the top-k
+
+
 def build(gguf_file: str, dtype: str = "bfloat16"):
-    """The vLLM model of `gguf_file` (nothing but the file), filled by the loader."""
-    from vllm.config import DeviceConfig, LoadConfig, VllmConfig, set_current_vllm_config
+    """(config, the vLLM model of `gguf_file` (nothing but the file), filled by the loader)."""
+    from vllm.config import (
+        CompilationConfig,
+        DeviceConfig,
+        LoadConfig,
+        VllmConfig,
+        set_current_vllm_config,
+    )
+    from vllm.config.compilation import CompilationMode
     from vllm.engine.arg_utils import EngineArgs
 
     import vllm_gguf_plugin.loader as gguf_loader
 
     model_config = EngineArgs(model=gguf_file, max_model_len=2048, skip_tokenizer_init=True,
                               dtype=dtype).create_model_config()
+    # custom ops off: vLLM's modules run their PyTorch (forward_native) paths
     config = VllmConfig(model_config=model_config, load_config=LoadConfig(load_format="gguf"),
-                        device_config=DeviceConfig(device="cpu"))
+                        device_config=DeviceConfig(device="cpu"),
+                        compilation_config=CompilationConfig(mode=CompilationMode.NONE,
+                                                             custom_ops=["none"]))
     prepare_kernels = gguf_loader.process_weights_after_loading
     gguf_loader.process_weights_after_loading = lambda *args, **kwargs: None
     try:
         with set_current_vllm_config(config):
-            return gguf_loader.GGUFModelLoader(config.load_config).load_model(config, model_config)
+            model = gguf_loader.GGUFModelLoader(config.load_config).load_model(config, model_config)
     finally:
         gguf_loader.process_weights_after_loading = prepare_kernels
+    return config, model
+
+
+@torch.no_grad()
+def logits(config, model, input_ids: torch.Tensor) -> torch.Tensor:
+    """The model's logits (float32) for one prompt of at most index_topk tokens (the
+    sparse top-k then selects every earlier token), with stub_kernels' PyTorch."""
+    from vllm.config import set_current_vllm_config
+    from vllm.forward_context import set_forward_context
+
+    assert len(input_ids) <= model.config.index_topk
+    stub_kernels(model)
+    with set_current_vllm_config(config), set_forward_context(None, config):
+        hidden = model(input_ids=input_ids, positions=torch.arange(len(input_ids)))
+        return model.compute_logits(hidden).float()
 
 
 def hf_value(hf: dict[str, torch.Tensor], name: str, n_experts: int) -> torch.Tensor | None:
@@ -123,8 +231,12 @@ def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("gguf", nargs="+")
     p.add_argument("--hf", default=None, help="HF checkpoint to compare the parameters with")
-    p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16"))
+    p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
+    p.add_argument("--inputs", default=None, help="token ids (a torch file [T]) to run")
+    p.add_argument("--out", default=None, help="with --inputs: where the logits go")
     args = p.parse_args()
+    if args.inputs is not None and (len(args.gguf) != 1 or args.out is None):
+        p.error("--inputs runs one file and needs --out")
     from vllm.plugins import load_general_plugins
 
     load_general_plugins()
@@ -135,7 +247,11 @@ def main():
         from safetensors.torch import load_file
 
         hf = {k: v.float() for k, v in load_file(Path(args.hf) / "model.safetensors").items()}
-    print(json.dumps([summary(build(f, args.dtype), hf) for f in args.gguf]))
+    built = [build(f, args.dtype) for f in args.gguf]
+    report = [summary(model, hf) for _, model in built]
+    if args.inputs is not None:
+        torch.save(logits(*built[0], torch.load(args.inputs)), args.out)
+    print(json.dumps(report))
 
 
 def summary(model, hf: dict[str, torch.Tensor] | None) -> dict:

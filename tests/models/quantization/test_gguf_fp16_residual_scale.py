@@ -47,3 +47,50 @@ def test_fp16_stream_norms_compute_the_models_norm(built):
         assert matched < 2e-3, name
         assert unmatched > 0.1, name
     assert built["bfloat16"]["scaled_norms"] == {}
+
+
+T = 128  # prompt tokens: the tiny GLM-5's index_topk, so its top-k is every token
+
+
+@pytest.fixture(scope="module")
+def logits(run_without_gpu, glm5_gguf, tmp_path_factory) -> dict:
+    """{(engine, dtype): logits [T, vocab]} of one prompt: vLLM's model of the bf16 file
+    run on the CPU (glm5_vllm_cpu.py --inputs: its modules, attention and routed experts
+    in PyTorch) and transformers on the checkpoint the file holds exactly."""
+    import json
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from tests.models.glm5_generate import prompts
+    from tests.models.glm5_trained import _AllTokensIndexer
+
+    _, checkpoint, bf16 = glm5_gguf
+    tmp = tmp_path_factory.mktemp("fp16-logits")
+    vocab = json.loads((checkpoint / "config.json").read_text())["vocab_size"]
+    ids = torch.tensor(prompts(vocab)[0][:T])
+    torch.save(ids, tmp / "ids.pt")
+    out = {}
+    for dtype in ("float32", "float16"):
+        run_without_gpu("tests.models.quantization.glm5_vllm_cpu", bf16, "--dtype", dtype,
+                        "--inputs", tmp / "ids.pt", "--out", tmp / f"{dtype}.pt")
+        out["vllm", dtype] = torch.load(tmp / f"{dtype}.pt")
+        model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=getattr(torch, dtype))
+        with torch.no_grad(), _AllTokensIndexer():
+            out["transformers", dtype] = model.eval()(ids[None]).logits[0].float()
+    return out
+
+
+def test_fp16_model_computes_the_model(logits):
+    """vLLM's model in float16 (the residual stream divided by routed_scaling_factor, the
+    norms' eps matched) is the model within float16's rounding: its logprobs no further
+    from transformers' float32 than transformers' own float16 is (x1.25); in float32 the
+    same as transformers'. (With the file's eps: 27x transformers' float16 error.)"""
+    ref = logits["transformers", "float32"].log_softmax(-1)
+
+    def error(engine, dtype):
+        return (logits[engine, dtype].log_softmax(-1) - ref).abs().mean().item()
+
+    errors = {k: error(*k) for k in logits}
+    assert errors["vllm", "float32"] < 1e-3, errors
+    assert errors["vllm", "float16"] <= 1.25 * errors["transformers", "float16"], errors
