@@ -42,7 +42,8 @@ With no `--paths` and `--device cpu --llama-gpu-layers 0` it runs without a GPU 
 CPU build: its CPU kernels, not its CUDA ones).
 One metric, tests/models/glm5_runs.compare(): the mean |delta| of the prompt tokens'
 logprobs over the tokens both top-5 lists hold, the prompt token's own included (with its
-max, and the greedy agreement up to the first parting). The table gives each engine's
+max, and the greedy agreement up to the first parting; in the JSON also split at the
+model's index_topk: `mean_short_context`, `mean_long_context`). The table gives each engine's
 error on each file and the overlay's over llama.cpp's (the issue's target: <= 1 on the
 quantized files).
 """
@@ -55,8 +56,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+from tests.models.glm5_tiny import TINY_GLM5
+
 
 SOURCES = ("gguf-bf16", "gguf-q8_0", "gguf-Q4_K_M")
+# the tiny GLM-5's index_topk: each row's error also split at it (compare(split_at)),
+# positions whose whole context the sparse top-k selects against the others
+TOPK = TINY_GLM5["index_topk"]
 # prompts prefilled 32 tokens a step: inside q6_k_triton's linear counts (a whole
 # 300-1000-token prompt never takes them)
 STEPS_OF_32 = {"max_num_batched_tokens": "32"}
@@ -231,7 +237,7 @@ def main():
         res = generate(f, out / f"{source}-{path}.json", eager=args.eager,
                        env=path_env(path), max_tokens=str(args.max_tokens), **PATHS[path])
         counts = switch_counts(source, path, res)
-        return {**compare(ref, res), "attention_backend": res.get("attention_backend"),
+        return {**compare(ref, res, TOPK), "attention_backend": res.get("attention_backend"),
                 "indexer_backend": res["indexer_backend"], "dtype": res["dtype"], **counts}
 
     def llama(source):
@@ -239,13 +245,13 @@ def main():
         return compare(ref, llama_cpp_run(f, out / f"{source}-llama.json", args.llama_lib,
                                           args.bindings, args.llama_gpu_layers,
                                           args.max_tokens, args.llama_runner,
-                                          args.llama_src))
+                                          args.llama_src), TOPK)
 
     def rounding(source, choice):
         ckpt = glm5_accuracy_matrix.checkpoint(out, source)
         res = hf_reference(ckpt, out / f"{source}-{choice}.json", device=args.device,
                            max_tokens=args.max_tokens, **ROUNDING[choice][1])
-        return compare(sources[source][1], res)
+        return compare(sources[source][1], res, TOPK)
 
     jobs = {(s, "llama.cpp"): (llama, (s,)) for s in SOURCES}
     jobs.update({(s, path): (overlay, (s, path)) for s in SOURCES for path in args.paths})

@@ -161,3 +161,25 @@ def test_table():
     assert lines[2] == "| gguf-bf16 | 0.250 (2.00, 1.00) | 0.500 (3.00, 0.75) | 2.00 |"
     assert lines[3] == "| gguf-q8_0 | error | 0.500 (3.00, 0.75) | - |"
     assert lines[4] == "| gguf-Q4_K_M | - | - | - |"
+
+
+def test_error_split_at_the_top_k():
+    """compare(split_at=k): the prompt positions that see at most k tokens (the sparse
+    top-k selects all of them) apart from the others, by hand on two outputs."""
+    from tests.models.glm5_runs import compare
+
+    def run(lps):  # one prompt: position i's top-5 holds token 7 at logprob lps[i]
+        return {"outputs": [{"prompt_logprobs": [None] + [{"7": x} for x in lps],
+                             "tokens": [7], "logprobs": [{"7": 0.0}]}]}
+
+    a, b = run([0.0] * 6), run([0.1, 0.1, 0.1, 0.5, 0.5, 0.5])
+    got = compare(a, b, split_at=3)
+    assert got["mean"] == pytest.approx(0.3)
+    assert got["mean_short_context"] == pytest.approx(0.1)  # contexts 1, 2, 3
+    assert got["mean_long_context"] == pytest.approx(0.5)  # contexts 4, 5, 6
+    assert "mean_short_context" not in compare(a, b)
+    # the accuracy rows' split: the tiny GLM-5's index_topk, which every prompt exceeds
+    from tests.models.glm5_generate import PROMPT_LENS
+    from tests.models.glm5_tiny import TINY_GLM5
+
+    assert acc.TOPK == TINY_GLM5["index_topk"] < min(PROMPT_LENS)

@@ -38,23 +38,34 @@ def hf_reference(model_dir, out, *, device="cuda", dtype="float32", max_tokens=3
                  "--max-tokens", str(max_tokens), *(["--indexer-fp8"] if indexer_fp8 else [])])
 
 
-def compare(a, b):
+def compare(a, b, split_at=None):
     """Mean/max |delta| of prompt-token logprobs (over the tokens both top-5 lists
     hold, the prompt token included); greedy agreement up to the first parting,
     and whether every parting was at a near-tie (each run's token in the other's
-    top-5)."""
+    top-5). With `split_at` (a model's index_topk) also the mean over the prompt
+    positions that see at most that many tokens (`mean_short_context`: the sparse
+    top-k selects all of them) and over the others (`mean_long_context`)."""
     deltas, agree, total, ties_ok = [], 0, 0, True
+    short = []
     for oa, ob in zip(a["outputs"], b["outputs"]):
-        for pa, pb in zip(oa["prompt_logprobs"][1:], ob["prompt_logprobs"][1:]):
-            deltas += [abs(pa[t] - pb[t]) for t in set(pa) & set(pb)]
+        pairs = zip(oa["prompt_logprobs"][1:], ob["prompt_logprobs"][1:])
+        for context, (pa, pb) in enumerate(pairs, start=1):
+            d = [abs(pa[t] - pb[t]) for t in set(pa) & set(pb)]
+            deltas += d
+            short += d if split_at is not None and context <= split_at else []
         for i, (ta, tb) in enumerate(zip(oa["tokens"], ob["tokens"])):
             total += 1
             if ta != tb:
                 ties_ok &= str(tb) in oa["logprobs"][i] and str(ta) in ob["logprobs"][i]
                 break
             agree += 1
-    return {"mean": sum(deltas) / len(deltas), "max": max(deltas),
-            "greedy_agreement": agree / total, "parted_at_near_tie": ties_ok}
+    out = {"mean": sum(deltas) / len(deltas), "max": max(deltas),
+           "greedy_agreement": agree / total, "parted_at_near_tie": ties_ok}
+    if split_at is not None:
+        long = len(deltas) - len(short)
+        out["mean_short_context"] = sum(short) / len(short) if short else None
+        out["mean_long_context"] = (sum(deltas) - sum(short)) / long if long else None
+    return out
 
 
 def within_rerun(got: dict, rerun: dict) -> bool:
