@@ -138,7 +138,8 @@ def moe_forward(runner, shared_experts, hidden_states, router_logits, input_ids=
 
 
 def stub_kernels(model) -> None:
-    """Replace the device kernels of every MTP layer by the PyTorch above."""
+    """Replace the device kernels of every decoder layer (a target's or an MTP
+    draft's) by the PyTorch above."""
     import functools
     import types
 

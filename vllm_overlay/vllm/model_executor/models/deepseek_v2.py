@@ -1321,7 +1321,7 @@ class DeepseekV2DecoderLayer(nn.Module):
             # We scale both hidden_states and residual before
             # rmsnorm, and rmsnorm result would not affect by scale.
             hidden_states *= 1.0 / self.routed_scaling_factor
-            if starts_stream:  # overlay: not layer_idx == 0, which an MTP block is not
+            if starts_stream:  # overlay: upstream tests layer_idx == 0, not true of an MTP block
                 # The residual is shared by all layers, we only scale it on
                 # first layer.
                 residual *= 1.0 / self.routed_scaling_factor
