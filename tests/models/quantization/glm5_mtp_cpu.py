@@ -43,35 +43,20 @@ import sys
 
 import torch
 
-from tests.models.quantization.glm5_vllm_cpu import (describe, init_single_process,
+from tests.models.quantization.glm5_vllm_cpu import (cpu_config, describe,
+                                                     init_single_process, model_config,
                                                      rms_norms, stub_device_selection,
                                                      stub_kernels)
 
 
 def configs(gguf_file: str, num_speculative_tokens: int, dtype: str):
-    from vllm.config import (
-        CompilationConfig,
-        DeviceConfig,
-        LoadConfig,
-        ParallelConfig,
-        SpeculativeConfig,
-        VllmConfig,
-    )
-    from vllm.config.compilation import CompilationMode
-    from vllm.engine.arg_utils import EngineArgs
+    from vllm.config import ParallelConfig, SpeculativeConfig
 
-    target = EngineArgs(model=gguf_file, max_model_len=2048, skip_tokenizer_init=True,
-                        dtype=dtype).create_model_config()
+    target = model_config(gguf_file, dtype)
     spec = SpeculativeConfig(target_model_config=target,
                              target_parallel_config=ParallelConfig(), method="mtp",
                              num_speculative_tokens=num_speculative_tokens)
-    # custom ops off: vLLM's modules run their PyTorch (forward_native) paths
-    config = VllmConfig(model_config=target, speculative_config=spec,
-                        load_config=LoadConfig(load_format="gguf"),
-                        device_config=DeviceConfig(device="cpu"),
-                        compilation_config=CompilationConfig(mode=CompilationMode.NONE,
-                                                             custom_ops=["none"]))
-    return config, spec.draft_model_config
+    return cpu_config(target, speculative_config=spec), spec.draft_model_config
 
 
 def build(gguf_file: str, num_speculative_tokens: int, dtype: str):

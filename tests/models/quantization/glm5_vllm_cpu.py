@@ -156,32 +156,39 @@ def stub_kernels(model) -> None:
             module.skip_topk = True  # every earlier token is in the top-k
 
 
+def model_config(gguf_file: str, dtype: str):
+    """The ModelConfig of `gguf_file` (nothing but the file)."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    return EngineArgs(model=gguf_file, max_model_len=2048, skip_tokenizer_init=True,
+                      dtype=dtype).create_model_config()
+
+
+def cpu_config(model, **extra):
+    """The VllmConfig of ModelConfig `model` on the CPU, eager, with `extra` keywords."""
+    from vllm.config import CompilationConfig, DeviceConfig, LoadConfig, VllmConfig
+    from vllm.config.compilation import CompilationMode
+
+    # custom ops off: vLLM's modules run their PyTorch (forward_native) paths
+    return VllmConfig(model_config=model, load_config=LoadConfig(load_format="gguf"),
+                      device_config=DeviceConfig(device="cpu"),
+                      compilation_config=CompilationConfig(mode=CompilationMode.NONE,
+                                                           custom_ops=["none"]), **extra)
+
+
 def build(gguf_file: str, dtype: str = "bfloat16"):
     """(config, the vLLM model of `gguf_file` (nothing but the file), filled by the loader)."""
-    from vllm.config import (
-        CompilationConfig,
-        DeviceConfig,
-        LoadConfig,
-        VllmConfig,
-        set_current_vllm_config,
-    )
-    from vllm.config.compilation import CompilationMode
-    from vllm.engine.arg_utils import EngineArgs
+    from vllm.config import set_current_vllm_config
 
     import vllm_gguf_plugin.loader as gguf_loader
 
-    model_config = EngineArgs(model=gguf_file, max_model_len=2048, skip_tokenizer_init=True,
-                              dtype=dtype).create_model_config()
-    # custom ops off: vLLM's modules run their PyTorch (forward_native) paths
-    config = VllmConfig(model_config=model_config, load_config=LoadConfig(load_format="gguf"),
-                        device_config=DeviceConfig(device="cpu"),
-                        compilation_config=CompilationConfig(mode=CompilationMode.NONE,
-                                                             custom_ops=["none"]))
+    config = cpu_config(model_config(gguf_file, dtype))
     prepare_kernels = gguf_loader.process_weights_after_loading
     gguf_loader.process_weights_after_loading = lambda *args, **kwargs: None
     try:
         with set_current_vllm_config(config):
-            model = gguf_loader.GGUFModelLoader(config.load_config).load_model(config, model_config)
+            loader = gguf_loader.GGUFModelLoader(config.load_config)
+            model = loader.load_model(config, config.model_config)
     finally:
         gguf_loader.process_weights_after_loading = prepare_kernels
     return config, model
