@@ -136,15 +136,15 @@ def product(monkeypatch):
 def test_gguf_product_takes_it_where_asked(product, monkeypatch):
     """8-64 tokens here, fewer than 8 the plugin's MMVQ (6144 rows: up to 2 tokens) and
     MMQ, from 65 the dequantized 16-bit GEMM; off, or another type or dtype, the paths
-    without the switch (Q6_K dequantizes from 24 tokens, Q4_K from 32)."""
+    without the switch (Q6_K and Q4_K dequantize from 16 tokens)."""
     from vllm_gguf_plugin.quantization.linear import DEQUANT_GEMM_MIN_TOKENS
 
     assert [product(t) for t in (8, 16, 32, 33, 64)] == ["q6_k"] * 5
     assert product(8, dtype=torch.bfloat16) == "q6_k"
     assert [product(t) for t in (1, 2, 4, 7)] == ["mmvq", "mmvq", "mmq", "mmq"]
     assert [product(t) for t in (65, DEQUANT_GEMM_MIN_TOKENS)] == ["dequant"] * 2
-    for off, first in (({"on": False}, 24), ({"dtype": torch.float32}, 24),
-                       ({"qtype": T.Q4_K}, 32)):
+    for off, first in (({"on": False}, 16), ({"dtype": torch.float32}, 16),
+                       ({"qtype": T.Q4_K}, 16)):
         assert [product(t, **off) for t in (8, first - 1, first, 64)] == (
             ["mmq", "mmq"] + ["dequant"] * 2)
     monkeypatch.setattr("vllm.envs.VLLM_BATCH_INVARIANT", True, raising=False)

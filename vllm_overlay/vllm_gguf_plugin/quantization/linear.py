@@ -40,8 +40,8 @@ from .utils import (
 # the int8 MMQ kernel, whose time grows with every token (docs/results.md, "GGUF products")
 DEQUANT_GEMM_MIN_TOKENS = 256
 # overlay: from fewer for the types measured at GLM-5's dense shapes (docs/results.md, "Dense
-# Q4_K and Q6_K products from 8 to 48 tokens"): faster there on every shape from these counts
-DEQUANT_GEMM_MIN_TOKENS_BY_TYPE = {int(WeightType.Q4_K): 32, int(WeightType.Q6_K): 24}
+# Q4_K and Q6_K products with the Triton dequantization"): faster there on every shape from 16
+DEQUANT_GEMM_MIN_TOKENS_BY_TYPE = {int(WeightType.Q4_K): 16, int(WeightType.Q6_K): 16}
 
 
 def dequant_gemm_min_tokens(qweight_type: int) -> int:
