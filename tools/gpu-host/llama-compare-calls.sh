@@ -19,7 +19,7 @@
 #               seconds, ACC_S=0 skips it and `compare` starts at once), detached so that
 #               the call's end does not cut it
 #   compare 2L  (then compare 3L, compare 3Lq6) waits for the accuracy stage and the file,
-#               runs glm5_vs_llama_cpp.py (PATHS_VS, REPS; PROFILE=1: both sides profiled,
+#               runs glm5_vs_llama_cpp.py (PATHS_VS, REPS, BATCHES; PROFILE=1: both sides profiled,
 #               NCU, the decode steps at PROFILE_BATCH sequences, default 1), and
 #               --per-layer for 2L against each 3-layer report present (3L adds a Q4_K
 #               MoE layer, 3Lq6 a Q4_K/Q6_K one, as the 2-layer file's); with
@@ -140,6 +140,7 @@ EOF
     # shellcheck disable=SC2086
     timeout $((call_s - SECONDS)) python3 -m benchmarks.glm5_vs_llama_cpp --gguf "$f" \
       "${llama[@]}" --paths ${PATHS_VS:-portable} --reps "${REPS:-2}" "${profile[@]}" \
+      --batches ${BATCHES:-1 8 32} \
       --json $keep/vs/$name.json --md $keep/vs/$name.md > $keep/vs/$name.log 2>&1
     echo "compare rc=$?"; cp $keep/vs/$name.* "$out/vs/"
     cat $keep/vs/$name.md 2>/dev/null || tail -30 $keep/vs/$name.log
