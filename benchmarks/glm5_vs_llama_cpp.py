@@ -4,7 +4,8 @@
     python -m benchmarks.glm5_vs_llama_cpp --gguf FILE.gguf --llama-bench BIN
         [--llama-batched-bench BIN2] [--json out.json] [--md out.md]
         [--paths portable upstream sm120 portable-gguf-moe portable-dense-marlin
-                 portable-dense portable-q6k portable-keys16]
+                 portable-dense portable-q6k portable-keys16
+                 upstream-keys16]
         [--prompts 512 8192] [--depths 0 8192] [--batches 1 8 32] [--gen 128] [--profile]
         [--profile-batch 1] [--llama-profile NCU]
     python -m benchmarks.glm5_vs_llama_cpp --per-layer SHALLOW.json DEEP.json [--md out.md]
@@ -27,7 +28,8 @@ llama-bench from tools/gpu-host/build-llama-cpp-cuda.sh (CUDA, the pinned sdist)
   that and VLLM_GGUF_Q6_K_TRITON=1 (linear Q6_K products of a few tokens on
   q6_k_triton's Triton GEMM); `portable-q6k`: `portable` with VLLM_GGUF_Q6_K_TRITON=1 alone;
   `portable-keys16`: `portable` with VLLM_SPARSE_INDEXER_CACHE=16bit (the indexer's keys and
-  queries in 16 bits: twice the indexer cache's bytes read at depth).
+  queries in 16 bits: twice the indexer cache's bytes read at depth); `upstream-keys16`:
+  `upstream` with it (the indexer's logits then on the Triton kernels, not DeepGEMM).
   Prefill: one new PROMPT-token request, max_tokens 1, best of three: PROMPT / TTFT.
   Decode at DEPTH and batch B: B requests of max(DEPTH, 1) tokens, their prompts first
   put in the prefix cache, then 1 + GEN tokens each, REPS times (the same prompts); the
@@ -99,6 +101,9 @@ PATHS = {
     # portable, with the indexer's 16-bit key cache (off by default)
     "portable-keys16": {"backend": "TRITON_MLA_SPARSE", "indexer": "triton",
                         "dtype": "float16", "env": {"VLLM_SPARSE_INDEXER_CACHE": "16bit"}},
+    # upstream, with the 16-bit key cache (its logits on the Triton kernels)
+    "upstream-keys16": {"backend": None, "indexer": "auto", "dtype": "bfloat16",
+                        "env": {"VLLM_SPARSE_INDEXER_CACHE": "16bit"}},
 }
 TARGETS = {"decode_b1": 1.0, "decode_b32_aggregate": 3.0, "prefill": 1.0}
 LLAMA_PROFILE_GEN = 8  # tokens decoded in llama.cpp's profiled tg run
