@@ -433,6 +433,14 @@ def capability_plugin_missing(path: str) -> bool:
     return reports and importlib.util.find_spec("vllm_report_capability") is None
 
 
+def distinct_tokens(outputs) -> float:
+    """Distinct token ids across the batch, averaged over the decoded positions: the greedy
+    tokens pick the routed experts, so a step's MoE work follows them."""
+    seqs = [o.outputs[0].token_ids for o in outputs]
+    positions = min(len(s) for s in seqs)
+    return sum(len({s[i] for s in seqs}) for i in range(positions)) / max(positions, 1)
+
+
 def decode_row(depth: int, batch: int, gen: int, n: int, reps: list) -> dict:
     """A decode case's row from its runs [(wall s, outputs)]: the fastest run's step
     (glm5_throughput.decode_step_s), with every run's."""
@@ -444,6 +452,7 @@ def decode_row(depth: int, batch: int, gen: int, n: int, reps: list) -> dict:
     return {"kind": "decode", "depth": depth, "batch": batch, "gen": gen,
             "step_ms": 1e3 * steps[best], "tok_s": batch / steps[best], "wall_s": wall,
             "step_ms_reps": [1e3 * t for t in steps],
+            "distinct_tokens_reps": [distinct_tokens(outs) for _, outs in reps],
             "cached_prompt_tokens": sum(o.num_cached_tokens or 0 for o in outs),
             "prompt_tokens": batch * n}
 

@@ -388,17 +388,20 @@ def test_decode_row_keeps_the_fastest_run():
     run's step."""
     from types import SimpleNamespace
 
-    def outs(step_s, cached):  # 2 requests, 129 tokens each, first at t = 1
+    def outs(step_s, cached, tokens=((5,) * 129, (5,) * 129)):  # 2 requests, 129 tokens each
         metrics = SimpleNamespace(first_token_ts=1.0, last_token_ts=1.0 + 128 * step_s,
                                   num_generation_tokens=129)
-        return [SimpleNamespace(metrics=metrics, num_cached_tokens=cached)] * 2
+        return [SimpleNamespace(metrics=metrics, num_cached_tokens=cached,
+                                outputs=[SimpleNamespace(token_ids=list(t))]) for t in tokens]
 
-    reps = [(1.4, outs(0.0044, 0)), (0.4, outs(0.0028, 63)), (0.5, outs(0.0030, 63))]
+    apart = ((5,) * 129, (5,) * 43 + (6,) * 86)  # the same token at 43 of 129 positions
+    reps = [(1.4, outs(0.0044, 0)), (0.4, outs(0.0028, 63, apart)), (0.5, outs(0.0030, 63))]
     row = bench.decode_row(64, 2, 128, 64, reps)
     assert row["step_ms"] == pytest.approx(2.8) and row["tok_s"] == pytest.approx(2 / 0.0028)
     assert row["wall_s"] == 0.4 and row["cached_prompt_tokens"] == 126
     assert row["step_ms_reps"] == pytest.approx([4.4, 2.8, 3.0])
     assert row["prompt_tokens"] == 128 and (row["depth"], row["batch"]) == (64, 2)
+    assert row["distinct_tokens_reps"] == pytest.approx([1.0, 1 + 86 / 129, 1.0])
 
 
 def test_kernel_shares():
