@@ -373,6 +373,10 @@ def markdown(results: dict) -> str:
                   for b, t in per_batch.items()]
         lines += [f"| {case} | {t:.1f} | - | - | - |" for case, t in cases
                   if case not in compared]
+        loads = [r["load_1m"] for r in res.get("rows", []) if "load_1m" in r]
+        if loads:
+            lines.append(f"\nThe host's load (1-minute average) over the rows: "
+                         f"{min(loads):.1f}-{max(loads):.1f}")
         if res.get("profile_decode"):
             pd = res["profile_decode"]
             lines.append(f"\nGPU time of a decode step (batch {pd.get('batch', 1)}, "
@@ -489,7 +493,8 @@ def worker(args) -> None:
         run(prompt, 1, 1, 1)  # warm up this length
         ttft = min(run(prompt, 1, 1, seed + k)[0] for k in range(3))
         seed += 3
-        rows.append({"kind": "prefill", "prompt": prompt, "ttft_s": ttft, "tok_s": prompt / ttft})
+        rows.append({"kind": "prefill", "prompt": prompt, "ttft_s": ttft, "tok_s": prompt / ttft,
+                     "load_1m": os.getloadavg()[0]})
     for depth in args.depths:
         for batch in args.batches:
             seed += 1
@@ -497,7 +502,9 @@ def worker(args) -> None:
             if n > 1:
                 run(n, batch, 1, seed)  # the prompts into the prefix cache
             reps = [run(n, batch, 1 + args.gen, seed) for _ in range(max(args.reps, 1))]
-            rows.append(decode_row(depth, batch, args.gen, n, reps))
+            # the host's load: vLLM's host work a step slows with busy CPUs
+            rows.append({**decode_row(depth, batch, args.gen, n, reps),
+                         "load_1m": os.getloadavg()[0]})
     result = {"rows": rows}
     if args.profile:
         def profiled(fn, steps) -> dict:

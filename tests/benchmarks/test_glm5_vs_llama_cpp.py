@@ -333,6 +333,10 @@ def test_ratios_against_targets():
     assert len(prefill) == 1 and "| - |" not in prefill[0]  # the compared row only
     assert "| decode batch 1 at depth 0 | 120.0 | - | - | - |" in md
     assert "| decode batch 8 at depth 0 | 500.0 | - | - | - |" in md
+    assert "load" not in md  # rows without the host's load (earlier reports)
+    rows_ = [{"kind": "decode", "load_1m": 14.26}, {"kind": "prefill", "load_1m": 0.52}]
+    md = bench.markdown({"paths": {"portable": {"settings": "x", "rows": rows_, "ratios": []}}})
+    assert "The host's load (1-minute average) over the rows: 0.5-14.3" in md
     shares = bench.kernel_shares([("moe_vec_q", 1.0)])
     md = bench.markdown({"paths": {"portable": {
         "settings": "x", "ratios": [], "profile_decode": {

@@ -9,7 +9,7 @@
 # Then one device call each, back to back (the machine goes 30 s after a call returns):
 #   first       carry .bundle/part-05 .bundle/SHA256SUMS .bundle/install.sh .llama-src .llama-bin:
 #               unpacks them outside the checkout, starts llama-side.sh (CUDA build; the 2- and
-#               3-layer Q4_K_M files)
+#               3-layer Q4_K_M files; SETS=2L: the 2-layer one alone)
 #   part N      carry .bundle/part-0N, for N in 0 1 2 3 4
 #   stages      gpu-checks.sh's stages: install; the Marlin GPU tests (MoE and dense, or the
 #               files in MARLIN_TESTS; MARLIN_S seconds; MARLIN_S=0 skips them); ggufops, the
@@ -24,7 +24,10 @@
 #               --per-layer for 2L against each 3-layer report present (3L adds a Q4_K
 #               MoE layer, 3Lq6 a Q4_K/Q6_K one, as the 2-layer file's); with
 #               MORE=1, PATHS_VS against the llama.cpp figures of the call before
-#               (--llama-from; reports $which-more.*), where one call's time ran out
+#               (--llama-from; reports $which-more.*), where one call's time ran out;
+#               QUIET=1 waits for the whole llama side first (with SETS=2L, no wait): the
+#               3-layer file's conversion loads every CPU core, and vLLM's host work a step
+#               with them (each row's load average is in the report)
 # Reports go to the device tool's $OUT; CALL_S bounds a call (default 585 s).
 set -uo pipefail
 here="$(cd "$(dirname "$0")/../.." && pwd)"
@@ -128,6 +131,9 @@ EOF
       3Lq6) f=/tmp/shaped3/glm5-shaped-3L-Q4_K_M-q6down.gguf n=2 ;;
       *) echo "compare 2L, 3L or 3Lq6" >&2; exit 2 ;; esac
     while ! grep -q "^set $n rc=" $keep/llama/model.log; do sleep 5; done
+    if [ -n "${QUIET:-}" ]; then
+      while ! grep -q "^rc=" $keep/llama/model.log; do sleep 5; done; where
+    fi
     grep "rc=" $keep/llama/model.log; mkdir -p $keep/vs "$out/vs"
     name=$which llama=(--llama-bench /tmp/llama-cpp-cuda/bin/llama-bench
       --llama-batched-bench /tmp/llama-cpp-cuda/bin/llama-batched-bench

@@ -17,7 +17,8 @@
 #    2-layer file's MoE layer), the files of benchmarks/glm5_vs_llama_cpp.py --per-layer
 #    (2L -> 3L: a Q4_K MoE layer; 2L -> 3L q6down: a Q4_K/Q6_K one); each checkpoint, and
 #    the 3-layer intermediate, in /dev/shm. An importance matrix (IQ2_M) waits for the build's
-#    llama-imatrix (KEEP/llama-imatrix).
+#    llama-imatrix (KEEP/llama-imatrix). SETS=2L: the 2-layer file alone, so that the
+#    comparison on it runs with the CPUs free (the 3-layer conversion loads every core).
 # Each ends its log with "rc=N": KEEP/build.log, KEEP/model.log (after every set, its
 # "set K rc=N" line). The .llama-cpp/ tree (the
 # converter and a llama-quantize) comes from VLLM_OVERLAY_LLAMA_CPP and
@@ -27,10 +28,15 @@ keep="$(mkdir -p "${1:?KEEP dir}" && cd "$1" && pwd)"; src="$(readlink -f "${2:?
 shift 2
 here="$(cd "$(dirname "$0")/../.." && pwd)"
 out="${LLAMA_OUT:-/tmp/llama-cpp-cuda}"
-[ $# -gt 0 ] || set -- --layers 2 --quants Q4_K_M --out /tmp/shaped \
-    --work-dir /dev/shm/shaped-work -- --layers 3 --quants Q4_K_M --intermediate q8_0 \
-    --out /tmp/shaped3 --work-dir /dev/shm/shaped-work3 --intermediate-dir /dev/shm/shaped-inter3 \
-    --variant 'q6down:blk\.1\.ffn_down=q6_k'
+two=(--layers 2 --quants Q4_K_M --out /tmp/shaped --work-dir /dev/shm/shaped-work)
+three=(--layers 3 --quants Q4_K_M --intermediate q8_0 --out /tmp/shaped3
+  --work-dir /dev/shm/shaped-work3 --intermediate-dir /dev/shm/shaped-inter3
+  --variant 'q6down:blk\.1\.ffn_down=q6_k')
+case "${SETS:-2L 3L}" in  # without MODEL ARGS: SETS=2L makes the 2-layer file alone
+  "2L 3L") [ $# -gt 0 ] || set -- "${two[@]}" -- "${three[@]}" ;;
+  2L) [ $# -gt 0 ] || set -- "${two[@]}" ;;
+  *) echo "SETS: \"2L 3L\" or 2L" >&2; exit 2 ;;
+esac
 
 tree="$keep/tree"
 rm -rf "$tree" && mkdir -p "$tree"
