@@ -711,6 +711,22 @@ def test_16bit_keys_take_the_triton_kernels(monkeypatch):
     assert seen == ["triton", "triton-paged", "dg", "dg-paged"]
 
 
+@pytest.mark.parametrize("backend", ["deepgemm", "triton"])
+@pytest.mark.parametrize("deep_gemm_installed", [True, False])
+def test_decode_metadata_asks_deepgemm_only_for_its_keys(monkeypatch, backend,
+                                                         deep_gemm_installed):
+    """The metadata builder computes DeepGEMM's schedule only where DeepGEMM computes the
+    decode logits: fp8 keys (a uint8 cache) on that backend, never the 16-bit cache."""
+    from vllm.v1.attention.backends.mla import indexer
+
+    monkeypatch.setattr(il, "indexer_logits_backend", lambda: backend)
+    monkeypatch.setattr(indexer, "has_deep_gemm", lambda: deep_gemm_installed)
+    native = backend == "deepgemm" and deep_gemm_installed
+    assert indexer._uses_deep_gemm_logits(torch.uint8) == native
+    for dtype in il.KEYS16_DTYPES:
+        assert not indexer._uses_deep_gemm_logits(dtype)
+
+
 # --------------------------------------------------------------------------------------
 # GPU: GLM-5 indexer shapes against DeepGEMM
 # --------------------------------------------------------------------------------------

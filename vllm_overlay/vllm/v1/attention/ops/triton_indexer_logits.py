@@ -108,6 +108,12 @@ def indexer_logits_backend() -> str:
     return "triton"
 
 
+def deep_gemm_computes(keys_dtype: torch.dtype) -> bool:
+    """Whether DeepGEMM computes the logits over keys of this dtype: fp8 keys where it
+    is the chosen backend; 16-bit keys always take the Triton kernels."""
+    return keys_dtype not in KEYS16_DTYPES and indexer_logits_backend() == "deepgemm"
+
+
 def indexer_cache_16bit() -> bool:
     """Whether the indexer's key cache holds 16-bit keys (VLLM_SPARSE_INDEXER_CACHE)."""
     choice = _switch(CACHE_ENV)
@@ -625,8 +631,7 @@ def mqa_logits(
 ) -> torch.Tensor:
     """`vllm.utils.deep_gemm.fp8_fp4_mqa_logits` on the chosen backend (16-bit keys:
     the Triton kernel)."""
-    keys16 = kv[0].dtype in KEYS16_DTYPES
-    if not keys16 and indexer_logits_backend() == "deepgemm":
+    if deep_gemm_computes(kv[0].dtype):
         from vllm.utils.deep_gemm import fp8_fp4_mqa_logits
 
         return fp8_fp4_mqa_logits(
@@ -651,8 +656,7 @@ def paged_mqa_logits(
 ) -> torch.Tensor:
     """`vllm.utils.deep_gemm.fp8_fp4_paged_mqa_logits` on the chosen backend (the
     16-bit key cache: the Triton kernel)."""
-    keys16 = kv_cache.dtype in KEYS16_DTYPES
-    if not keys16 and indexer_logits_backend() == "deepgemm":
+    if deep_gemm_computes(kv_cache.dtype):
         from vllm.utils.deep_gemm import fp8_fp4_paged_mqa_logits
 
         return fp8_fp4_paged_mqa_logits(

@@ -34,10 +34,10 @@ from vllm.v1.worker.cp_utils import get_kv_cache_shard_count
 logger = init_logger(__name__)
 
 
-def _uses_deep_gemm_logits() -> bool:  # overlay: portable indexer logits
-    from vllm.v1.attention.ops.triton_indexer_logits import indexer_logits_backend
+def _uses_deep_gemm_logits(keys_dtype: torch.dtype) -> bool:  # overlay: portable logits
+    from vllm.v1.attention.ops.triton_indexer_logits import deep_gemm_computes
 
-    return has_deep_gemm() and indexer_logits_backend() == "deepgemm"
+    return has_deep_gemm() and deep_gemm_computes(keys_dtype)
 
 
 @triton.jit
@@ -753,7 +753,9 @@ class DeepseekV32IndexerMetadataBuilder(AttentionMetadataBuilder):
 
             # DeepGEMM is required for the paged MQA logits on CUDA devices
             # overlay: only where DeepGEMM computes them (not the Triton path)
-            if current_platform.is_cuda() and _uses_deep_gemm_logits():
+            if current_platform.is_cuda() and _uses_deep_gemm_logits(
+                self.kv_cache_spec.dtype
+            ):
                 self.scheduler_metadata_buffer[:] = get_paged_mqa_logits_metadata(
                     seq_lens,
                     self.kv_cache_spec.storage_block_size,
