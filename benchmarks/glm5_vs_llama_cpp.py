@@ -272,22 +272,46 @@ def profile_summary(kernels: list[tuple[str, float]], steps: int) -> dict:
             "gpu_us": total, "steps": steps, "gpu_us_per_step": total / steps}
 
 
-def trace_kernels(trace_dir: Path, before: set) -> list[tuple[str, float]]:
-    """(kernel name, us) per GPU activity (kernels, copies, sets) from the torch profiler
-    traces that appeared in trace_dir since `before` (vLLM's profiler_config writes one
-    `*.pt.trace.json[.gz]` per stop_profile)."""
+def trace_events(trace_dir: Path, before: set) -> list[dict]:
+    """The events of the torch profiler traces that appeared in trace_dir since `before`
+    (vLLM's profiler_config writes one `*.pt.trace.json[.gz]` per stop_profile)."""
     new = sorted(set(trace_dir.glob("*.pt.trace.json*")) - before)
     if not new:
         raise RuntimeError(f"no new profiler trace in {trace_dir}")
-    out = []
+    events = []
     for f in new:
         with (gzip.open(f, "rt") if f.suffix == ".gz" else open(f)) as fh:
-            events = json.load(fh).get("traceEvents", [])
-        out += [(e["name"], float(e["dur"])) for e in events
-                if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset") and "dur" in e]
+            events += json.load(fh).get("traceEvents", [])
+    return events
+
+
+def gpu_activities(events: list[dict]) -> list[tuple[str, float]]:
+    """(kernel name, us) per GPU activity of a trace: kernels, copies and sets."""
+    out = [(e["name"], float(e["dur"])) for e in events
+           if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset") and "dur" in e]
     if not out:
-        raise RuntimeError(f"no GPU activity in {', '.join(map(str, new))}")
+        raise RuntimeError("no GPU activity in the profiler trace")
     return out
+
+
+def trace_kernels(trace_dir: Path, before: set) -> list[tuple[str, float]]:
+    return gpu_activities(trace_events(trace_dir, before))
+
+
+# vLLM's host sections (record_function_or_nullcontext, with VLLM_CUSTOM_SCOPES_FOR_PROFILING)
+HOST_SECTIONS = ("gpu_model_runner: ", "schedule: ")
+
+
+def host_sections(events: list[dict], steps: int) -> dict:
+    """CPU us a step in each of vLLM's annotated host sections (the model runner's
+    preprocess with the attention metadata, forward, sample, ...; the scheduler's), summed
+    over a trace of `steps` forward passes, largest first."""
+    total: dict[str, float] = {}
+    for e in events:
+        name = e.get("name", "")
+        if e.get("cat") == "user_annotation" and name.startswith(HOST_SECTIONS) and "dur" in e:
+            total[name] = total.get(name, 0.0) + float(e["dur"])
+    return dict(sorted(((k, v / steps) for k, v in total.items()), key=lambda kv: -kv[1]))
 
 
 def run_llama_bench(args) -> tuple[list[dict], list[str]]:
@@ -382,6 +406,9 @@ def markdown(results: dict) -> str:
             lines.append(f"\nGPU time of a decode step (batch {pd.get('batch', 1)}, "
                          f"depth {pd['depth']}), "
                          f"{pd['gpu_us_per_step']:.0f} us: {_shares(pd['shares'])}")
+            if pd.get("host_us_per_step"):
+                lines.append("Host work of a decode step (CPU us in vLLM's sections): " + ", ".join(
+                    f"{k} {v:.0f}" for k, v in list(pd["host_us_per_step"].items())[:6]))
         if res.get("profile_prefill"):
             pf = res["profile_prefill"]
             lines.append(f"GPU time of a {pf['prompt']}-token prefill, "
@@ -466,6 +493,8 @@ def worker(args) -> None:
     if capability_plugin_missing(args.path):
         sys.exit("pip install --no-deps tests/plugins/vllm_report_capability first")
     os.environ["VLLM_SPARSE_INDEXER_LOGITS"] = settings["indexer"]
+    if args.profile:  # vLLM's host sections in the trace (the timed rows carry them too)
+        os.environ["VLLM_CUSTOM_SCOPES_FOR_PROFILING"] = "1"
     from benchmarks import glm5_throughput as throughput  # timed_generate
     from vllm import LLM
     from vllm_gguf_plugin.gguf_model import config_from_gguf
@@ -515,7 +544,9 @@ def worker(args) -> None:
                 fn()
             finally:
                 llm.stop_profile()
-            return profile_summary(trace_kernels(traces, before), steps)
+            events = trace_events(traces, before)
+            return {**profile_summary(gpu_activities(events), steps),
+                    "host_us_per_step": host_sections(events, steps)}
 
         # depth 0: 1-token prompts, so that every profiled step decodes one token a sequence
         n, batch = max(min(args.depths), 1), args.profile_batch

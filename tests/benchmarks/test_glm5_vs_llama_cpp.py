@@ -345,6 +345,12 @@ def test_ratios_against_targets():
                                               "gpu_us_per_step": 1031.7, "shares": shares}}}})
     assert "GPU time of a decode step (batch 1, depth 0), 1660 us: indexer 0%" in md
     assert "llama.cpp decode (ncu, 1035 launches over 9 steps, 1032 us a step)" in md
+    assert "Host work" not in md  # profiles without the host sections (earlier reports)
+    host = {"gpu_model_runner: preprocess": 612.4, "gpu_model_runner: sample": 80.0}
+    md = bench.markdown({"paths": {"portable": {"settings": "x", "ratios": [], "profile_decode": {
+        "depth": 0, "gpu_us_per_step": 1660.4, "shares": shares, "host_us_per_step": host}}}})
+    assert ("Host work of a decode step (CPU us in vLLM's sections): "
+            "gpu_model_runner: preprocess 612, gpu_model_runner: sample 80") in md
     md = bench.markdown({"paths": {"portable": {
         "settings": "x", "ratios": [], "profile_decode": {
             "depth": 0, "batch": 32, "gpu_us_per_step": 5100.0, "shares": shares}}},
@@ -480,6 +486,29 @@ def test_trace_kernels(tmp_path):
         ("moe_vec_q", 7.5), ("Memcpy HtoD (Pinned -> Device)", 1.0), ("moe_vec_q", 2.5)]
     with pytest.raises(RuntimeError, match="no new profiler trace"):
         bench.trace_kernels(tmp_path, set(tmp_path.glob("*")))
+    with pytest.raises(RuntimeError, match="no GPU activity"):
+        bench.gpu_activities([{"cat": "cpu_op", "name": "aten::mm", "dur": 90.0}])
+
+
+def test_host_sections():
+    """vLLM's annotated host sections a step, summed by name over the trace's steps,
+    largest first; other CPU events and the GPU side's copies of the annotations
+    (gpu_user_annotation) left out."""
+    events = [
+        {"cat": "user_annotation", "name": "gpu_model_runner: preprocess", "dur": 300.0},
+        {"cat": "user_annotation", "name": "gpu_model_runner: sample", "dur": 50.0},
+        {"cat": "user_annotation", "name": "gpu_model_runner: preprocess", "dur": 500.0},
+        {"cat": "user_annotation", "name": "schedule: allocate_slots", "dur": 20.0},
+        {"cat": "gpu_user_annotation", "name": "gpu_model_runner: forward", "dur": 900.0},
+        {"cat": "user_annotation", "name": "ProfilerStep#1", "dur": 5000.0},
+        {"cat": "cpu_op", "name": "aten::copy_", "dur": 70.0},
+        {"cat": "user_annotation", "name": "gpu_model_runner: forward"}]  # no duration
+    got = bench.host_sections(events, steps=2)
+    assert list(got) == ["gpu_model_runner: preprocess", "gpu_model_runner: sample",
+                         "schedule: allocate_slots"]
+    assert got == pytest.approx({"gpu_model_runner: preprocess": 400.0,
+                                 "gpu_model_runner: sample": 25.0,
+                                 "schedule: allocate_slots": 10.0})
 
 
 def _report(layers, llama_ms, ours_ms):

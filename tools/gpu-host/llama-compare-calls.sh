@@ -19,7 +19,8 @@
 #               seconds, ACC_S=0 skips it and `compare` starts at once), detached so that
 #               the call's end does not cut it
 #   compare 2L  (then compare 3L, compare 3Lq6) waits for the accuracy stage and the file,
-#               runs glm5_vs_llama_cpp.py (PATHS_VS, REPS, BATCHES; PROFILE=1: both sides profiled,
+#               runs glm5_vs_llama_cpp.py (PATHS_VS, REPS, BATCHES; PROFILE=1: both sides profiled
+#               (the overlay with the CPU us of vLLM's host sections a step),
 #               NCU, the decode steps at PROFILE_BATCH sequences, default 1), and
 #               --per-layer for 2L against each 3-layer report present (3L adds a Q4_K
 #               MoE layer, 3Lq6 a Q4_K/Q6_K one, as the 2-layer file's); with
