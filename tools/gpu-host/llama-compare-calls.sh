@@ -131,7 +131,11 @@ EOF
       3L) f=/tmp/shaped3/glm5-shaped-3L-Q4_K_M.gguf n=2 ;;
       3Lq6) f=/tmp/shaped3/glm5-shaped-3L-Q4_K_M-q6down.gguf n=2 ;;
       *) echo "compare 2L, 3L or 3Lq6" >&2; exit 2 ;; esac
-    while ! grep -q "^set $n rc=" $keep/llama/model.log; do sleep 5; done
+    while ! grep -q "^set $n rc=" $keep/llama/model.log; do
+      grep -q "^rc=" $keep/llama/model.log && { echo "no $which file on this machine" \
+        "(\`first\` made $(grep -c '^set ' $keep/llama/model.log) set(s): SETS)" >&2; exit 3; }
+      sleep 5
+    done
     if [ -n "${QUIET:-}" ]; then
       while ! grep -q "^rc=" $keep/llama/model.log; do sleep 5; done; where
     fi
