@@ -294,10 +294,6 @@ def gpu_activities(events: list[dict]) -> list[tuple[str, float]]:
     return out
 
 
-def trace_kernels(trace_dir: Path, before: set) -> list[tuple[str, float]]:
-    return gpu_activities(trace_events(trace_dir, before))
-
-
 # vLLM's host sections (record_function_or_nullcontext, with VLLM_CUSTOM_SCOPES_FOR_PROFILING)
 HOST_SECTIONS = ("gpu_model_runner: ", "schedule: ")
 

@@ -465,7 +465,7 @@ def test_ncu_csv():
         bench.ncu_kernels("==PROF== nothing")
 
 
-def test_trace_kernels(tmp_path):
+def test_trace_gpu_activities(tmp_path):
     """GPU activities from the torch profiler traces vLLM's profiler_config writes, only
     those that appeared since the call's start: kernels, copies and sets, no CPU ops."""
     import gzip
@@ -482,10 +482,10 @@ def test_trace_kernels(tmp_path):
         {"cat": "gpu_memcpy", "name": "Memcpy HtoD (Pinned -> Device)", "dur": 1.0},
         {"cat": "kernel", "name": "moe_vec_q", "dur": 2.5},
         {"cat": "ac2g", "name": "flow"}])
-    assert bench.trace_kernels(tmp_path, before) == [
+    assert bench.gpu_activities(bench.trace_events(tmp_path, before)) == [
         ("moe_vec_q", 7.5), ("Memcpy HtoD (Pinned -> Device)", 1.0), ("moe_vec_q", 2.5)]
     with pytest.raises(RuntimeError, match="no new profiler trace"):
-        bench.trace_kernels(tmp_path, set(tmp_path.glob("*")))
+        bench.trace_events(tmp_path, set(tmp_path.glob("*")))
     with pytest.raises(RuntimeError, match="no GPU activity"):
         bench.gpu_activities([{"cat": "cpu_op", "name": "aten::mm", "dur": 90.0}])
 
