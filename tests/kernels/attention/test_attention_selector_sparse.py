@@ -7,7 +7,9 @@ TRITON_MLA_SPARSE) and once as upstream ships it: `vllm/platforms/cuda.py` of
 the vLLM wheel pinned in upstream.lock, loaded as a module of its own. Both
 validate the same backend classes, so wherever upstream finds a valid backend
 ours must pick the same one, and TRITON_MLA_SPARSE may appear only where
-upstream finds none.
+upstream finds none, with one exception: on SM12x it goes ahead of
+FLASHINFER_MLA_SPARSE_SM120 while the installed FlashInfer lacks the fixes of
+that kernel's livelock (vllm#51921), as the pinned vLLM's FlashInfer does.
 
 The selection depends on what the environment offers (which backend modules
 import, FlashAttention's MLA support, FlashInfer's SM120 sparse decode API),
@@ -80,6 +82,8 @@ CAPABILITIES = [(8, 0), (8, 6), (8, 9), (9, 0), (10, 0), (12, 0), (12, 1)]
 KV_DTYPES = ["auto", "bfloat16", "float16", "fp8", "fp8_e4m3", "fp8_ds_mla"]
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 SPARSE = AttentionBackendEnum.TRITON_MLA_SPARSE
+SM120 = AttentionBackendEnum.FLASHINFER_MLA_SPARSE_SM120
+FLASHINFER_FIXED = cuda.flashinfer_sparse_mla_sm120_is_fixed  # before any monkeypatch
 NO_BACKEND = "ValueError: No valid attention backend"
 
 
@@ -181,17 +185,78 @@ def test_upstream_module_is_the_pinned_release():
     assert upstream_cuda.CudaPlatform is not cuda.CudaPlatform
 
 
+def set_flashinfer_fixed(monkeypatch, fixed: bool) -> None:
+    """Whether the installed FlashInfer's SM120 sparse MLA counts as fixed."""
+    monkeypatch.setattr(cuda, "flashinfer_sparse_mla_sm120_is_fixed", lambda: fixed)
+    cuda._get_backend_priorities.cache_clear()
+
+
+@pytest.fixture(autouse=True)
+def pinned_flashinfer(monkeypatch):
+    """Every selection as with the pinned vLLM's FlashInfer (checked below to lack the
+    fixes), whatever this environment has installed; tests that want the other
+    case set it."""
+    set_flashinfer_fixed(monkeypatch, False)
+    yield
+    cuda._get_backend_priorities.cache_clear()
+
+
+def flashinfer_pin() -> str:
+    """The flashinfer-python version the pinned vLLM wheel requires (==)."""
+    lock = upstream.load_lock()
+    wheel = upstream.fetch_wheel(lock, upstream.DEFAULT_PLATFORM)
+    with zipfile.ZipFile(wheel) as zf:
+        name = next(n for n in zf.namelist() if n.endswith(".dist-info/METADATA"))
+        metadata = zf.read(name).decode()
+    pins = [line.split("==", 1)[1].split(";")[0].strip() for line in metadata.splitlines()
+            if line.startswith("Requires-Dist: flashinfer-python==")]
+    assert len(pins) == 1, pins
+    return pins[0]
+
+
+def test_pinned_flashinfer_lacks_the_sm120_fixes():
+    from packaging.version import Version
+
+    assert Version(flashinfer_pin()) < Version(cuda.FLASHINFER_SPARSE_MLA_SM120_FIXED_VERSION)
+
+
+@pytest.mark.parametrize("installed,fixed", [
+    ("0.6.14", False), ("0.6.18", False), ("0.7.0rc1", False), ("0.7.0", True),
+    ("0.7.4", True), (None, False)])
+def test_flashinfer_sm120_fix_by_version(monkeypatch, installed, fixed):
+    from importlib import metadata
+
+    def version(name):
+        assert name == "flashinfer-python"
+        if installed is None:
+            raise metadata.PackageNotFoundError(name)
+        return installed
+
+    monkeypatch.setattr(metadata, "version", version)
+    assert FLASHINFER_FIXED.__wrapped__() is fixed
+
+
 @pytest.mark.parametrize("capability", CAPABILITIES)
 @pytest.mark.parametrize("kv_cache_dtype", [None, *KV_DTYPES])
 @pytest.mark.parametrize("num_heads", [8, 64])
 @pytest.mark.parametrize("use_mla", [True, False])
-def test_priority_lists_extend_upstream(capability, kv_cache_dtype, num_heads, use_mla):
-    """Our lists are upstream's with TRITON_MLA_SPARSE appended to the MLA ones."""
+@pytest.mark.parametrize("fixed", [False, True])
+def test_priority_lists_extend_upstream(monkeypatch, capability, kv_cache_dtype, num_heads,
+                                        use_mla, fixed):
+    """Our lists are upstream's with TRITON_MLA_SPARSE appended to the MLA ones; on
+    SM12x it stands before FLASHINFER_MLA_SPARSE_SM120 unless FlashInfer is fixed."""
+    set_flashinfer_fixed(monkeypatch, fixed)
     args = (use_mla, DeviceCapability(*capability), num_heads, kv_cache_dtype)
     ours = cuda._get_backend_priorities(*args)
     theirs = upstream_cuda._get_backend_priorities(*args)
     assert SPARSE not in theirs
-    assert ours == (theirs + [SPARSE] if use_mla else theirs)
+    if not use_mla:
+        assert ours == theirs
+    elif capability[0] == 12 and not fixed:
+        at = theirs.index(SM120)
+        assert ours == theirs[:at] + [SPARSE] + theirs[at:]
+    else:
+        assert ours == theirs + [SPARSE]
 
 
 SPARSE_CASES = [
@@ -212,14 +277,18 @@ def test_sparse_mla_selection(cuda_platform_config, monkeypatch, environment, ca
                              use_batch_invariant=batch_invariant)
     ours = select(cuda.CudaPlatform, capability, config, num_heads=num_heads)
     theirs = select(upstream_cuda.CudaPlatform, capability, config, num_heads=num_heads)
+    reasons = SPARSE.get_class().validate_configuration(
+        device_capability=DeviceCapability(*capability), **config._asdict())
+    if theirs == SM120.get_path() and not reasons:
+        # FlashInfer's SM120 kernel without its livelock fixes: ours goes first.
+        assert ours == SPARSE.get_path()
+        return
     if not theirs.startswith("ValueError"):
         # An upstream backend is valid: it keeps its place.
         assert ours == theirs
         return
     assert theirs.startswith(NO_BACKEND)
     # Upstream has none: TRITON_MLA_SPARSE, wherever it is valid itself.
-    reasons = SPARSE.get_class().validate_configuration(
-        device_capability=DeviceCapability(*capability), **config._asdict())
     if reasons:
         assert ours.startswith(NO_BACKEND)
         assert kv_cache_dtype == "fp8_ds_mla" or (
@@ -229,8 +298,9 @@ def test_sparse_mla_selection(cuda_platform_config, monkeypatch, environment, ca
 
 
 def _gpu_host_expectation(capability, dtype, kv, index_topk, batch_invariant):
-    """Who runs sparse MLA on a GPU host with every upstream kernel installed:
-    'upstream' (one of 0.26's sparse backends), 'ours' or 'none'."""
+    """Who runs sparse MLA on a GPU host with every upstream kernel installed (and
+    the pinned FlashInfer): 'upstream' (one of 0.26's sparse backends, which upstream
+    picks too), 'ours' or 'none'; 'ours' over upstream's on SM12x."""
     major = capability[0]
     if batch_invariant or major == 8:
         # None of upstream's sparse backends is batch invariant or runs on SM8x.
@@ -245,9 +315,12 @@ def _gpu_host_expectation(capability, dtype, kv, index_topk, batch_invariant):
         # FLASHMLA_SPARSE: bf16 with fp8_ds_mla too.
         upstream = kv != "fp8_ds_mla" or dtype == "bf16"
     else:
-        # FLASHINFER_MLA_SPARSE_SM120: bf16, fp8 stored as fp8_ds_mla, top-k 2048.
+        # FLASHINFER_MLA_SPARSE_SM120: bf16, fp8 stored as fp8_ds_mla, top-k 2048;
+        # without its livelock fixes, only where ours cannot run (fp8_ds_mla).
         upstream = (dtype == "bf16" and index_topk == 2048
                     and kv in ("auto", "fp8", "fp8_e4m3", "fp8_ds_mla"))
+        if upstream and kv != "fp8_ds_mla":
+            return "ours over upstream"
     if upstream:
         return "upstream"
     fp8_without_hw = kv.startswith("fp8") and capability < (8, 9)
@@ -272,6 +345,8 @@ def test_sparse_mla_selection_on_gpu_hosts(cuda_platform_config, monkeypatch, ca
                                    batch_invariant)
     if expect == "upstream":
         assert not theirs.startswith("ValueError") and ours == theirs
+    elif expect == "ours over upstream":
+        assert theirs == SM120.get_path() and ours == SPARSE.get_path()
     else:
         assert theirs.startswith(NO_BACKEND)
         if expect == "ours":
@@ -318,6 +393,27 @@ def test_batch_invariant_selection(environment, capability):
         assert not backend.get_class().supports_batch_invariance(), backend
     assert select(cuda.CudaPlatform, capability, config) == SPARSE.get_path()
     assert select(upstream_cuda.CudaPlatform, capability, config).startswith(NO_BACKEND)
+
+
+@pytest.mark.parametrize("capability", [(12, 0), (12, 1)])
+@pytest.mark.parametrize("fixed", [False, True])
+def test_sm12x_flashinfer_when_named_or_fixed(cuda_platform_config, monkeypatch, capability,
+                                              fixed):
+    """GLM-5 in bf16 on SM12x (as on a GPU host): TRITON_MLA_SPARSE while FlashInfer
+    lacks the fixes, FlashInfer's kernel once it has them, and FlashInfer's kernel
+    whenever it is named (--attention-backend)."""
+    as_on_gpu_host(monkeypatch)
+    set_flashinfer_fixed(monkeypatch, fixed)
+    monkeypatch.setattr(cuda_platform_config, "model_config", glm5_model_config())
+    for kv in ("auto", "fp8"):
+        config = selector_config(True, kv)
+        chosen = select(cuda.CudaPlatform, capability, config)
+        assert chosen == (SM120 if fixed else SPARSE).get_path(), kv
+        assert select(cuda.CudaPlatform, capability, config, selected=SM120) == \
+            SM120.get_path()
+    # fp8_ds_mla is FlashInfer's layout alone: it stays there
+    assert select(cuda.CudaPlatform, capability, selector_config(True, "fp8_ds_mla")) == \
+        SM120.get_path()
 
 
 def test_forced_backend_rejects_dense_model():
@@ -475,6 +571,7 @@ def readme_table(monkeypatch, config) -> list[str]:
     from vllm.v1.attention.ops import triton_indexer_logits as il
 
     as_on_gpu_host(monkeypatch)
+    set_flashinfer_fixed(monkeypatch, False)  # the pin's FlashInfer (checked above)
     monkeypatch.setattr(config, "model_config", glm5_model_config())
     monkeypatch.setattr("vllm.utils.import_utils.has_deep_gemm", lambda: True)
     monkeypatch.setattr(il, "current_platform", cuda.CudaPlatform())

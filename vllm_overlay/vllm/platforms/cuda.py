@@ -79,6 +79,27 @@ def _cuda_device_count_stateless(cuda_visible_devices: str | None = None) -> int
     return r
 
 
+# overlay: the first FlashInfer release with both fixes of its SM120 sparse MLA
+# livelock under load (flashinfer#4732 from 0.6.18, #5048 in 0.7.0)
+FLASHINFER_SPARSE_MLA_SM120_FIXED_VERSION = "0.7.0"
+
+
+@cache
+def flashinfer_sparse_mla_sm120_is_fixed() -> bool:
+    """Whether the installed FlashInfer's SM120 sparse MLA kernels are free of the
+    barrier races that livelock them under sustained load (vllm#51921, #48720;
+    flashinfer#3700). Before that, TRITON_MLA_SPARSE is preferred on SM12x."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    from packaging.version import Version
+
+    try:
+        installed = Version(version("flashinfer-python"))
+    except PackageNotFoundError:
+        return False
+    return installed >= Version(FLASHINFER_SPARSE_MLA_SM120_FIXED_VERSION)
+
+
 @cache
 def _get_backend_priorities(
     use_mla: bool,
@@ -130,13 +151,17 @@ def _get_backend_priorities(
                 AttentionBackendEnum.TRITON_MLA_SPARSE,
             ]
         elif device_capability.major == 12:
-            return [
-                AttentionBackendEnum.TRITON_MLA,
+            # overlay: the sparse backends apart, to order them by FlashInfer's version
+            sparse_backends = [
                 AttentionBackendEnum.FLASHINFER_MLA_SPARSE_SM120,
                 # overlay: sparse MLA where FLASHINFER_MLA_SPARSE_SM120 is invalid
                 # (fp16, a 16-bit cache, top-k != 2048, batch invariance)
                 AttentionBackendEnum.TRITON_MLA_SPARSE,
             ]
+            if not flashinfer_sparse_mla_sm120_is_fixed():
+                # overlay: first while FlashInfer's kernel can livelock (vllm#51921)
+                sparse_backends.reverse()
+            return [AttentionBackendEnum.TRITON_MLA, *sparse_backends]
         else:
             return [
                 AttentionBackendEnum.FLASH_ATTN_MLA,
