@@ -83,7 +83,7 @@ def test_table():
 
 def test_a_run_cut_short_keeps_its_finished_cases(monkeypatch, tmp_path):
     """The JSON report is written after each case (a device call's time limit cut the
-    sixteenth run's benchmark and its report with it); complete only at the end."""
+    benchmark of 2026-12-04 and its report with it); complete only at the end."""
     import json
     import sys
 

@@ -568,7 +568,7 @@ def test_per_layer():
 
 def test_only_reported_capabilities_need_the_test_plugin(monkeypatch):
     """The as-on-SM120 path needs tests/plugins/vllm_report_capability installed; a path
-    that only sets the overlay's own variables (the Marlin MoE's) does not (twelfth run:
+    that only sets the overlay's own variables (the Marlin MoE's) does not (2026-12-04:
     such a path refused to start for want of it)."""
     monkeypatch.setattr(bench.importlib.util, "find_spec", lambda name: None)
     missing = {p for p in bench.PATHS if bench.capability_plugin_missing(p)}

@@ -65,7 +65,7 @@ for stage in $stages; do
   case "$stage" in
     install) ;;
     tests)
-      # TESTS_TIMEOUT: 376 s alone on the H200 (fourth run), 419 s beside two MTP runs (fifth)
+      # TESTS_TIMEOUT: 376 s alone on the H200, 419 s beside two MTP runs
       timeout "${TESTS_TIMEOUT:-540}" python3 -m pytest tests -m gpu -q -s -p no:cacheprovider -p no:warnings \
         --ignore=tests/v1/attention/test_upstream_sparse_mla_backends.py \
         --ignore=tests/kernels/attention/test_attention_selector_sparse.py --ignore=tests/overlay \

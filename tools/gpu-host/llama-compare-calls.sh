@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # SPDX-License-Identifier: Apache-2.0
 # The comparison with llama.cpp on the GPU host in a few device calls (docs/gpu-host.md, step 4),
-# as the seventh run made it. Here, once:
+# as the GPU runs made it. Here, once:
 #   python build.py wheel; the bundle (the command at the top of gpu-checks.sh, into .bundle);
 #   bash tools/gpu-host/llama-compare-calls.sh prepare
 #     .llama-src/llama-cpp-src.tar.xz (llama-cpp-source.sh) and .llama-bin/llama-cpp.tar.xz (the

@@ -4,7 +4,7 @@
 
 The plugin's tiled MoE kernels offset an expert's weights by expert x stride in 32-bit
 integers; on the H200 its MMQ MoE kernel and its Triton MoE kernels gave outputs 10^4-10^5
-times the float32 reference at GLM-5's shapes from Q4_K (docs/results.md, the fifth run).
+times the float32 reference at GLM-5's shapes from Q4_K (H200, 2026-12-03, in the history of docs/results.md).
 
 CPU: the expert groups at GLM-5's gate_up shape by file type, and the plugin's Triton
 Q4_K MoE kernel under the Triton interpreter (which wraps 32-bit products as the GPU

@@ -154,7 +154,7 @@ def test_gguf_product_takes_it_where_asked(product, monkeypatch):
 def test_marlin_layers_down_product_keeps_the_plugins_kernels(monkeypatch):
     """fused_moe._gguf_moe_down (the down product of a layer whose gate_up runs on
     Marlin) runs a Q6_K down product on the plugin's kernels with the switch on as off:
-    the routed rows on this tile ran slower (docs/results.md, the seventeenth run)."""
+    the routed rows on this tile ran slower (H200, 2026-12-04, in the history of docs/results.md)."""
     from vllm_gguf_plugin.quantization import fused_moe, q6_k_triton
 
     calls = []
@@ -270,7 +270,7 @@ def specializations(token_counts: list[int]) -> list[str]:
 def test_one_compile_for_every_token_count(run_without_gpu):
     """Triton compiles a kernel again where an integer argument's value == 1 or % 16
     changes. The output head's product runs outside CUDA graphs, so a token count new to
-    the process (8 after 32) would compile mid-decode: the seventeenth run's batch-8 rows
+    the process (8 after 32) would compile mid-decode: the H200's batch-8 rows of 2026-12-04
     (docs/results.md). One key for 8 to 64 tokens."""
     keys = run_without_gpu(__name__, "keys", timeout=300)
     assert len(keys) == 5 and len(set(keys)) == 1

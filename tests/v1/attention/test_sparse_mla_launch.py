@@ -18,7 +18,7 @@ has its own, which the reference's dict did not carry). The grid's GPUs are real
 which no GPU has, is now planned as a GPU of that shared memory whose dots take their
 operands through registers (the reference read an fp8 64-head tile's rows once there).
 Changes to the reference, marked in it (measured as on SM120 and SM80, docs/results.md,
-the eighth and ninth runs): on the 99 KiB GPUs a 16-bit cache's 33+ heads run as
+H200 as on each GPU, 2026-12-03): on the 99 KiB GPUs a 16-bit cache's 33+ heads run as
 32-head programs of 16 rows in 5 stages, not 64-head ones, and an fp8 cache's 32-head
 programs take 5 stages, not 2; on SM80 (163 KiB) a 16-bit cache's 33+ heads run as
 32-head programs of 64 rows.
@@ -91,14 +91,14 @@ def _ref_launch_config(num_tokens, num_heads, topk, kv_lora_rank, num_sms, max_s
     if block_h > 16 and not hopper:
         block_n, num_stages = 32, 2
         if max_shared_mem < _REF_MEDIUM_SHARED_MEM and kv_fp8:
-            # changed since 33e67de: 5 stages, not 2 (the ninth run, as on SM120)
+            # changed since 33e67de: 5 stages, not 2 (measured as on SM120)
             block_h, block_n, num_warps, num_stages = 32, 16, 4, 5
         elif (max_shared_mem >= _REF_MEDIUM_SHARED_MEM and block_h == 64 and not kv_fp8
               and (not two_per_sm or capability // 10 not in (9, 10))):
-            # changed since 33e67de: 32-head programs of 64 rows (the ninth run, as on SM80)
+            # changed since 33e67de: 32-head programs of 64 rows (measured as on SM80)
             block_h, block_n, num_warps = 32, 64, 4
         elif max_shared_mem < _REF_MEDIUM_SHARED_MEM and block_h == 64:
-            # changed since 33e67de: 32-head programs (the eighth run, as on SM120)
+            # changed since 33e67de: 32-head programs (measured as on SM120)
             block_h, block_n, num_warps, num_stages = 32, 16, 4, 5
         elif max_shared_mem < _REF_MEDIUM_SHARED_MEM:
             block_n = 32

@@ -6,7 +6,7 @@ uint4b8 codes q with s = d * sc per 32 inputs, b = 8 * s - dmin * m, and G(x) th
 of x over each group of 32 (moe_marlin.py). The b-part is a 16-bit GEMM on 1/32 of the
 inputs. At GLM-5's dense shapes Marlin ran 1.5-16x the GGUF kernels from 8 tokens, at a
 tenth of their error, and 0.5-1.2x at one token, where the two small attention
-projections lose (docs/results.md, "the thirteenth run").
+projections lose (H200, 2026-12-04, in the history of docs/results.md).
 
 Off unless VLLM_GGUF_DENSE_MARLIN=1: its effect on a whole decode step is not measured
 yet. Then a linear layer converts when every shard of its weight is Q4_K, on SM80 or

@@ -14,7 +14,7 @@ activation and sum hooks. s and b are rounded to the activations' dtype, as dequ
 weights are. Marlin reads an expert once for all of its tokens on tensor cores, and
 keeps the activations in 16 bits where the GGUF kernels round them to int8: at GLM-5's
 shapes it ran faster than every GGUF kernel at every token count measured, with a tenth
-of their error (docs/results.md, "the twelfth run").
+of their error (docs/results.md#gguf-moe-q4_k-experts-on-vllms-marlin-moe).
 
 On by default; VLLM_GGUF_MOE_MARLIN=0 keeps every layer on the GGUF kernels. A layer
 converts when its gate_up product is Q4_K, on SM80 or later, outside batch-invariant

@@ -12,7 +12,7 @@ tile of token rows, multiplies each 16-value sub-block's codes (exact in 16 bits
 where its output tiles do not fill the GPU.
 
 Off unless VLLM_GGUF_Q6_K_TRITON=1: faster at the op, not yet in a whole decode step
-(docs/results.md, the seventeenth run). Then, with float16 or bfloat16 activations, a
+(H200, 2026-12-04, in the history of docs/results.md). Then, with float16 or bfloat16 activations, a
 linear Q6_K product of LINEAR_TOKENS tokens runs here. Other counts (from 65 the
 dequantized 16-bit GEMM, as without the switch), and the routed experts' products
 (slower on this tile than on the plugin's kernels), keep the plugin's paths.
