@@ -29,6 +29,8 @@
 #               QUIET=1 waits for the whole llama side first (with SETS=2L, no wait): the
 #               3-layer file's conversion loads every CPU core, and vLLM's host work a step
 #               with them (each row's load average is in the report)
+#   long tiny   (then long selfcheck, long whole) the crash matrix on the tiny GLM-5's
+#               files, the 2-layer file with vLLM's defaults (see the case below)
 # Reports go to the device tool's $OUT; CALL_S bounds a call (default 585 s).
 set -uo pipefail
 here="$(cd "$(dirname "$0")/../.." && pwd)"
@@ -161,5 +163,62 @@ EOF
         --json "$out/vs/per-layer-$deep.json" --md $keep/vs/per-layer-$deep.md \
         && cat $keep/vs/per-layer-$deep.md
     done ;;
+  long)  # GLM-5's whole context (benchmarks/glm5_long_context.py): `long tiny`, the crash
+    # matrix on the tiny GLM-5 (its context 4096, with VLLM_ALLOW_LONG_MAX_MODEL_LEN, and
+    # GLM-5's 202752) with CUDA_LAUNCH_BLOCKING, engines side by side (LONG_UTIL each);
+    # `long selfcheck`, vllm_gguf_plugin.selfcheck as itself and as on SM120, SM89, SM80;
+    # `long whole`, the 2-layer file with vLLM's defaults (LONG_PATHS), then llama-bench at
+    # the same depths (LONG_LLAMA_S seconds; 0 skips it)
+    which="${2:?tiny|whole}"; env_; mkdir -p $keep/long "$out/long"
+    pip install -q --no-deps --no-build-isolation --target /tmp/site \
+      tests/plugins/vllm_report_capability > /dev/null 2>&1 || echo "no capability plugin" >&2
+    case "$which" in
+      tiny)
+        python3 -m benchmarks.glm5_long_context --make-tiny $keep/long/tiny > $keep/long/make.log 2>&1 \
+          || { tail -20 $keep/long/make.log; exit 1; }
+        for ctx in 4096 202752; do
+          f=$keep/long/tiny/tiny-glm5-$ctx-Q4_K_M.gguf
+          for case_ in ${LONG_CASES:-upstream:131136:16384:16384,65536,131072 \
+              sm120:131136:16384:16384,65536,131072 sm80:131136:16384:16384,65536,131072 \
+              upstream:200064:8192:98304}; do
+            IFS=: read -r path len chunk prompts <<< "$case_"
+            name=$path-$len-$chunk-ctx$ctx
+            VLLM_ALLOW_LONG_MAX_MODEL_LEN=1 timeout $((call_s - SECONDS - 20)) \
+              python3 -m benchmarks.glm5_long_context --gguf "$f" --paths "$path" \
+              --prompts ${prompts//,/ } --batch 0 --gen 4 --max-model-len "$len" \
+              --max-num-batched-tokens "$chunk" --gpu-memory-utilization "${LONG_UTIL:-0.1}" \
+              --eager --launch-blocking --json $keep/long/$name.json \
+              --md $keep/long/$name.md > $keep/long/$name.out 2>&1 &
+          done
+        done
+        wait; cat $keep/long/*-ctx*.md; cp $keep/long/*-ctx*.json "$out/long/" ;;
+      selfcheck)  # the self-check as itself and as on SM120, SM89 and SM80, side by side
+        for as_ in native 12.0:101376 8.9:101376 8.0:166912; do
+          IFS=: read -r cap smem <<< "$as_"
+          ( [ "$as_" = native ] || export VLLM_TEST_REPORT_CAPABILITY=$cap VLLM_TEST_REPORT_SHARED_MEM=$smem
+            timeout $((call_s - SECONDS - 20)) python3 -m vllm_gguf_plugin.selfcheck \
+              --gpu-memory-utilization 0.2 --dir $keep/long/selfcheck-$cap \
+              --json $keep/long/selfcheck-$cap.json > $keep/long/selfcheck-$cap.log 2>&1
+            echo "selfcheck $cap rc=$?" ) &
+        done
+        wait; tail -n 12 $keep/long/selfcheck-*.log; cp $keep/long/selfcheck-*.json "$out/long/" ;;
+      whole)
+        f=/tmp/shaped/glm5-shaped-2L-Q4_K_M.gguf
+        while ! grep -q "^set 1 rc=" $keep/llama/model.log 2>/dev/null; do
+          [ $SECONDS -lt "$call_s" ] || { echo "no 2-layer file yet" >&2; exit 3; }; sleep 5
+        done
+        # shellcheck disable=SC2086
+        timeout $((call_s - SECONDS - ${LONG_LLAMA_S:-150})) python3 -m benchmarks.glm5_long_context \
+          --gguf "$f" --paths ${LONG_PATHS:-sm120 upstream} --timeout 400 \
+          --json $keep/long/whole.json --md $keep/long/whole.md > $keep/long/whole.out 2>&1
+        echo "long whole rc=$?"; cat $keep/long/whole.md; cp $keep/long/whole.json "$out/long/"
+        if [ "${LONG_LLAMA_S:-150}" != 0 ] && grep -q "^rc=0" $keep/llama/build.log; then
+          timeout "${LONG_LLAMA_S:-150}" /tmp/llama-cpp-cuda/bin/llama-bench -m "$f" -ngl 99 \
+            -fa on -p 0 -n 16 -d ${LONG_DEPTHS:-131072,200000} -r 1 -o json \
+            > "$out/long/llama-bench-depths.json" 2> $keep/long/llama.err
+          echo "llama-bench rc=$?"; tail -3 $keep/long/llama.err
+        fi ;;
+      *) echo "long tiny, long selfcheck or long whole" >&2; exit 2 ;;
+    esac ;;
   *) echo "unknown call $1" >&2; exit 2 ;;
 esac
