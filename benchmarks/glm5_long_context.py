@@ -77,7 +77,10 @@ def error_lines(log: str, keep: int = 12) -> list[str]:
     pattern = re.compile(r"Error|error:|CUDA|illegal|out of memory|Traceback|torch\.ops|"
                          r"triton|deep_gemm|flash|_C\.|\.py\", line")
     lines = [ln.strip() for ln in log.splitlines() if pattern.search(ln)]
-    return lines[-keep:]
+    # the first exceptions raised (the root cause; an engine core's comes before the
+    # client's), then the last lines
+    raised = [ln for ln in lines if re.search(r"\b\w+(Error|Exception):", ln)]
+    return list(dict.fromkeys(raised[:3] + lines[-keep:]))
 
 
 def worker(args) -> None:

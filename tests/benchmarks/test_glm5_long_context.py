@@ -33,7 +33,8 @@ def test_error_lines_name_the_fault():
         "INFO unrelated line",
     ])
     lines = bench.error_lines(log)
-    assert lines[-1].startswith("torch.AcceleratorError: CUDA error: an illegal memory")
+    # the exception first (the root cause), then the frames
+    assert lines[0].startswith("torch.AcceleratorError: CUDA error: an illegal memory")
     assert any("persistent_topk" in ln for ln in lines)
     assert not any("unrelated" in ln for ln in lines)
 

@@ -170,13 +170,14 @@ EOF
     # `long whole`, the 2-layer file with vLLM's defaults (LONG_PATHS), then llama-bench at
     # the same depths (LONG_LLAMA_S seconds; 0 skips it)
     which="${2:?tiny|whole}"; env_; mkdir -p $keep/long "$out/long"
-    pip install -q --no-deps --no-build-isolation --target /tmp/site \
-      tests/plugins/vllm_report_capability > /dev/null 2>&1 || echo "no capability plugin" >&2
+    python3 -c "import vllm_report_capability" 2> /dev/null || pip install -q --no-deps \
+      --no-build-isolation --target /tmp/site tests/plugins/vllm_report_capability \
+      > /dev/null 2>&1 || echo "no capability plugin" >&2
     case "$which" in
       tiny)
         python3 -m benchmarks.glm5_long_context --make-tiny $keep/long/tiny > $keep/long/make.log 2>&1 \
           || { tail -20 $keep/long/make.log; exit 1; }
-        for ctx in 4096 202752; do
+        for ctx in ${LONG_CTX:-4096 202752}; do
           f=$keep/long/tiny/tiny-glm5-$ctx-Q4_K_M.gguf
           for case_ in ${LONG_CASES:-upstream:131136:16384:16384,65536,131072 \
               sm120:131136:16384:16384,65536,131072 sm80:131136:16384:16384,65536,131072 \
@@ -193,11 +194,11 @@ EOF
         done
         wait; cat $keep/long/*-ctx*.md; cp $keep/long/*-ctx*.json "$out/long/" ;;
       selfcheck)  # the self-check as itself and as on SM120, SM89 and SM80, side by side
-        for as_ in native 12.0:101376 8.9:101376 8.0:166912; do
+        for as_ in ${LONG_AS:-native 12.0:101376 8.9:101376 8.0:166912}; do
           IFS=: read -r cap smem <<< "$as_"
           ( [ "$as_" = native ] || export VLLM_TEST_REPORT_CAPABILITY=$cap VLLM_TEST_REPORT_SHARED_MEM=$smem
             timeout $((call_s - SECONDS - 20)) python3 -m vllm_gguf_plugin.selfcheck \
-              --gpu-memory-utilization 0.2 --dir $keep/long/selfcheck-$cap \
+              --gpu-memory-utilization "${LONG_UTIL:-0.2}" --dir $keep/long/selfcheck-$cap \
               --json $keep/long/selfcheck-$cap.json > $keep/long/selfcheck-$cap.log 2>&1
             echo "selfcheck $cap rc=$?" ) &
         done
@@ -209,7 +210,7 @@ EOF
         done
         # shellcheck disable=SC2086
         timeout $((call_s - SECONDS - ${LONG_LLAMA_S:-150})) python3 -m benchmarks.glm5_long_context \
-          --gguf "$f" --paths ${LONG_PATHS:-sm120 upstream} --timeout 400 \
+          --gguf "$f" --paths ${LONG_PATHS:-sm120 upstream} --timeout "${LONG_PATH_S:-400}" \
           --json $keep/long/whole.json --md $keep/long/whole.md > $keep/long/whole.out 2>&1
         echo "long whole rc=$?"; cat $keep/long/whole.md; cp $keep/long/whole.json "$out/long/"
         if [ "${LONG_LLAMA_S:-150}" != 0 ] && grep -q "^rc=0" $keep/llama/build.log; then
