@@ -11,6 +11,7 @@ from vllm.logger import init_logger
 
 from .gguf_model.files import quant_files  # overlay: exact quant names (download_gguf)
 from .gguf_model.reader import open_gguf  # overlay: every GGUF through the checked reader
+from .gguf_model.tensors import LoadProgress, bf16_view, file_view  # overlay: views, progress
 
 logger = init_logger(__name__)
 
@@ -97,8 +98,12 @@ def gguf_quant_weights_iterator_multi(
     """
     _QUANT_TYPES = ("F32", "BF16", "F16")
 
-    for gguf_file in gguf_files:
-        reader = open_gguf(gguf_file)  # overlay: the checked reader
+    # overlay: the loaded tensors, for the load's progress (rank 0)
+    readers = [open_gguf(gguf_file) for gguf_file in gguf_files]
+    progress = LoadProgress.of(
+        t for r in readers for t in r.tensors
+        if gguf_to_hf_name_map is None or t.name in gguf_to_hf_name_map)
+    for reader in readers:  # overlay: the checked reader
         for tensor in reader.tensors:
             if gguf_to_hf_name_map is not None:
                 if tensor.name not in gguf_to_hf_name_map:
@@ -112,15 +117,17 @@ def gguf_quant_weights_iterator_multi(
                 yield name.replace("weight", "qweight_type"), torch.tensor(weight_type)
                 name = name.replace("weight", "qweight")
 
+            # overlay: views of the file's mapping, not copies: the loader narrows to
+            # this rank's shard before it copies (gguf_model/tensors.py)
             weight = tensor.data
             if weight_type.name == "BF16" and weight.dtype == np.uint8:
-                weight = weight.view(np.uint16)
-                if reader.byte_order == "S":
-                    weight = weight.byteswap()
-                param = torch.tensor(weight).view(torch.bfloat16)
+                # overlay: a view; a copy where the byte order is swapped
+                param = bf16_view(weight, byteswap=reader.byte_order == "S")
             else:
-                param = torch.tensor(weight)
+                param = file_view(weight)  # overlay: a view of the file, not a copy
             yield name, param
+            progress.update(tensor)  # overlay: the load's progress
+    progress.close()  # overlay: the load's progress
 
 
 def get_gguf_unquantized_params(gguf_files: list[str]) -> list[str]:

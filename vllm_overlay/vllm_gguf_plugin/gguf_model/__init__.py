@@ -9,6 +9,8 @@
 - `config`, `tokenizer`, `generation_config`: llama.cpp's `glm-dsa` (GLM-5) files
   as their own config, tokenizer and generation config source;
 - `config_parser`: config format `gguf` with those files as config source.
+- `tensors`: the tensors as the weight loaders take them (views of the file),
+  and the load's progress.
 
 The weights adapters (`weights_adapter/glm_dsa.py`, `weights_adapter/checked.py`)
 map the tensors.

@@ -38,7 +38,10 @@ and yields the tensors in the form vLLM's GGUF layers take:
   plugin's GGUF kernels cannot run is an error naming the tensor, raised before
   the model is built;
 - a split set is checked part by part, the tensor-parallel split must keep
-  whole quant blocks, and a model parameter no tensor filled is an error.
+  whole quant blocks, and a model parameter no tensor filled is an error;
+- the tensors are views of the file, which each tensor-parallel rank's loader
+  narrows to its shard before it copies; what is dequantized here (kv_b_proj, an
+  MTP draft's embedding) is dequantized from the rank's rows only.
 """
 
 from __future__ import annotations
@@ -55,6 +58,7 @@ from vllm.logger import init_logger
 
 from ..gguf_model import GGUFError, field, open_gguf, split_files
 from ..gguf_model.config import indexer_schedule
+from ..gguf_model.tensors import LoadProgress, bf16_view, file_view
 from ..quantization.utils import DEQUANT_TYPES
 from ..spec_decode import patch_mtp_sharing
 from .base import BaseGGUFWeightsAdapter, GGUFLoadSpec
@@ -123,6 +127,14 @@ _OPTIONAL = {"exp_probs_b.bias": 0.0, "indexer.k_norm.weight": 1.0, "indexer.k_n
 # Layers split along their input dimension under tensor parallelism.
 _ROW_PARALLEL = ("self_attn.o_proj.weight", "mlp.down_proj.weight",
                  "mlp.shared_experts.down_proj.weight", "mlp.experts.0.down_proj.weight")
+# Layers split along their output dimension (rows; kv_b_proj's attn_k_b/attn_v_b
+# by heads, their first dimension); the embedding and the heads along the
+# vocabulary, as VocabParallelEmbedding pads it. Everything else (the fused
+# q_a/kv_a_mqa, the indexer, the router, norms) is replicated.
+_COLUMN_PARALLEL = ("self_attn.q_b_proj.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight",
+                    "mlp.shared_experts.gate_proj.weight", "mlp.shared_experts.up_proj.weight",
+                    "mlp.experts.0.gate_proj.weight", "mlp.experts.0.up_proj.weight")
+_VOCAB_PARALLEL = ("embed_tokens.weight", "lm_head.weight", "shared_head.head.weight")
 _BLOCK_RE = re.compile(r"^blk\.(\d+)\.(.+)$")
 _EXPERTS_RE = re.compile(r"\.mlp\.experts\.0\.(gate|up|down)_proj\.weight$")
 
@@ -442,20 +454,12 @@ class GlmDsaGGUF:
                         f"needs: {listed}")
 
     def _check_tensor_parallel(self, tp_size: int, experts_tp_size: int) -> None:
-        """Row-parallel layers split their input dimension, which is the one a
-        GGUF quant type packs in blocks: each rank must get whole blocks."""
-        for g, hf in self.gguf_to_hf.items():
-            if not self._quantized(g) or not hf.endswith(_ROW_PARALLEL):
-                continue
-            tp = experts_tp_size if _EXPERTS_RE.search(hf) else tp_size
-            kind = self.tensors[g].tensor_type
-            block = gguf.GGML_QUANT_SIZES[kind][0]
-            inputs = _shape(self.tensors[g])[-1]
-            if tp > 1 and inputs % (tp * block):
-                raise GGUFError(
-                    f"GGUF tensor {g!r} ({kind.name}, {inputs} inputs) cannot be split over "
-                    f"tensor parallel size {tp}: a rank would hold {inputs / tp:g} inputs, not "
-                    f"a whole number of {kind.name} blocks of {block}")
+        """Each rank's shard of each quantized tensor is whole quant blocks
+        (`tensor_parallel_shards`)."""
+        tensor_parallel_shards(
+            {g: (self.tensors[g].tensor_type, _shape(self.tensors[g]))
+             for g in self.gguf_to_hf if self._quantized(g)},
+            self.gguf_to_hf, tp_size, experts_tp_size)
 
     def _type(self, name: str) -> str:
         return self.tensors[name].tensor_type.name
@@ -533,43 +537,76 @@ class GlmDsaGGUF:
         return out
 
     def _raw(self, name: str) -> torch.Tensor:
-        """The stored data: elements for F32/F16/BF16, blocks for quantized types."""
+        """The stored data: elements for F32/F16/BF16, blocks for quantized types; a
+        view of the file's mapping (gguf_model/tensors.py), which the weight loaders
+        narrow to this rank's shard before they copy it."""
         t = self.tensors[name]
-        data = np.asarray(t.data)
         if t.tensor_type.name == "BF16":
-            return torch.from_numpy(data.view(np.uint16).reshape(_shape(t)).copy()).view(
-                torch.bfloat16)
+            return bf16_view(np.asarray(t.data).reshape(-1)).reshape(_shape(t))
         if not self._quantized(name):
-            return torch.from_numpy(data.reshape(_shape(t)).copy())
-        return torch.from_numpy(data.copy())
+            return file_view(np.asarray(t.data)).reshape(_shape(t))
+        return file_view(np.asarray(t.data))
 
-    def dequantized(self, name: str) -> torch.Tensor:
+    def dequantized(self, name: str, rows: tuple[int, int] | None = None) -> torch.Tensor:
+        """Tensor `name` in float32, or of its outermost dimension only `rows`
+        (start, end): what is read and dequantized is that slice."""
         t = self.tensors[name]
+        start, end = rows if rows is not None else (0, _shape(t)[0])
         if not self._quantized(name):
-            return self._raw(name).float()
-        out = gguf.quants.dequantize(np.asarray(t.data), t.tensor_type)
-        return torch.from_numpy(np.ascontiguousarray(out, dtype=np.float32)).reshape(_shape(t))
+            return self._raw(name)[start:end].float()
+        out = gguf.quants.dequantize(np.asarray(t.data)[start:end], t.tensor_type)
+        return torch.from_numpy(np.ascontiguousarray(out, dtype=np.float32)).reshape(
+            end - start, *_shape(t)[1:])
 
     def kv_b(self, layer: int) -> torch.Tensor:
-        """kv_b_proj.weight `[n_head * (qk_nope + v_head), kv_lora]`, rebuilt."""
-        k_b = self.dequantized(f"blk.{layer}.attn_k_b.weight")  # [H, kv_lora, nope]
-        v_b = self.dequantized(f"blk.{layer}.attn_v_b.weight")  # [H, v_head, kv_lora]
-        return torch.cat([k_b.transpose(1, 2), v_b], dim=1).reshape(-1, k_b.shape[1])
+        """kv_b_proj.weight `[n_head * (qk_nope + v_head), kv_lora]`, rebuilt: of
+        this tensor-parallel rank's heads, the rows its ColumnParallelLinear takes
+        (the other rows are left unset: no rank reads another's)."""
+        n_head, (rank, size) = self.config.num_attention_heads, _tp_rank_and_size()
+        heads = (rank * n_head // size, (rank + 1) * n_head // size)
+        k_b = self.dequantized(f"blk.{layer}.attn_k_b.weight", heads)  # [h, kv_lora, nope]
+        v_b = self.dequantized(f"blk.{layer}.attn_v_b.weight", heads)  # [h, v_head, kv_lora]
+        rows = torch.cat([k_b.transpose(1, 2), v_b], dim=1).reshape(-1, k_b.shape[1])
+        per_head = rows.shape[0] // (heads[1] - heads[0])
+        if size == 1:
+            return rows
+        out = torch.empty(n_head * per_head, rows.shape[1], dtype=rows.dtype)
+        out[heads[0] * per_head:heads[1] * per_head] = rows
+        return out
+
+    def _dequantized_load(self, g: str, hf: str) -> torch.Tensor:
+        """A dequantized target's tensor: whole for a replicated module; of a
+        vocab-parallel embedding (an MTP draft's), the rank's rows, the others left
+        unset as in `kv_b`."""
+        if not (hf.startswith("model.layers.") and hf.endswith(".embed_tokens.weight")):
+            return self.dequantized(g)
+        rank, size = _tp_rank_and_size()
+        if size == 1:
+            return self.dequantized(g)
+        rows = _vocab_shards(_shape(self.tensors[g])[0], size)[rank]
+        out = torch.empty(_shape(self.tensors[g]), dtype=torch.float32)
+        out[rows[0]:rows[1]] = self.dequantized(g, rows)
+        return out
 
     def weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """(name, tensor) for the model's load_weights (DeepseekV2ForCausalLM's,
         or DeepSeekMTP's for the MTP draft): the types of all quantized weights
-        first (packed layers need them before any data), then the data."""
+        first (packed layers need them before any data), then the data, as views
+        of the file that each rank's loader narrows to its shard, or dequantized
+        (of the rank's rows where the module splits them); the load's progress
+        on rank 0 (gguf_model/tensors.py)."""
         for g, hf in self._sources():
             if self._quantized(g) and not self._dequantized_target(hf):
                 yield (hf.removesuffix("weight") + "qweight_type",
                        torch.tensor(self.tensors[g].tensor_type))
+        progress = LoadProgress.of(self.tensors[g] for g, _ in self._sources())
         for g, hf in self._sources():
             if hf.endswith(KV_B):
                 if g.endswith("attn_k_b.weight"):
                     yield hf, self.kv_b(int(_BLOCK_RE.match(g)[1]))
             elif self._dequantized_target(hf):
-                yield hf, (self.dequantized(g) if self._quantized(g) else self._raw(g))
+                yield hf, (self._dequantized_load(g, hf) if self._quantized(g)
+                           else self._raw(g))
             elif self._quantized(g):
                 yield hf.removesuffix("weight") + "qweight", self._raw(g)
             elif _EXPERTS_RE.search(hf):
@@ -579,8 +616,89 @@ class GlmDsaGGUF:
                     yield hf.replace(".experts.0.", f".experts.{e}."), stack[e]
             else:
                 yield hf, self._raw(g)
+            progress.update(self.tensors[g])
+        progress.close()
         for hf, shape, fill in self.defaults.values():
             yield hf, torch.full(shape, fill, dtype=torch.float32)
+
+
+def _vocab_shards(vocab: int, tp: int) -> list[tuple[int, int]]:
+    """Each rank's rows [start, end) of a vocabulary split as VocabParallelEmbedding
+    (and ParallelLMHead) pads and splits it."""
+    from vllm.model_executor.layers.vocab_parallel_embedding import (
+        VocabParallelEmbedding, pad_vocab_size)
+
+    padded = pad_vocab_size(vocab)
+    shards = [VocabParallelEmbedding._get_indices(padded, padded, vocab, vocab, r, tp)
+              for r in range(tp)]
+    return [(s.org_vocab_start_index, s.org_vocab_end_index) for s in shards]
+
+
+def _tp_rank_and_size() -> tuple[int, int]:
+    """This process's tensor-parallel rank and size (0, 1 outside an engine)."""
+    from vllm.distributed import parallel_state
+
+    if not parallel_state.model_parallel_is_initialized():
+        return 0, 1
+    return (parallel_state.get_tensor_model_parallel_rank(),
+            parallel_state.get_tensor_model_parallel_world_size())
+
+
+def tensor_parallel_shards(tensors: dict[str, tuple[gguf.GGMLQuantizationType, tuple[int, ...]]],
+                           gguf_to_hf: dict[str, str], tp_size: int, experts_tp_size: int,
+                           ) -> dict[str, list[tuple[int, int, int]] | None]:
+    """How tensor parallelism splits quantized GGUF tensors {name: (type, shape in
+    torch order)} bound for vLLM parameters `gguf_to_hf`, as the weight loaders
+    narrow their stored data ([..., rows, bytes of a row]): {name: for each rank,
+    (dimension, start, length) of the stored tensor it copies}, None for a tensor
+    every rank copies whole. Row-parallel layers (o_proj, the down projections)
+    split the input dimension, which quant types pack in blocks: a rank's share
+    must be whole blocks. Column-parallel ones split rows (the vocabulary as
+    VocabParallelEmbedding pads it). The routed experts split over
+    `experts_tp_size` (1 under expert parallelism). A split that would cut a block,
+    or give the ranks unequal rows, is an error naming the tensor and the setting."""
+    shards = {}
+    for g, (kind, shape) in tensors.items():
+        hf = gguf_to_hf[g]
+        tp = experts_tp_size if _EXPERTS_RE.search(hf) else tp_size
+        if tp == 1 or not hf.endswith((*_ROW_PARALLEL, *_COLUMN_PARALLEL, *_VOCAB_PARALLEL,
+                                       KV_B)):
+            shards[g] = None
+            continue
+        block, type_size = gguf.GGML_QUANT_SIZES[kind]
+        if hf.endswith(_ROW_PARALLEL):
+            inputs = shape[-1]
+            if inputs % (tp * block):
+                fix = (" (or --enable-expert-parallel, which does not split the routed "
+                       "experts)" if _EXPERTS_RE.search(hf) else "")
+                raise GGUFError(
+                    f"GGUF tensor {g!r} ({kind.name}, {inputs} inputs) cannot be split over "
+                    f"tensor parallel size {tp}: a rank would hold {inputs / tp:g} inputs, not "
+                    f"a whole number of {kind.name} blocks of {block}; set "
+                    f"--tensor-parallel-size to a divisor of its {inputs // block} blocks a "
+                    f"row{fix}")
+            n = inputs // block * type_size // tp
+            shards[g] = [(len(shape) - 1, r * n, n) for r in range(tp)]
+        elif hf.endswith(_VOCAB_PARALLEL):
+            from vllm.model_executor.layers.vocab_parallel_embedding import pad_vocab_size
+
+            vocab, padded = shape[0], pad_vocab_size(shape[0])
+            if padded % tp:
+                raise GGUFError(
+                    f"GGUF tensor {g!r} ({kind.name}, a vocabulary of {vocab}, padded to "
+                    f"{padded}) cannot be split over tensor parallel size {tp}; set "
+                    f"--tensor-parallel-size to a divisor of {padded}")
+            shards[g] = [(0, start, end - start) for start, end in _vocab_shards(vocab, tp)]
+        else:
+            dim = 0 if hf.endswith(KV_B) else len(shape) - 2  # kv_b: by heads
+            rows = shape[dim]
+            if rows % tp:
+                raise GGUFError(
+                    f"GGUF tensor {g!r} ({kind.name}, {rows} outputs) cannot be split over "
+                    f"tensor parallel size {tp}: the ranks would hold unequal rows; set "
+                    f"--tensor-parallel-size to a divisor of {rows}")
+            shards[g] = [(dim, r * rows // tp, rows // tp) for r in range(tp)]
+    return shards
 
 
 def check_all_loaded(model: torch.nn.Module, loaded: Iterable[str]) -> None:
