@@ -1,0 +1,367 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Which kernel each GGUF product runs (vllm_gguf_plugin.quantization.gguf_kernels).
+
+Three statements of the choice, checked against each other over a grid of every type the
+plugin runs (K-quants, legacy quants, I-quants; the unquantized ones in dense layers),
+token counts 1 to 16384 (each count where a threshold changes, its neighbours, and a
+spread), dense and MoE (each pair of gate_up and down types), batch invariance off and
+on, SM75/80/89/90/120, and the Marlin switches off and on:
+
+- the module's records (`dense_launch`, `moe_launch`, after `dense_marlin`/`moe_marlin`
+  at load);
+- what linear.py and fused_moe.py call, run on the CPU with meta tensors and every kernel
+  replaced by a recorder (`Engine`): the layers run the record and nothing else;
+- EXPECTED_*: the choice written out by hand, for every type (dense) and GLM-5's type
+  pairs and one of each kind (MoE); the reference a changed threshold fails against.
+
+The whole grid's choices also hash to GRID_SHA256, recorded from the branches of
+linear.py and fused_moe.py before gguf_kernels.py decided for them (commit 76ad410).
+"""
+
+import hashlib
+import itertools
+from types import SimpleNamespace
+
+import pytest
+import torch
+from gguf import GGMLQuantizationType as T
+
+from vllm_gguf_plugin.quantization.utils import (
+    DEQUANT_TYPES,
+    IMATRIX_QUANT_TYPES,
+    UNQUANTIZED_TYPES,
+)
+
+QUANT_TYPES = sorted(int(t) for t in DEQUANT_TYPES)
+DENSE_TYPES = QUANT_TYPES + sorted(int(t) for t in UNQUANTIZED_TYPES)
+CAPABILITIES = (75, 80, 89, 90, 120)
+ROWS = (4096, 6144)  # the plugin's MMVQ bound moves past 5120 output rows
+
+# -- the choice written out: runs of (first token count, kernel) --------------------
+MMVQ, MMQ, DEQ, BI = "mmvq", "mmq", "dequant", "batch_invariant"
+LEGACY_AND_K = (T.Q2_K, T.Q3_K, T.Q5_K, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q8_1)
+# dense, by type: (runs up to 5120 output rows, runs past them)
+EXPECTED_DENSE = {
+    **{int(t): (((1, MMVQ), (7, MMQ), (256, DEQ)), ((1, MMVQ), (3, MMQ), (256, DEQ)))
+       for t in LEGACY_AND_K},
+    **{int(t): (((1, MMVQ), (7, MMQ), (16, DEQ)), ((1, MMVQ), (3, MMQ), (16, DEQ)))
+       for t in (T.Q4_K, T.Q6_K)},
+    **{int(t): (((1, MMVQ), (17, DEQ)), ((1, MMVQ), (9, DEQ))) for t in IMATRIX_QUANT_TYPES},
+    **{int(t): (((1, "plain"),), ((1, "plain"),)) for t in UNQUANTIZED_TYPES},
+}
+TM32, TM64 = "triton_moe:32", "triton_moe:64"
+# MoE, by (gate_up, down): runs of (first token count, gate_up's kernel, down's)
+EXPECTED_MOE = {
+    (T.Q4_K, T.Q4_K): ((1, MMVQ, MMVQ), (32, MMQ, MMQ), (384, TM32, TM32),
+                       (768, TM64, TM64), (6144, DEQ, DEQ)),
+    (T.Q4_K, T.Q6_K): ((1, MMVQ, MMVQ), (32, MMQ, MMQ), (384, TM32, MMQ),
+                       (768, TM64, TM64), (3072, DEQ, DEQ)),
+    (T.Q4_K, T.Q5_K): ((1, MMVQ, MMVQ), (65, MMQ, MMQ), (384, TM32, MMQ),
+                       (768, TM64, MMQ), (1024, DEQ, DEQ)),
+    (T.Q6_K, T.Q6_K): ((1, MMVQ, MMVQ), (16, MMQ, MMQ), (768, TM64, TM64),
+                       (3072, DEQ, DEQ)),
+    (T.Q5_K, T.Q6_K): ((1, MMVQ, MMVQ), (65, MMQ, MMQ), (768, MMQ, TM64), (1024, DEQ, DEQ)),
+    (T.Q8_0, T.Q8_0): ((1, MMVQ, MMVQ), (32, MMQ, MMQ), (1024, DEQ, DEQ)),
+    (T.Q3_K, T.Q3_K): ((1, MMVQ, MMVQ), (65, MMQ, MMQ), (1024, DEQ, DEQ)),
+    (T.Q4_0, T.Q4_0): ((1, MMVQ, MMVQ), (65, MMQ, MMQ), (1024, DEQ, DEQ)),
+    (T.IQ2_XXS, T.IQ2_XXS): ((1, MMVQ, MMVQ), (1024, DEQ, DEQ)),
+    (T.Q4_K, T.IQ4_XS): ((1, MMVQ, MMVQ), (1024, DEQ, DEQ)),
+}
+# a layer of Q4_K gate_up experts on Marlin (SM80 on, the switch on): its down product
+EXPECTED_MARLIN_DOWN = {
+    T.Q4_K: ((1, "marlin"),),
+    T.Q6_K: ((1, MMVQ), (16, MMQ), (768, TM64), (3072, DEQ)),
+    T.Q5_K: ((1, MMVQ), (65, MMQ), (1024, DEQ)),
+    T.IQ4_XS: ((1, MMVQ), (1024, DEQ)),
+}
+FIRSTS = {f for runs in EXPECTED_DENSE.values() for r in runs for f, _ in r} | {
+    r[0] for runs in (*EXPECTED_MOE.values(), *EXPECTED_MARLIN_DOWN.values()) for r in runs}
+# each count where the choice changes, the counts either side, and a spread to 16384
+TOKENS = sorted({t for f in FIRSTS for t in (f - 1, f, f + 1) if t > 0}
+                | {4, 12, 24, 48, 100, 128, 200, 512, 2048, 4096, 5000, 8192, 12000, 16384})
+# sha256 of every grid point's choice (`grid_lines`) from the branches before the module
+GRID_SHA256 = "0cd40af39f98cf9c5d026e8e583f316a2898f33c5252e06b237958fd9d36f50e"
+
+
+def _at(runs, tokens):
+    return [r for r in runs if r[0] <= tokens][-1][1:]
+
+
+def expected_dense(qtype, tokens, rows, bi, cap, dense_marlin):
+    if (dense_marlin and not bi and cap >= 80 and qtype == T.Q4_K and rows % 64 == 0):
+        return "marlin"
+    if bi and qtype not in UNQUANTIZED_TYPES:
+        return BI
+    return _at(EXPECTED_DENSE[qtype][rows > 5120], tokens)[0]
+
+
+def expected_moe(types, tokens, bi, cap, moe_marlin):
+    gate_up, down = types
+    if moe_marlin and not bi and cap >= 80 and gate_up == T.Q4_K:
+        return ("marlin", _at(EXPECTED_MARLIN_DOWN[down], tokens)[0])
+    if bi:
+        return (BI, BI)
+    return _at(EXPECTED_MOE[types], tokens)
+
+
+# -- the layers, run with recorders --------------------------------------------------
+class _Ran(Exception):
+    pass
+
+
+def _record(calls, name):
+    def kernel(*args, **kwargs):
+        calls.append(name)
+        raise _Ran(name)
+    return kernel
+
+
+class Engine:
+    """linear.py's and fused_moe.py's choice for a product: their load-time conversion
+    (with a stand-in layer) and their forward (meta tensors), every kernel a recorder."""
+
+    def __init__(self, monkeypatch):
+        import vllm.envs as envs
+        from vllm.model_executor.layers.fused_moe import fused_moe as vllm_fused_moe
+        from vllm.platforms import current_platform
+        from vllm.platforms.interface import DeviceCapability
+
+        from vllm_gguf_plugin import ops, quantization
+        from vllm_gguf_plugin.quantization import (
+            batch_invariant,
+            fused_moe,
+            linear,
+            linear_marlin,
+            moe_marlin,
+            moe_prefill,
+            moe_triton_tiles,
+        )
+
+        self.envs, self.monkeypatch = envs, monkeypatch
+        self.cap = 90
+        self.calls = []
+        calls = self.calls
+        meta = torch.device("meta")
+        mp = monkeypatch
+        mp.setattr(current_platform, "is_cuda", lambda: True)
+        mp.setattr(current_platform, "has_device_capability",
+                   lambda c, device_id=0: self.cap >= (c if isinstance(c, int)
+                                                       else c[0] * 10 + c[1]))
+        mp.setattr(current_platform, "get_device_capability",
+                   lambda device_id=0: DeviceCapability(self.cap // 10, self.cap % 10))
+        mp.setattr("vllm.envs.VLLM_BATCH_INVARIANT", False, raising=False)
+        for name in ("VLLM_GGUF_DENSE_MARLIN", "VLLM_GGUF_MOE_MARLIN",
+                     "VLLM_GGUF_Q6_K_TRITON"):
+            mp.delenv(name, raising=False)
+        # dense kernels
+        mp.setattr(ops, "ggml_mul_mat_vec_a8", _record(calls, MMVQ))
+        mp.setattr(ops, "ggml_mul_mat_a8", _record(calls, MMQ))
+        mp.setattr(linear, "dequantize", _record(calls, DEQ))
+        mp.setattr(batch_invariant, "mul_mat", _record(calls, BI))
+        mp.setattr(linear_marlin, "attach", lambda *args: None)
+        mp.setattr(moe_marlin, "marlin_experts", lambda w, dtype: "marlin")
+        mp.setattr(quantization, "fused_mul_mat_gguf", _record(calls, "per_token"))
+
+        # MoE kernels: record and return the product's shape
+        def rows_out(name, n_at, top_k_at, tokens_at):
+            def kernel(*args, **kwargs):
+                calls.append(name)
+                return torch.empty(args[tokens_at] * args[top_k_at], args[n_at],
+                                   device=meta, dtype=torch.float16)
+            return kernel
+
+        def grouped(kernel, x, w, *args):  # moe_by_expert_group(kernel, ..., topk_ids, *args)
+            calls.append(MMQ)
+            _, n, top_k, tokens = args[-4:]
+            return torch.empty(tokens * top_k, n, device=meta, dtype=torch.float16)
+
+        def triton(x, w, qweight_type, tile, topk_ids, n, top_k, tokens):
+            calls.append(f"triton_moe:{getattr(tile, 'block_m', tile)}")
+            return torch.empty(tokens * top_k, n, device=meta, dtype=torch.float16)
+
+        def both(name):
+            def kernel(x, *args, **kwargs):
+                calls.extend((name, name))
+                return torch.empty_like(x)
+            return kernel
+
+        def dequant_down(x, w, qweight_type, topk_ids):
+            calls.append(DEQ)
+            return torch.empty(x.shape[0], w.shape[1], device=meta, dtype=x.dtype)
+
+        mp.setattr(ops, "ggml_moe_a8_vec", rows_out(MMVQ, 5, 3, 6))
+        mp.setattr(ops, "ggml_moe_get_block_size", lambda t: 16)
+        mp.setattr(ops, "moe_sum", lambda out, hidden: None)
+        mp.setattr(fused_moe, "moe_by_expert_group", grouped)
+        mp.setattr(fused_moe, "apply_moe_activation", lambda act, out, inp: None)
+        mp.setattr(moe_triton_tiles, "triton_moe_product", triton)
+        mp.setattr(moe_prefill, "dequant_fused_moe", both(DEQ))
+        mp.setattr(moe_prefill, "dequant_moe_product", dequant_down)
+        mp.setattr(batch_invariant, "fused_moe", both(BI))
+        mp.setattr(vllm_fused_moe, "moe_align_block_size", lambda *args: (None,) * 3)
+
+        def marlin(x, w13, w2, topk_weights, topk_ids, activation, down):
+            calls.append("marlin")
+            if down is None:
+                calls.append("marlin")
+            else:
+                down(torch.empty(topk_ids.numel(), w2_inter, device=meta, dtype=x.dtype))
+            return x
+
+        w2_inter = 128
+        mp.setattr(moe_marlin, "fused_moe", marlin)
+        self.linear, self.linear_marlin = linear, linear_marlin
+        self.fused_moe, self.moe_marlin = fused_moe, moe_marlin
+
+    def set(self, bi, cap, dense_marlin, moe_marlin):
+        self.envs.VLLM_BATCH_INVARIANT = bi
+        self.cap = cap
+        self.monkeypatch.setenv("VLLM_GGUF_DENSE_MARLIN", "1" if dense_marlin else "0")
+        self.monkeypatch.setenv("VLLM_GGUF_MOE_MARLIN", "1" if moe_marlin else "0")
+
+    def dense(self, qtype, tokens, rows):
+        self.calls.clear()
+        layer = SimpleNamespace(
+            qweight_type=SimpleNamespace(weight_type=qtype, shard_weight_type={}),
+            qweight=SimpleNamespace(shape=(rows, 144), data=None, dtype=torch.uint8,
+                                    device="meta"))
+        if self.linear_marlin.convert_layer(layer, torch.float16):
+            return "marlin"
+        meta = torch.device("meta")
+        x = torch.empty(tokens, 256, device=meta, dtype=torch.float16)
+        if qtype in UNQUANTIZED_TYPES:
+            w = torch.empty(rows, 256, device=meta, dtype=torch.float16)
+        else:
+            w = torch.empty(rows, 144, device=meta, dtype=torch.uint8)
+        try:
+            self.linear._fused_mul_mat_gguf(x, w, qtype)
+        except _Ran:
+            pass
+        except NotImplementedError:
+            return "unsupported"
+        assert len(self.calls) <= 1, self.calls
+        return self.calls[0] if self.calls else "plain"
+
+    def converts(self, types):
+        layer = SimpleNamespace(
+            w13_qweight_type=SimpleNamespace(weight_type=types[0]),
+            w2_qweight_type=SimpleNamespace(weight_type=types[1]),
+            w13_qweight=SimpleNamespace(data=None, dtype=torch.uint8, device="meta"),
+            w2_qweight=SimpleNamespace(data=None, dtype=torch.uint8, device="meta"))
+        return self.moe_marlin.convert_layer(layer, torch.float16)
+
+    def moe(self, types, tokens, marlin):
+        self.calls.clear()
+        meta = torch.device("meta")
+        experts, hidden, inter, top_k = 4, 256, 128, 2
+        x = torch.empty(tokens, hidden, device=meta, dtype=torch.float16)
+        w1 = torch.empty(experts, 2 * inter, 144, device=meta, dtype=torch.uint8)
+        w2 = torch.empty(experts, hidden, 72, device=meta, dtype=torch.uint8)
+        weights = torch.empty(tokens, top_k, device=meta, dtype=torch.float32)
+        ids = torch.empty(tokens, top_k, device=meta, dtype=torch.int32)
+        try:
+            if marlin is not None:
+                from vllm.model_executor.layers.fused_moe.activation import MoEActivation
+
+                self.fused_moe.marlin_fused_moe(x, marlin, w2, types[1], weights, ids,
+                                                MoEActivation.SILU)
+            else:
+                self.fused_moe._fused_moe_gguf(x, w1, w2, weights, ids, *types, "silu")
+        except _Ran as ran:
+            assert str(ran) == "per_token", ran
+            return ("per_token", "per_token")
+        assert len(self.calls) == 2, self.calls
+        return tuple(self.calls)
+
+
+@pytest.fixture
+def engine(monkeypatch):
+    return Engine(monkeypatch)
+
+
+def _name(launch):
+    return launch.kernel.value + (f":{launch.block_m}" if launch.block_m else "")
+
+
+def module_dense(qtype, tokens, rows, bi, cap):
+    from vllm_gguf_plugin.quantization import gguf_kernels as gk
+
+    marlin = gk.dense_marlin({qtype}, rows, capability=cap, batch_invariant=bi)
+    return _name(gk.dense_launch(qtype, tokens, rows, batch_invariant=bi, marlin=marlin))
+
+
+def module_moe(types, tokens, bi, cap):
+    from vllm_gguf_plugin.quantization import gguf_kernels as gk
+
+    marlin = gk.moe_marlin(*types, capability=cap, batch_invariant=bi)
+    launch = gk.moe_launch(*types, tokens, batch_invariant=bi, marlin=marlin)
+    return _name(launch.gate_up), _name(launch.down)
+
+
+SETTINGS = list(itertools.product((False, True), CAPABILITIES, (False, True)))
+
+
+def grid_lines(dense, moe):
+    """Every grid point's choice, a line each: dense(qtype, tokens, rows) and
+    moe(types, tokens), under each setting (batch invariance, capability, switch)."""
+    lines = []
+    for bi, cap, switch in SETTINGS:
+        for qtype, rows, tokens in itertools.product(DENSE_TYPES, ROWS, TOKENS):
+            lines.append(f"dense {bi} {cap} {switch} {qtype} {rows} {tokens} "
+                         f"{dense(bi, cap, switch, qtype, tokens, rows)}")
+        for types, tokens in itertools.product(
+                itertools.product(QUANT_TYPES, QUANT_TYPES), TOKENS):
+            lines.append(f"moe {bi} {cap} {switch} {types} {tokens} "
+                         f"{' '.join(moe(bi, cap, switch, types, tokens))}")
+    return lines
+
+
+def _module_dense(bi, cap, switch, qtype, tokens, rows):
+    return module_dense(qtype, tokens, rows, bi, cap)
+
+
+def _module_moe(bi, cap, switch, types, tokens):
+    return module_moe(types, tokens, bi, cap)
+
+
+def test_layers_run_the_modules_choice(engine):
+    """Over the whole grid, linear.py and fused_moe.py call the kernel the module names
+    (each switch on and off)."""
+    cache = {}
+
+    def dense(bi, cap, switch, qtype, tokens, rows):
+        engine.set(bi, cap, switch, switch)
+        got = engine.dense(qtype, tokens, rows)
+        assert got == module_dense(qtype, tokens, rows, bi, cap), (qtype, tokens, rows)
+        return got
+
+    def moe(bi, cap, switch, types, tokens):
+        engine.set(bi, cap, switch, switch)
+        marlin = engine.converts(types)
+        key = (types, tokens, bi, None if marlin is None else tuple(m is None for m in marlin))
+        if key not in cache:
+            cache[key] = engine.moe(types, tokens, marlin)
+        assert cache[key] == module_moe(types, tokens, bi, cap), (types, tokens, bi, cap)
+        return cache[key]
+
+    lines = grid_lines(dense, moe)
+    digest = hashlib.sha256("\n".join(lines).encode()).hexdigest()
+    print(len(lines), "grid points, sha256", digest)
+    assert digest == GRID_SHA256
+
+
+def test_module_matches_the_written_choice(monkeypatch):
+    """The module's records against EXPECTED_*: every dense type, the MoE pairs listed."""
+    monkeypatch.setattr("vllm.envs.VLLM_BATCH_INVARIANT", False, raising=False)
+    for (bi, cap, switch), tokens in itertools.product(SETTINGS, TOKENS):
+        monkeypatch.setenv("VLLM_GGUF_DENSE_MARLIN", "1" if switch else "0")
+        monkeypatch.setenv("VLLM_GGUF_MOE_MARLIN", "1" if switch else "0")
+        for qtype, rows in itertools.product(DENSE_TYPES, ROWS):
+            want = expected_dense(qtype, tokens, rows, bi, cap, switch)
+            assert module_dense(qtype, tokens, rows, bi, cap) == want, (qtype, tokens, rows,
+                                                                        bi, cap, switch)
+        for types in EXPECTED_MOE:
+            types = tuple(map(int, types))
+            want = expected_moe(types, tokens, bi, cap, switch)
+            assert module_moe(types, tokens, bi, cap) == want, (types, tokens, bi, cap,
+                                                                switch)
