@@ -4,8 +4,7 @@
     python -m benchmarks.glm5_gguf_accuracy --out DIR --llama-lib DIR [--bindings DIR]
         [--paths portable-fp16 portable-bf16 upstream-bf16 portable-fp16-bi
                  upstream-bf16-gguf-moe portable-fp16-gguf-moe upstream-bf16-dense-marlin
-                 portable-fp16-dense-marlin upstream-bf16-dense portable-fp16-dense
-                 upstream-bf16-dense-marlin-32 portable-bf16-keys16 portable-fp16-keys16]
+                 portable-fp16-dense-marlin portable-bf16-keys16 portable-fp16-keys16]
         [--eager]
         [--json FILE]
         [--rounding bfloat16 float16 fp8-indexer bfloat16-fp8-indexer float16-fp8-indexer]
@@ -24,11 +23,7 @@ index_topk, then 32 greedy tokens):
   products below 256 tokens and experts below 1024 (Q4_K experts run vLLM's Marlin MoE on
   16-bit activations, except under batch invariance); `-gguf-moe`: VLLM_GGUF_MOE_MARLIN=0,
   those on the GGUF kernels too; `-dense-marlin`: VLLM_GGUF_DENSE_MARLIN=1, the Q4_K linear
-  layers on vLLM's Marlin GEMM; `-dense`: that and VLLM_GGUF_Q6_K_TRITON=1, the linear
-  Q6_K products of 8-64 tokens on q6_k_triton's Triton GEMM, with the prompts prefilled 32
-  tokens a step so that the metric's prompt logprobs come from them;
-  `upstream-bf16-dense-marlin-32`: dense Marlin alone in the same steps, the `-dense` row's
-  control, since a 32-token step also runs the other products on int8 activations;
+  layers on vLLM's Marlin GEMM;
   `-keys16`: VLLM_SPARSE_INDEXER_CACHE=16bit, the indexer's keys cached and its queries
   kept in the model's dtype, where the default rounds both to e4m3);
 - llama.cpp: benchmarks/llama_cpp_logits.py on libllama.so of `--llama-lib` (all layers
@@ -63,9 +58,6 @@ SOURCES = ("gguf-bf16", "gguf-q8_0", "gguf-Q4_K_M")
 # the tiny GLM-5's index_topk: each row's error also split at it (compare(split_at)),
 # positions whose whole context the sparse top-k selects against the others
 TOPK = TINY_GLM5["index_topk"]
-# prompts prefilled 32 tokens a step: inside q6_k_triton's linear counts (a whole
-# 300-1000-token prompt never takes them)
-STEPS_OF_32 = {"max_num_batched_tokens": "32"}
 PATHS = {
     # SM120's path, forced: our attention backend and indexer, float16 (its GGUF default)
     "portable-fp16": {"attention_backend": "TRITON_MLA_SPARSE", "indexer": "triton",
@@ -86,35 +78,25 @@ PATHS = {
     "upstream-bf16-dense-marlin": {"dtype": "bfloat16"},
     "portable-fp16-dense-marlin": {"attention_backend": "TRITON_MLA_SPARSE",
                                    "indexer": "triton", "dtype": "float16"},
-    # the same with the Q6_K products of 8-64 tokens on q6_k_triton's GEMMs too
-    "upstream-bf16-dense": {"dtype": "bfloat16", **STEPS_OF_32},
-    "portable-fp16-dense": {"attention_backend": "TRITON_MLA_SPARSE", "indexer": "triton",
-                            "dtype": "float16", **STEPS_OF_32},
-    # upstream-bf16-dense without the Q6_K products: what its 32-token steps alone change
-    "upstream-bf16-dense-marlin-32": {"dtype": "bfloat16", **STEPS_OF_32},
     # the two portable paths with the indexer's keys and queries in 16 bits
     "portable-bf16-keys16": {"attention_backend": "TRITON_MLA_SPARSE", "indexer": "triton",
                              "dtype": "bfloat16"},
     "portable-fp16-keys16": {"attention_backend": "TRITON_MLA_SPARSE", "indexer": "triton",
                              "dtype": "float16"},
 }
-DENSE = {"VLLM_GGUF_DENSE_MARLIN": "1", "VLLM_GGUF_Q6_K_TRITON": "1"}
 KEYS16 = {"VLLM_SPARSE_INDEXER_CACHE": "16bit"}
 PATH_ENV = {"portable-fp16-bi": {"VLLM_BATCH_INVARIANT": "1"},
             "upstream-bf16-gguf-moe": {"VLLM_GGUF_MOE_MARLIN": "0"},
             "portable-fp16-gguf-moe": {"VLLM_GGUF_MOE_MARLIN": "0"},
             "upstream-bf16-dense-marlin": {"VLLM_GGUF_DENSE_MARLIN": "1"},
             "portable-fp16-dense-marlin": {"VLLM_GGUF_DENSE_MARLIN": "1"},
-            "upstream-bf16-dense": DENSE, "portable-fp16-dense": DENSE,
-            "upstream-bf16-dense-marlin-32": {"VLLM_GGUF_DENSE_MARLIN": "1"},
             "portable-bf16-keys16": KEYS16, "portable-fp16-keys16": KEYS16}
 
 
 # the overlay's switches: (on unless 0, the default; else only with 1), and glm5_generate's
 # count of what each runs, which the Q4_K_M file's row must show where it is on
 SWITCHES = {"VLLM_GGUF_MOE_MARLIN": (True, "marlin_moe_calls"),  # Q4_K experts on Marlin
-            "VLLM_GGUF_DENSE_MARLIN": (False, "dense_marlin_layers"),  # Q4_K linear layers
-            "VLLM_GGUF_Q6_K_TRITON": (False, "q6_k_triton_calls")}  # Q6_K, a few tokens
+            "VLLM_GGUF_DENSE_MARLIN": (False, "dense_marlin_layers")}  # Q4_K linear layers
 
 
 def runs(path: str, switch: str) -> bool:

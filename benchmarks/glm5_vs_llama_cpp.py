@@ -4,8 +4,7 @@
     python -m benchmarks.glm5_vs_llama_cpp --gguf FILE.gguf --llama-bench BIN
         [--llama-batched-bench BIN2] [--json out.json] [--md out.md]
         [--paths portable upstream sm120 portable-gguf-moe portable-dense-marlin
-                 portable-dense portable-q6k portable-keys16
-                 upstream-keys16]
+                 portable-keys16 upstream-keys16]
         [--prompts 512 8192] [--depths 0 8192] [--batches 1 8 32] [--gen 128] [--profile]
         [--profile-batch 1] [--llama-profile NCU]
     python -m benchmarks.glm5_vs_llama_cpp --per-layer SHALLOW.json DEEP.json [--md out.md]
@@ -24,9 +23,7 @@ llama-bench from tools/gpu-host/build-llama-cpp-cuda.sh (CUDA, the pinned sdist)
   installed with `pip install --no-deps`), dtype auto, nothing forced; `portable-gguf-moe`:
   `portable` with VLLM_GGUF_MOE_MARLIN=0 (every MoE layer on the GGUF kernels, where
   Q4_K experts run vLLM's Marlin MoE by default); `portable-dense-marlin`: `portable` with
-  VLLM_GGUF_DENSE_MARLIN=1 (Q4_K linear layers on vLLM's Marlin GEMM); `portable-dense`:
-  that and VLLM_GGUF_Q6_K_TRITON=1 (linear Q6_K products of a few tokens on
-  q6_k_triton's Triton GEMM); `portable-q6k`: `portable` with VLLM_GGUF_Q6_K_TRITON=1 alone;
+  VLLM_GGUF_DENSE_MARLIN=1 (Q4_K linear layers on vLLM's Marlin GEMM);
   `portable-keys16`: `portable` with VLLM_SPARSE_INDEXER_CACHE=16bit (the indexer's keys and
   queries in 16 bits: twice the indexer cache's bytes read at depth); `upstream-keys16`:
   `upstream` with it (the indexer's logits then on the Triton kernels, not DeepGEMM).
@@ -92,12 +89,6 @@ PATHS = {
     # portable, with the Q4_K linear layers on vLLM's Marlin GEMM too (off by default)
     "portable-dense-marlin": {"backend": "TRITON_MLA_SPARSE", "indexer": "triton",
                               "dtype": "float16", "env": {"VLLM_GGUF_DENSE_MARLIN": "1"}},
-    # and the Q6_K products of a few tokens on q6_k_triton's Triton GEMMs (off by default)
-    "portable-dense": {"backend": "TRITON_MLA_SPARSE", "indexer": "triton", "dtype": "float16",
-                       "env": {"VLLM_GGUF_DENSE_MARLIN": "1", "VLLM_GGUF_Q6_K_TRITON": "1"}},
-    # portable, with only the Q6_K products of a few tokens on q6_k_triton's GEMM
-    "portable-q6k": {"backend": "TRITON_MLA_SPARSE", "indexer": "triton", "dtype": "float16",
-                     "env": {"VLLM_GGUF_Q6_K_TRITON": "1"}},
     # portable, with the indexer's 16-bit key cache (off by default)
     "portable-keys16": {"backend": "TRITON_MLA_SPARSE", "indexer": "triton",
                         "dtype": "float16", "env": {"VLLM_SPARSE_INDEXER_CACHE": "16bit"}},

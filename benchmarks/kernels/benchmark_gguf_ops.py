@@ -4,7 +4,7 @@ count, against the 16-bit tensor-core bound, same weights.
 
     python -m benchmarks.kernels.benchmark_gguf_ops [--json out.json] [--md out.md]
         [--types Q4_K Q6_K Q8_0 IQ2_S Q4_K/Q6_K] [--tokens 1 8 64 512 8192] [--ops dense moe]
-        [--triton-block-m 4 16 64] [--paths plugin q6k marlin ...]
+        [--triton-block-m 4 16 64] [--paths plugin marlin ...]
 
 Why: the overlay's prefill of a GGUF runs 3-4x slower than llama.cpp's on the same file
 (docs/results.md, "Against llama.cpp"); this finds which products hold that time and
@@ -22,8 +22,7 @@ Paths (a path a type has no kernel for is left out):
   `mmvq` (CUDA, int8 activations, a row at a time), `mmq` (CUDA, int8 activations,
   tiled), `triton` (the plugin's Triton GEMM, 16-bit activations), `marlin` (Q4_K: the
   file's values on vLLM's Marlin GEMM plus their b-part, linear_marlin's; what the engine
-  runs under VLLM_GGUF_DENSE_MARLIN=1), `q6k` (Q6_K: q6_k_triton's Triton GEMM over the
-  file's blocks, what the engine runs at 8-64 tokens under VLLM_GGUF_Q6_K_TRITON=1),
+  runs under VLLM_GGUF_DENSE_MARLIN=1),
   `dequant` (dequantize to 16 bits as the engine does, Q4_K and Q6_K on Triton,
   linear.dequantize; then torch.mm), `dequant-cuda` (the same on the plugin's CUDA
   dequantization, where it differs), and `mm16` (torch.mm on the weights dequantized
@@ -171,7 +170,7 @@ def dense_case(qtype: str, name: str, tokens, dtype=torch.float16, gen=None,
     import gguf
     from vllm_gguf_plugin import ops
     from vllm_gguf_plugin.quantization import fused_mul_mat_gguf  # registers the op
-    from vllm_gguf_plugin.quantization import dequant_triton, q6_k_triton
+    from vllm_gguf_plugin.quantization import dequant_triton
     from vllm_gguf_plugin.quantization.linear import dequantize
     from vllm_gguf_plugin.quantization.utils import MMQ_QUANT_TYPES, MMVQ_QUANT_TYPES
     from vllm_gguf_plugin.triton.gemm.interface import ggml_mul_mat_a8_triton
@@ -189,8 +188,6 @@ def dense_case(qtype: str, name: str, tokens, dtype=torch.float16, gen=None,
         paths = {"plugin": lambda: fused_mul_mat_gguf(x, w, t)}
         if qtype == "Q4_K":
             paths["marlin"] = functools.partial(_marlin_dense, marlin, w, x)
-        if qtype == "Q6_K":
-            paths["q6k"] = functools.partial(q6_k_triton.mul_mat, x, w)
         if t in MMVQ_QUANT_TYPES and m <= 16:
             paths["mmvq"] = lambda: ops.ggml_mul_mat_vec_a8(w, x, t, n)
         if t in MMQ_QUANT_TYPES:

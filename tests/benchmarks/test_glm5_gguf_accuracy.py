@@ -14,32 +14,12 @@ def test_paths_name_the_sm120_path_and_upstreams():
     assert set(acc.SOURCES) == {"gguf-bf16", "gguf-q8_0", "gguf-Q4_K_M"}
 
 
-CHUNK = "32"  # the `-dense` paths' prompt tokens a step
-
-
-def test_dense_paths_prefill_through_the_q6_k_products():
-    """The metric is the prompt tokens' logprobs: a prompt prefilled whole (300-1000
-    tokens) never reaches q6_k_triton's products, a step of CHUNK tokens does."""
-    from tests.models.glm5_generate import PROMPT_LENS
-    from vllm_gguf_plugin.quantization import q6_k_triton
-
-    assert int(CHUNK) in q6_k_triton.LINEAR_TOKENS
-    assert min(PROMPT_LENS) not in q6_k_triton.LINEAR_TOKENS
-    for path in ("upstream-bf16-dense", "portable-fp16-dense", "upstream-bf16-dense-marlin-32"):
-        assert acc.PATHS[path]["max_num_batched_tokens"] == CHUNK
-
-
 @pytest.mark.parametrize("path,base,var,value", [
     ("portable-fp16-bi", "portable-fp16", "VLLM_BATCH_INVARIANT", "1"),
     ("portable-fp16-gguf-moe", "portable-fp16", "VLLM_GGUF_MOE_MARLIN", "0"),
     ("upstream-bf16-gguf-moe", "upstream-bf16", "VLLM_GGUF_MOE_MARLIN", "0"),
     ("portable-fp16-dense-marlin", "portable-fp16", "VLLM_GGUF_DENSE_MARLIN", "1"),
     ("upstream-bf16-dense-marlin", "upstream-bf16", "VLLM_GGUF_DENSE_MARLIN", "1"),
-    ("portable-fp16-dense", "portable-fp16", "VLLM_GGUF_DENSE_MARLIN", "1"),
-    ("portable-fp16-dense", "portable-fp16", "VLLM_GGUF_Q6_K_TRITON", "1"),
-    ("upstream-bf16-dense", "upstream-bf16", "VLLM_GGUF_DENSE_MARLIN", "1"),
-    ("upstream-bf16-dense", "upstream-bf16", "VLLM_GGUF_Q6_K_TRITON", "1"),
-    ("upstream-bf16-dense-marlin-32", "upstream-bf16", "VLLM_GGUF_DENSE_MARLIN", "1"),
     ("portable-bf16-keys16", "portable-bf16", "VLLM_SPARSE_INDEXER_CACHE", "16bit"),
     ("portable-fp16-keys16", "portable-fp16", "VLLM_SPARSE_INDEXER_CACHE", "16bit"),
 ])
@@ -47,13 +27,11 @@ def test_paths_that_differ_only_in_their_environment(monkeypatch, path, base, va
     """`portable-fp16-bi` is `portable-fp16` with VLLM_BATCH_INVARIANT=1 added to the
     engine's environment (the rest of it kept), the `-gguf-moe` paths theirs with
     VLLM_GGUF_MOE_MARLIN=0, the `-dense-marlin` ones with VLLM_GGUF_DENSE_MARLIN=1, the
-    `-dense` ones with that and VLLM_GGUF_Q6_K_TRITON=1 (and their prompts in steps of
-    CHUNK tokens, as `-dense-marlin-32`'s), the `-keys16` ones with
+    `-keys16` ones with
     VLLM_SPARSE_INDEXER_CACHE=16bit; the other paths inherit this process's."""
     monkeypatch.setenv("VLLM_OVERLAY_SOMETHING", "kept")
     monkeypatch.delenv(var, raising=False)
-    chunked = {"max_num_batched_tokens": CHUNK} if path.endswith(("-dense", "-32")) else {}
-    assert acc.PATHS[path] == {**acc.PATHS[base], **chunked}
+    assert acc.PATHS[path] == acc.PATHS[base]
     env = acc.path_env(path)
     assert env[var] == value and env["VLLM_OVERLAY_SOMETHING"] == "kept"
     assert acc.path_env(base) is None
@@ -61,8 +39,6 @@ def test_paths_that_differ_only_in_their_environment(monkeypatch, path, base, va
                                            "upstream-bf16-gguf-moe",
                                            "portable-fp16-dense-marlin",
                                            "upstream-bf16-dense-marlin",
-                                           "portable-fp16-dense", "upstream-bf16-dense",
-                                           "upstream-bf16-dense-marlin-32",
                                            "portable-bf16-keys16", "portable-fp16-keys16"])
 
 
@@ -74,8 +50,7 @@ def test_which_paths_must_show_marlin_calls(monkeypatch):
     monkeypatch.delenv("VLLM_BATCH_INVARIANT", raising=False)
     assert {p for p in acc.PATHS if acc.runs(p, "VLLM_GGUF_MOE_MARLIN")} == {
         "portable-fp16", "portable-bf16", "upstream-bf16", "portable-fp16-dense-marlin",
-        "upstream-bf16-dense-marlin", "portable-fp16-dense", "upstream-bf16-dense",
-        "upstream-bf16-dense-marlin-32", "portable-bf16-keys16", "portable-fp16-keys16"}
+        "upstream-bf16-dense-marlin", "portable-bf16-keys16", "portable-fp16-keys16"}
     monkeypatch.setenv("VLLM_GGUF_MOE_MARLIN", "0")
     assert not any(acc.runs(p, "VLLM_GGUF_MOE_MARLIN") for p in acc.PATHS)
 
@@ -87,39 +62,26 @@ def test_which_paths_must_show_dense_marlin_layers(monkeypatch):
     monkeypatch.delenv("VLLM_GGUF_DENSE_MARLIN", raising=False)
     monkeypatch.delenv("VLLM_BATCH_INVARIANT", raising=False)
     assert {p for p in acc.PATHS if acc.runs(p, "VLLM_GGUF_DENSE_MARLIN")} == {
-        "portable-fp16-dense-marlin", "upstream-bf16-dense-marlin", "portable-fp16-dense",
-        "upstream-bf16-dense", "upstream-bf16-dense-marlin-32"}
+        "portable-fp16-dense-marlin", "upstream-bf16-dense-marlin"}
     monkeypatch.setenv("VLLM_GGUF_DENSE_MARLIN", "1")
     assert {p for p in acc.PATHS if not acc.runs(p, "VLLM_GGUF_DENSE_MARLIN")} == {"portable-fp16-bi"}
-
-
-def test_which_paths_must_show_q6_k_triton_calls(monkeypatch):
-    """Only the `-dense` paths must run a Q6_K product on q6_k_triton on the Q4_K_M file
-    (the row fails without one counted), or every path where this process turned it on
-    but the batch-invariant one."""
-    monkeypatch.delenv("VLLM_GGUF_Q6_K_TRITON", raising=False)
-    monkeypatch.delenv("VLLM_BATCH_INVARIANT", raising=False)
-    assert {p for p in acc.PATHS if acc.runs(p, "VLLM_GGUF_Q6_K_TRITON")} == {
-        "portable-fp16-dense", "upstream-bf16-dense"}
-    monkeypatch.setenv("VLLM_GGUF_Q6_K_TRITON", "1")
-    assert {p for p in acc.PATHS if not acc.runs(p, "VLLM_GGUF_Q6_K_TRITON")} == {"portable-fp16-bi"}
 
 
 def test_switch_counts_check_what_ran(monkeypatch):
     """A path's row fails where a switch it turns on did not run on the Q4_K_M file, and
     on any file where the 16-bit indexer key cache was written without being asked for
     or not written where asked for."""
-    for name in ("VLLM_GGUF_MOE_MARLIN", "VLLM_GGUF_DENSE_MARLIN", "VLLM_GGUF_Q6_K_TRITON",
+    for name in ("VLLM_GGUF_MOE_MARLIN", "VLLM_GGUF_DENSE_MARLIN",
                  "VLLM_BATCH_INVARIANT", "VLLM_SPARSE_INDEXER_CACHE"):
         monkeypatch.delenv(name, raising=False)
 
     def result(marlin=1, writes=0):
         return {"marlin_moe_calls": marlin, "dense_marlin_layers": None,
-                "q6_k_triton_calls": None, "keys16_cache_calls": {"write": writes, "gather": 1}}
+                "keys16_cache_calls": {"write": writes, "gather": 1}}
 
     got = acc.switch_counts("gguf-Q4_K_M", "portable-fp16", result())
     assert got == {"marlin_moe_calls": 1, "dense_marlin_layers": None,
-                   "q6_k_triton_calls": None, "keys16_writes": 0}
+                   "keys16_writes": 0}
     with pytest.raises(RuntimeError, match="VLLM_GGUF_MOE_MARLIN is on"):
         acc.switch_counts("gguf-Q4_K_M", "portable-fp16", result(marlin=0))
     acc.switch_counts("gguf-bf16", "portable-fp16", result(marlin=0))  # (no Q4_K there)
@@ -134,11 +96,10 @@ def test_switch_counts_check_what_ran(monkeypatch):
 def test_switches_read_as_their_modules_read_them(monkeypatch):
     """Each switch of SWITCHES is on for a path exactly where its module's enabled() is
     on in that path's environment."""
-    from vllm_gguf_plugin.quantization import linear_marlin, moe_marlin, q6_k_triton
+    from vllm_gguf_plugin.quantization import linear_marlin, moe_marlin
 
     modules = {"VLLM_GGUF_MOE_MARLIN": moe_marlin.enabled,
-               "VLLM_GGUF_DENSE_MARLIN": linear_marlin.enabled,
-               "VLLM_GGUF_Q6_K_TRITON": q6_k_triton.enabled.__wrapped__}
+               "VLLM_GGUF_DENSE_MARLIN": linear_marlin.enabled}
     assert set(modules) == set(acc.SWITCHES)
     monkeypatch.delenv("VLLM_BATCH_INVARIANT", raising=False)
     for switch, enabled in modules.items():

@@ -88,20 +88,6 @@ def count_dense_marlin_layers() -> dict[str, int] | None:
     return layers
 
 
-def count_q6_k_triton_calls() -> dict[str, int] | None:
-    """Count the linear Q6_K products on q6_k_triton's Triton GEMM
-    (in-process engine; with CUDA graphs, the eager steps' and the captures'); None
-    unless VLLM_GGUF_Q6_K_TRITON=1 turns them on."""
-    from vllm_gguf_plugin.quantization import q6_k_triton
-
-    if not q6_k_triton.enabled():
-        return None
-
-    calls = {"q6_k": 0}
-    count_into(calls, "q6_k", q6_k_triton, "mul_mat")
-    return calls
-
-
 def attention_backend_name(llm, layer_filter=None) -> str | None:
     """The attention backend the engine's layers use (in-process engine only): those
     whose name `layer_filter` takes, else all."""
@@ -183,7 +169,6 @@ def main():
     keys16_calls = count_keys16_cache_calls()
     marlin_calls = count_marlin_moe_calls()
     dense_marlin = count_dense_marlin_layers()
-    q6_k_calls = count_q6_k_triton_calls()
 
     # launches of Hopper's Gluon sparse MLA tiles (none where they cannot run): the
     # warp-specialized one and the 8-head fp8 one
@@ -241,7 +226,6 @@ def main():
         "keys16_cache_calls": keys16_calls,
         "marlin_moe_calls": marlin_calls and marlin_calls["moe"],
         "dense_marlin_layers": dense_marlin and dense_marlin["converted"],
-        "q6_k_triton_calls": q6_k_calls and q6_k_calls["q6_k"],
         "outputs": [
             {
                 "prompt_len": len(o.prompt_token_ids),

@@ -211,12 +211,11 @@ def _register_omni_diffusion_quantization() -> None:
 def _register_switches() -> None:
     from vllm import envs
 
-    from .quantization import linear_marlin, moe_marlin, q6_k_triton
+    from .quantization import linear_marlin, moe_marlin
 
     for name, enabled in (
         (linear_marlin.MARLIN_ENV, linear_marlin.enabled),
         (moe_marlin.MARLIN_ENV, moe_marlin.enabled),
-        (q6_k_triton.Q6_K_ENV, q6_k_triton.enabled),
     ):
         envs.environment_variables.setdefault(name, enabled)
 

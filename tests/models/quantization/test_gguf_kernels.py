@@ -150,8 +150,7 @@ class Engine:
         mp.setattr(current_platform, "get_device_capability",
                    lambda device_id=0: DeviceCapability(self.cap // 10, self.cap % 10))
         mp.setattr("vllm.envs.VLLM_BATCH_INVARIANT", False, raising=False)
-        for name in ("VLLM_GGUF_DENSE_MARLIN", "VLLM_GGUF_MOE_MARLIN",
-                     "VLLM_GGUF_Q6_K_TRITON"):
+        for name in ("VLLM_GGUF_DENSE_MARLIN", "VLLM_GGUF_MOE_MARLIN"):
             mp.delenv(name, raising=False)
         # dense kernels
         mp.setattr(ops, "ggml_mul_mat_vec_a8", _record(calls, MMVQ))

@@ -16,7 +16,6 @@ from .. import ops
 from . import batch_invariant  # overlay: batch-invariant products
 from . import dequant_triton  # overlay: Q4_K and Q6_K dequantized on Triton
 from . import linear_marlin  # overlay: Q4_K weights on vLLM's Marlin GEMM
-from . import q6_k_triton  # overlay: Q6_K products of a few tokens on a Triton GEMM
 from .params import (
     GGUFUninitializedWeightParameter,
     GGUFUninitializedWeightTypeParameter,
@@ -72,9 +71,6 @@ def _fused_mul_mat_gguf(
     # overlay: under VLLM_BATCH_INVARIANT one kernel for every token count
     if envs.VLLM_BATCH_INVARIANT:
         return batch_invariant.mul_mat(x, qweight, qweight_type)
-    # overlay: Q6_K of a few tokens on q6_k_triton's GEMM where asked
-    if q6_k_triton.takes(x, qweight_type):
-        return q6_k_triton.mul_mat(x, qweight)
     if x.shape[0] <= mmvq_safe and qweight_type in MMVQ_QUANT_TYPES:
         y = ops.ggml_mul_mat_vec_a8(qweight, x, qweight_type, qweight.shape[0])
     # overlay: MMQ only below dequant_gemm_min_tokens
