@@ -96,10 +96,10 @@ def test_switch_counts_check_what_ran(monkeypatch):
 def test_switches_read_as_their_modules_read_them(monkeypatch):
     """Each switch of SWITCHES is on for a path exactly where its module's enabled() is
     on in that path's environment."""
-    from vllm_gguf_plugin.quantization import linear_marlin, moe_marlin
+    from vllm_gguf_plugin.quantization import gguf_kernels
 
-    modules = {"VLLM_GGUF_MOE_MARLIN": moe_marlin.enabled,
-               "VLLM_GGUF_DENSE_MARLIN": linear_marlin.enabled}
+    modules = {"VLLM_GGUF_MOE_MARLIN": gguf_kernels.moe_marlin_enabled,
+               "VLLM_GGUF_DENSE_MARLIN": gguf_kernels.dense_marlin_enabled}
     assert set(modules) == set(acc.SWITCHES)
     monkeypatch.delenv("VLLM_BATCH_INVARIANT", raising=False)
     for switch, enabled in modules.items():

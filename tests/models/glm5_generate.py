@@ -65,9 +65,9 @@ def count_keys16_cache_calls() -> dict[str, int]:
 def count_marlin_moe_calls() -> dict[str, int] | None:
     """Count the calls into the Q4_K experts' Marlin MoE (in-process engine); None where
     VLLM_GGUF_MOE_MARLIN=0 turns it off."""
-    from vllm_gguf_plugin.quantization import moe_marlin
+    from vllm_gguf_plugin.quantization import gguf_kernels, moe_marlin
 
-    if not moe_marlin.enabled():
+    if not gguf_kernels.moe_marlin_enabled():
         return None
 
     calls = {"moe": 0}
@@ -78,9 +78,9 @@ def count_marlin_moe_calls() -> dict[str, int] | None:
 def count_dense_marlin_layers() -> dict[str, int] | None:
     """Count the linear layers converted for vLLM's Marlin GEMM (in-process engine); None
     unless VLLM_GGUF_DENSE_MARLIN=1 turns it on."""
-    from vllm_gguf_plugin.quantization import linear_marlin
+    from vllm_gguf_plugin.quantization import gguf_kernels, linear_marlin
 
-    if not linear_marlin.enabled():
+    if not gguf_kernels.dense_marlin_enabled():
         return None
 
     layers = {"converted": 0}

@@ -211,12 +211,9 @@ def _register_omni_diffusion_quantization() -> None:
 def _register_switches() -> None:
     from vllm import envs
 
-    from .quantization import linear_marlin, moe_marlin
+    from .quantization import gguf_kernels
 
-    for name, enabled in (
-        (linear_marlin.MARLIN_ENV, linear_marlin.enabled),
-        (moe_marlin.MARLIN_ENV, moe_marlin.enabled),
-    ):
+    for name, enabled in gguf_kernels.SWITCHES.items():
         envs.environment_variables.setdefault(name, enabled)
 
 

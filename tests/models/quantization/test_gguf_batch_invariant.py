@@ -79,7 +79,7 @@ def test_dense_default_picks_by_token_count(recorder, monkeypatch, qtype, big):
     dequant_gemm_min_tokens (a prefill's 256 tokens; Q4_K and Q6_K, measured faster
     dequantized at GLM-5's shapes from 16) and dequantize + GEMM from there on
     (I-quants: from past MMVQ)."""
-    from vllm_gguf_plugin.quantization.linear import dequant_gemm_min_tokens
+    from vllm_gguf_plugin.quantization.gguf_kernels import dequant_gemm_min_tokens
 
     assert dequant_gemm_min_tokens(int(qtype)) == big
     monkeypatch.setattr("vllm.envs.VLLM_BATCH_INVARIANT", False, raising=False)
@@ -200,8 +200,8 @@ def test_prefill_product_matches_dequantized_weights(monkeypatch, qtype):
     dequantizes it, and MMQ's result below it agrees within its int8 activations' error."""
     import gguf
     import numpy as np
-    from vllm_gguf_plugin.quantization.linear import (_fused_mul_mat_gguf,
-                                                      dequant_gemm_min_tokens)
+    from vllm_gguf_plugin.quantization.gguf_kernels import dequant_gemm_min_tokens
+    from vllm_gguf_plugin.quantization.linear import _fused_mul_mat_gguf
 
     monkeypatch.setattr("vllm.envs.VLLM_BATCH_INVARIANT", False, raising=False)
     gen = np.random.default_rng(0)

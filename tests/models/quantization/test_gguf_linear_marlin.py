@@ -30,13 +30,11 @@ from tests.models.quantization.test_gguf_moe_marlin import dequantize, q4_k_bloc
     ({T.Q8_0}, 2624, 90, False),
 ])
 def test_which_layers_convert(monkeypatch, types, n, cap, converts):
-    from vllm.platforms import current_platform
-    from vllm_gguf_plugin.quantization import linear_marlin
+    from vllm_gguf_plugin.quantization import gguf_kernels
 
-    monkeypatch.setattr(current_platform, "is_cuda", lambda: True)
-    monkeypatch.setattr(current_platform, "has_device_capability",
-                        lambda c, device_id=0: cap >= c)
-    assert linear_marlin.marlin_takes({int(t) for t in types}, n) == converts
+    monkeypatch.setenv(gguf_kernels.DENSE_MARLIN_ENV, "1")
+    assert gguf_kernels.dense_marlin({int(t) for t in types}, n, capability=cap,
+                                     batch_invariant=False) == converts
 
 
 def test_weight_types_are_each_shards():
@@ -53,17 +51,21 @@ def test_weight_types_are_each_shards():
 def test_off_unless_asked(monkeypatch):
     """Off with VLLM_GGUF_DENSE_MARLIN unset or 0: convert_layer leaves every layer to the
     GGUF kernels without reading it; with 1 on, except under batch invariance."""
-    from vllm_gguf_plugin.quantization import linear_marlin
+    from vllm_gguf_plugin.quantization import gguf_kernels
 
-    monkeypatch.delenv(linear_marlin.MARLIN_ENV, raising=False)
-    assert not linear_marlin.enabled()
-    assert linear_marlin.convert_layer(object(), torch.float16) is False
-    monkeypatch.setenv(linear_marlin.MARLIN_ENV, "0")
-    assert not linear_marlin.enabled()
-    monkeypatch.setenv(linear_marlin.MARLIN_ENV, "1")
-    assert linear_marlin.enabled()
-    monkeypatch.setattr("vllm.envs.VLLM_BATCH_INVARIANT", True, raising=False)
-    assert linear_marlin.convert_layer(object(), torch.float16) is False
+    def converts():
+        return gguf_kernels.dense_marlin({int(T.Q4_K)}, 2624, capability=90,
+                                         batch_invariant=bi)
+
+    bi = False
+    monkeypatch.delenv(gguf_kernels.DENSE_MARLIN_ENV, raising=False)
+    assert not gguf_kernels.dense_marlin_enabled() and not converts()
+    monkeypatch.setenv(gguf_kernels.DENSE_MARLIN_ENV, "0")
+    assert not gguf_kernels.dense_marlin_enabled() and not converts()
+    monkeypatch.setenv(gguf_kernels.DENSE_MARLIN_ENV, "1")
+    assert gguf_kernels.dense_marlin_enabled() and converts()
+    bi = True
+    assert not converts()
 
 
 def unpack_int4_rows(packed: torch.Tensor) -> torch.Tensor:
@@ -80,8 +82,7 @@ def _cpu_stand_ins(monkeypatch):
     """The CUDA parts as float32 stand-ins: the repack and the scales' permutation leave
     GPTQ's layout as it is, Marlin's GEMM reads it unpacked, the workspace is a zero."""
     import vllm._custom_ops as ops
-    from vllm.platforms import current_platform
-    from vllm_gguf_plugin.quantization import linear_marlin
+    from vllm_gguf_plugin.quantization import gguf_kernels, linear_marlin
 
     def marlin_linear(a, qweight, scales, zp, g_idx, perm, workspace, wtype, n, k, is_k_full):
         assert (qweight.shape, scales.shape, is_k_full) == ((k // 8, n), (k // 32, n), True)
@@ -92,8 +93,7 @@ def _cpu_stand_ins(monkeypatch):
     monkeypatch.setattr(linear_marlin, "marlin_permute_scales", lambda s, k, n, g: s)
     monkeypatch.setattr(linear_marlin, "marlin_make_workspace_new", lambda d: torch.zeros(1))
     monkeypatch.setattr(linear_marlin, "apply_gptq_marlin_linear", marlin_linear)
-    monkeypatch.setattr(current_platform, "is_cuda", lambda: True)
-    monkeypatch.setattr(current_platform, "has_device_capability", lambda c, device_id=0: True)
+    monkeypatch.setattr(gguf_kernels, "device_capability", lambda: 90)
 
 
 @pytest.mark.parametrize("dtype,eps", [(torch.float16, 2.0**-11), (torch.bfloat16, 2.0**-8)])
@@ -138,7 +138,7 @@ def test_converted_layer_on_the_cpu(monkeypatch, tokens):
     from vllm_gguf_plugin.quantization import linear_marlin
 
     _cpu_stand_ins(monkeypatch)
-    monkeypatch.setenv(linear_marlin.MARLIN_ENV, "1")
+    monkeypatch.setenv("VLLM_GGUF_DENSE_MARLIN", "1")
     monkeypatch.setattr("vllm.envs.VLLM_BATCH_INVARIANT", False, raising=False)
     n, k, dtype = 128, 512, torch.float16
     blocks = q4_k_blocks(n, k, 3)
@@ -163,7 +163,7 @@ def test_convert_layer_leaves_other_layers(monkeypatch):
     from vllm_gguf_plugin.quantization import linear_marlin
 
     _cpu_stand_ins(monkeypatch)
-    monkeypatch.setenv(linear_marlin.MARLIN_ENV, "1")
+    monkeypatch.setenv("VLLM_GGUF_DENSE_MARLIN", "1")
     monkeypatch.setattr("vllm.envs.VLLM_BATCH_INVARIANT", False, raising=False)
     layer = _gguf_layer(q4_k_blocks(128, 512, 5), {0: int(T.Q4_K), 1: int(T.Q6_K)})
     assert linear_marlin.convert_layer(layer, torch.float16) is False
@@ -180,7 +180,7 @@ def test_input_embedding_keeps_its_gguf_rows(monkeypatch):
     from vllm_gguf_plugin.quantization import linear_marlin
 
     _cpu_stand_ins(monkeypatch)
-    monkeypatch.setenv(linear_marlin.MARLIN_ENV, "1")
+    monkeypatch.setenv("VLLM_GGUF_DENSE_MARLIN", "1")
     monkeypatch.setattr("vllm.envs.VLLM_BATCH_INVARIANT", False, raising=False)
     blocks = q4_k_blocks(128, 512, 8)
     embedding = _gguf_layer(blocks.clone(), kind=VocabParallelEmbedding)
@@ -229,9 +229,9 @@ def test_the_accuracy_runs_count_converted_layers(monkeypatch):
 
     converts = iter([True, False, True])
     monkeypatch.setattr(linear_marlin, "convert_layer", lambda *a: next(converts))
-    monkeypatch.delenv(linear_marlin.MARLIN_ENV, raising=False)
+    monkeypatch.delenv("VLLM_GGUF_DENSE_MARLIN", raising=False)
     assert count_dense_marlin_layers() is None
-    monkeypatch.setenv(linear_marlin.MARLIN_ENV, "1")
+    monkeypatch.setenv("VLLM_GGUF_DENSE_MARLIN", "1")
     counted = count_dense_marlin_layers()
     method = _loaded_method(monkeypatch, torch.float16)
     for _ in range(3):
@@ -249,7 +249,7 @@ def test_marlin_linear_matches_float32(monkeypatch, dtype, limit, tokens, n, k):
     int8 activations are 0.5% off (docs/results.md)."""
     from vllm_gguf_plugin.quantization import linear_marlin
 
-    monkeypatch.setenv(linear_marlin.MARLIN_ENV, "1")
+    monkeypatch.setenv("VLLM_GGUF_DENSE_MARLIN", "1")
     blocks = q4_k_blocks(n, k, 7)
     layer = _gguf_layer(blocks.cuda())
     assert linear_marlin.convert_layer(layer, dtype) is True

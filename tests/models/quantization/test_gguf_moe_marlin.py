@@ -143,30 +143,30 @@ def test_routed_product_matches_float32(experts, sorted_pairs, group, weighted):
     ((T.Q8_0, T.Q8_0), 90, (False, False)),
 ])
 def test_which_layers_convert(monkeypatch, types, cap, converts):
-    from vllm.platforms import current_platform
-    from vllm_gguf_plugin.quantization import moe_marlin
+    from vllm_gguf_plugin.quantization import gguf_kernels
 
-    monkeypatch.setattr(current_platform, "is_cuda", lambda: True)
-    monkeypatch.setattr(current_platform, "has_device_capability",
-                        lambda c, device_id=0: cap >= c)
-    assert moe_marlin.marlin_takes(*map(int, types)) == converts
+    monkeypatch.delenv(gguf_kernels.MOE_MARLIN_ENV, raising=False)
+    assert gguf_kernels.moe_marlin(*map(int, types), capability=cap,
+                                   batch_invariant=False) == converts
 
 
 def test_on_unless_turned_off(monkeypatch):
     """On with VLLM_GGUF_MOE_MARLIN unset or 1; with 0, or batch invariance asked for,
     convert_layer leaves every layer to the GGUF kernels without reading it."""
-    from vllm_gguf_plugin.quantization import moe_marlin
+    from vllm_gguf_plugin.quantization import gguf_kernels
 
-    monkeypatch.delenv(moe_marlin.MARLIN_ENV, raising=False)
-    assert moe_marlin.enabled()
-    monkeypatch.setenv(moe_marlin.MARLIN_ENV, "0")
-    assert not moe_marlin.enabled()
-    assert moe_marlin.convert_layer(object(), torch.float16) is None
-    monkeypatch.setenv(moe_marlin.MARLIN_ENV, "1")
-    assert moe_marlin.enabled()
+    def converts(bi=False):
+        return gguf_kernels.moe_marlin(int(T.Q4_K), int(T.Q4_K), capability=90,
+                                       batch_invariant=bi)
+
+    monkeypatch.delenv(gguf_kernels.MOE_MARLIN_ENV, raising=False)
+    assert gguf_kernels.moe_marlin_enabled() and converts() == (True, True)
+    monkeypatch.setenv(gguf_kernels.MOE_MARLIN_ENV, "0")
+    assert not gguf_kernels.moe_marlin_enabled() and converts() == (False, False)
+    monkeypatch.setenv(gguf_kernels.MOE_MARLIN_ENV, "1")
+    assert gguf_kernels.moe_marlin_enabled() and converts() == (True, True)
     # batch invariance keeps the GGUF kernels: Marlin's tiles follow the token count
-    monkeypatch.setattr("vllm.envs.VLLM_BATCH_INVARIANT", True, raising=False)
-    assert moe_marlin.convert_layer(object(), torch.float16) is None
+    assert converts(bi=True) == (False, False)
 
 
 @pytest.mark.parametrize("down_type", [T.Q4_K, T.Q6_K])
@@ -175,13 +175,11 @@ def test_convert_layer_keeps_a_gguf_down_product(monkeypatch, down_type):
     product keeps its stack (the GGUF kernels read it after Marlin's gate_up)."""
     from types import SimpleNamespace
 
-    from vllm.platforms import current_platform
-    from vllm_gguf_plugin.quantization import moe_marlin
+    from vllm_gguf_plugin.quantization import gguf_kernels, moe_marlin
 
-    monkeypatch.delenv(moe_marlin.MARLIN_ENV, raising=False)
+    monkeypatch.delenv(gguf_kernels.MOE_MARLIN_ENV, raising=False)
     monkeypatch.setattr("vllm.envs.VLLM_BATCH_INVARIANT", False, raising=False)
-    monkeypatch.setattr(current_platform, "is_cuda", lambda: True)
-    monkeypatch.setattr(current_platform, "has_device_capability", lambda c, device_id=0: True)
+    monkeypatch.setattr(gguf_kernels, "device_capability", lambda: 90)
     monkeypatch.setattr(moe_marlin, "marlin_experts", lambda w, dtype: ("marlin", w.shape))
 
     def param(*shape):

@@ -1,7 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 """Routed GGUF experts of a long prefill (vllm_gguf_plugin.quantization.moe_prefill).
 
-From DEQUANT_MOE_MIN_TOKENS tokens on the experts are dequantized a group at a time and
+From dequant_moe_min_tokens tokens on the experts are dequantized a group at a time and
 run through vLLM's 16-bit fused MoE, with an expert map per group, instead of the
 plugin's MMQ or one-pair kernels, whose time grows with every token.
 
@@ -9,7 +9,7 @@ CPU: which path each token count takes, by quant type (the kernels are recorded,
 run; moe_triton_tiles' Triton tiles among them); the groups' outputs add up to the MoE
 of every expert at once, with gguf-py's dequantization and a float32 loop standing in
 for the CUDA ops and vLLM's fused experts. GPU: the plugin's MoE op from
-DEQUANT_MOE_MIN_TOKENS tokens on, in several groups, against float32 products of
+dequant_moe_min_tokens tokens on, in several groups, against float32 products of
 gguf-py's dequantization.
 """
 
@@ -60,7 +60,7 @@ def _float32_moe(x, w13, w2, types, topk_weights, topk_ids) -> torch.Tensor:
     return bench._moe_reference(x, w13_32, w2_32, topk_weights, topk_ids)
 
 
-# the calls of each product at 1, 16, 32, 65, 384, 768, DEQUANT_MOE_MIN_TOKENS, 3072 and
+# the calls of each product at 1, 16, 32, 65, 384, 768, dequant_moe_min_tokens, 3072 and
 # 6144 tokens (the one-pair and MMQ kernels and the Triton tiles run each product, the
 # dequantized experts both at once)
 COUNTS = (1, 16, 32, 65, 384, 768, 1024, 3072, 6144)
@@ -81,15 +81,16 @@ PATHS = {
 
 @pytest.mark.parametrize("types", list(PATHS))
 def test_kernel_by_token_count(monkeypatch, types):
-    """Below DEQUANT_MOE_MIN_TOKENS the plugin's own choice (its one-pair kernel up to 64
+    """Below dequant_moe_min_tokens the plugin's own choice (its one-pair kernel up to 64
     tokens, MMQ beyond for K-quants and legacy quants, the one-pair kernel at every count
     for I-quants), except that MMQ starts at 32 tokens for Q4_K and Q8_0 and at 16 for
     Q6_K (the later of a layer's two types), and where moe_triton_tiles has a Triton tile
     for a product's type (Q4_K: 32 token rows from 384 tokens, 64 from 768 to 6143; Q6_K:
-    64 from 768 to 3071; when both products have one, also past DEQUANT_MOE_MIN_TOKENS);
+    64 from 768 to 3071; when both products have one, also past dequant_moe_min_tokens);
     from there on dequant_fused_moe, whose result is returned."""
     from vllm_gguf_plugin import ops
-    from vllm_gguf_plugin.quantization import fused_moe, moe_prefill, moe_triton_tiles
+    from vllm_gguf_plugin.quantization import (fused_moe, gguf_kernels, moe_prefill,
+                                               moe_triton_tiles)
 
     calls = []
 
@@ -99,8 +100,8 @@ def test_kernel_by_token_count(monkeypatch, types):
             return torch.zeros(args[-1] * args[top_k_at], w.shape[1], dtype=x.dtype)
         return run
 
-    def triton(x, w, qweight_type, tile, topk_ids, rows, top_k, tokens):
-        calls.append(f"triton-bm{tile.block_m}")
+    def triton(x, w, qweight_type, block_m, topk_ids, rows, top_k, tokens):
+        calls.append(f"triton-bm{block_m}")
         return torch.zeros(tokens * top_k, rows, dtype=x.dtype)
 
     def dequant(x, *args):
@@ -115,7 +116,7 @@ def test_kernel_by_token_count(monkeypatch, types):
     monkeypatch.setattr(moe_triton_tiles, "triton_moe_product", triton)
     monkeypatch.setattr(fused_moe, "apply_moe_activation",
                         lambda act, out, inp: out.copy_(bench._silu_and_mul(inp)))
-    big = moe_prefill.DEQUANT_MOE_MIN_TOKENS
+    big = gguf_kernels.TABLE.dequant_moe_min_tokens
     align = "vllm.model_executor.layers.fused_moe.fused_moe.moe_align_block_size"
     with patch(align, lambda ids, block, e: (torch.zeros(1), torch.zeros(1), torch.zeros(1))):
         assert big == 1024
@@ -144,7 +145,7 @@ DOWN_PATHS = {
 def test_down_kernel_by_token_count(monkeypatch, qtype):
     """A layer whose gate_up runs on Marlin keeps its down product on the kernel
     _fused_moe_gguf would pick for that type alone, a row per (token, expert) pair:
-    the one-pair kernel, MMQ, a Triton tile, or from DEQUANT_MOE_MIN_TOKENS on the
+    the one-pair kernel, MMQ, a Triton tile, or from dequant_moe_min_tokens on the
     dequantized experts (dequant_moe_product), whose result is returned."""
     from vllm_gguf_plugin import ops
     from vllm_gguf_plugin.quantization import fused_moe, moe_prefill, moe_triton_tiles
@@ -158,8 +159,8 @@ def test_down_kernel_by_token_count(monkeypatch, qtype):
             return torch.zeros(x.shape[0], w.shape[1], dtype=x.dtype)
         return run
 
-    def triton(x, w, qweight_type, tile, topk_ids, rows, top_k, tokens):
-        calls.append(f"triton-bm{tile.block_m}")
+    def triton(x, w, qweight_type, block_m, topk_ids, rows, top_k, tokens):
+        calls.append(f"triton-bm{block_m}")
         assert top_k == 1 and tokens == x.shape[0]
         return torch.zeros(tokens, rows, dtype=x.dtype)
 
@@ -219,9 +220,11 @@ def test_down_expert_groups_add_up(monkeypatch, group_values, groups):
 def test_triton_tiles_cover_rising_counts():
     # each type's tiles in rising, disjoint token counts, all past the one-pair
     # kernel's 64, each tile a power of two of at least 16 rows (tensor-core dots)
-    from vllm_gguf_plugin.quantization import moe_triton_tiles as mtt
+    from vllm_gguf_plugin.quantization import gguf_kernels as mtt
+    from vllm_gguf_plugin.quantization.moe_triton_tiles import TRITON_MOE_KERNELS
 
-    for qtype, (_, tiles) in mtt.TRITON_MOE_TILES.items():
+    assert set(mtt.TABLE.triton_moe_tiles) == set(TRITON_MOE_KERNELS)
+    for qtype, tiles in mtt.TABLE.triton_moe_tiles.items():
         assert tiles[0].first > 64, qtype
         for a, b in zip(tiles, tiles[1:]):
             assert a.first <= a.last < b.first <= b.last, qtype
@@ -234,14 +237,15 @@ def test_triton_tiles_cover_rising_counts():
 
 
 def test_mmq_from_fewer_tokens_only_for_mmq_types():
-    # MMQ_MIN_TOKENS only moves MMQ earlier, for types the plugin has MMQ for, and a
-    # layer starts MMQ at the later of its two types' counts
-    from vllm_gguf_plugin.quantization import moe_triton_tiles as mtt
+    # the table's MMQ counts only move MMQ earlier, for types the plugin has MMQ for, and
+    # a layer starts MMQ at the later of its two types' counts
+    from vllm_gguf_plugin.quantization import gguf_kernels as mtt
     from vllm_gguf_plugin.quantization.utils import MMQ_QUANT_TYPES
 
-    assert mtt.PLUGIN_MMQ_MIN_TOKENS == 65
-    for qtype, first in mtt.MMQ_MIN_TOKENS.items():
-        assert qtype in MMQ_QUANT_TYPES and 1 < first < mtt.PLUGIN_MMQ_MIN_TOKENS, qtype
+    plugin = mtt.TABLE.plugin_mmq_min_tokens
+    assert plugin == 65
+    for qtype, first in mtt.TABLE.mmq_min_tokens_by_type.items():
+        assert qtype in MMQ_QUANT_TYPES and 1 < first < plugin, qtype
     assert mtt.mmq_min_tokens(int(T.Q4_K), int(T.Q6_K)) == 32
     assert mtt.mmq_min_tokens(int(T.Q6_K), int(T.Q6_K)) == 16
     assert mtt.mmq_min_tokens(int(T.Q6_K), int(T.Q5_K)) == 65
@@ -283,13 +287,13 @@ def test_expert_groups_add_up_to_all_experts(monkeypatch, group_values, groups):
 @pytest.mark.gpu
 @pytest.mark.parametrize("types", [(T.Q4_K, T.Q6_K), (T.Q8_0, T.Q8_0), (T.IQ2_S, T.IQ3_S)])
 def test_long_prefill_matches_float32(monkeypatch, types):
-    """The plugin's MoE op at DEQUANT_MOE_MIN_TOKENS tokens, in 3 expert groups, against
+    """The plugin's MoE op at dequant_moe_min_tokens tokens, in 3 expert groups, against
     float32 products of gguf-py's dequantization."""
     from vllm_gguf_plugin.quantization import moe_prefill
     from vllm_gguf_plugin.quantization.fused_moe import _fused_moe_gguf
 
     e, h, i, top_k = 12, 512, 256, 4
-    m = moe_prefill.DEQUANT_MOE_MIN_TOKENS
+    m = gguf_kernels.TABLE.dequant_moe_min_tokens
     monkeypatch.setattr("vllm.envs.VLLM_BATCH_INVARIANT", False, raising=False)
     monkeypatch.setattr(moe_prefill, "DEQUANT_MOE_GROUP_VALUES", 4 * 2 * i * h)
     w13 = _random_blocks(types[0], e * 2 * i, h, 0).cuda().view(e, 2 * i, -1)

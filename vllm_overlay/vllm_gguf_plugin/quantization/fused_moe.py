@@ -24,9 +24,11 @@ from vllm.utils.torch_utils import direct_register_custom_op
 
 from .. import ops
 from . import batch_invariant  # overlay: batch-invariant products
+from . import gguf_kernels  # overlay: the kernel of each product
+from .gguf_kernels import GGUFKernel  # overlay: as above
 from .moe_expert_groups import moe_by_expert_group  # overlay: experts past 2 GiB
 from . import moe_prefill  # overlay: long prefills dequantize the experts
-from . import moe_triton_tiles  # overlay: MMQ and Triton MoE tiles where measured faster
+from . import moe_triton_tiles  # overlay: Triton MoE tiles where measured faster
 from . import moe_marlin  # overlay: Q4_K experts on vLLM's Marlin MoE
 from .params import (
     GGUFUninitializedWeightParameter,
@@ -34,8 +36,7 @@ from .params import (
     _gguf_moe_weight_loader,
     _gguf_moe_weight_type_loader,
 )
-from .utils import MMQ_QUANT_TYPES, MMVQ_QUANT_TYPES, logger
-from .utils import DEQUANT_TYPES  # overlay: as moe_prefill
+from .utils import logger  # overlay: gguf_kernels reads the type lists
 
 
 def _fused_moe_gguf(
@@ -59,44 +60,35 @@ def _fused_moe_gguf(
 
     from vllm.model_executor.layers.fused_moe.fused_moe import moe_align_block_size
 
-    # overlay: under VLLM_BATCH_INVARIANT one kernel for every token count
-    if envs.VLLM_BATCH_INVARIANT:
+    # overlay: gguf_kernels decides the kernel of each product (batch invariance: one
+    # for every token count; a long prefill: the experts dequantized, vLLM's fused MoE)
+    launch = gguf_kernels.moe_launch(qweight_type, qweight_type2, x.shape[0],
+                                     batch_invariant=envs.VLLM_BATCH_INVARIANT)
+    gate_up, down = launch.gate_up, launch.down
+    if gate_up.kernel is GGUFKernel.BATCH_INVARIANT:
         return batch_invariant.fused_moe(
             x, w1, w2, topk_weights, topk_ids, qweight_type, qweight_type2, act
         )
-    # overlay: Triton tiles of both products, else a long prefill dequantizes the
-    # experts and runs vLLM's 16-bit fused MoE
-    tile1 = moe_triton_tiles.triton_tile(qweight_type, x.shape[0])
-    tile2 = moe_triton_tiles.triton_tile(qweight_type2, x.shape[0])
-    if (
-        x.shape[0] >= moe_prefill.DEQUANT_MOE_MIN_TOKENS
-        and qweight_type in DEQUANT_TYPES
-        and qweight_type2 in DEQUANT_TYPES
-        and not (tile1 and tile2)
-    ):
+    if gate_up.kernel is GGUFKernel.DEQUANT:
         return moe_prefill.dequant_fused_moe(
             x, w1, w2, topk_weights, topk_ids, qweight_type, qweight_type2,
             activation_enum,
         )
     out_hidden_states = torch.empty_like(x)
-    if (
-        qweight_type2 in MMQ_QUANT_TYPES
-        and qweight_type in MMQ_QUANT_TYPES
-        # overlay: from fewer tokens for the types measured faster there
-        and x.shape[0] >= moe_triton_tiles.mmq_min_tokens(qweight_type, qweight_type2)
-    ):
+    # overlay: MMQ or the Triton tiles, as the launch says
+    if gate_up.kernel in (GGUFKernel.MMQ, GGUFKernel.TRITON_MOE):
         num_tokens, _ = x.shape
         E, N, _ = w1.shape
         top_k = topk_ids.shape[1]
-        if not (tile1 and tile2):  # overlay: a product runs MMQ
+        if GGUFKernel.MMQ in (gate_up.kernel, down.kernel):  # overlay: a product runs MMQ
             block_size = ops.ggml_moe_get_block_size(qweight_type)
             sorted_token_ids, expert_ids, num_tokens_post_padded = moe_align_block_size(
                 topk_ids, block_size, E
             )
         # overlay: in expert groups whose offsets fit the kernel's 32 bits
-        if tile1:  # overlay: or the Triton kernel
+        if gate_up.kernel is GGUFKernel.TRITON_MOE:  # overlay: or the Triton kernel
             out = moe_triton_tiles.triton_moe_product(
-                x, w1, qweight_type, tile1, topk_ids, N, top_k, num_tokens
+                x, w1, qweight_type, gate_up.block_m, topk_ids, N, top_k, num_tokens
             )
         else:
             out = moe_by_expert_group(
@@ -113,9 +105,10 @@ def _fused_moe_gguf(
                 num_tokens,
             )
         out = act(out)
-        if tile2:  # overlay: as above
+        if down.kernel is GGUFKernel.TRITON_MOE:  # overlay: as above
             out = moe_triton_tiles.triton_moe_product(
-                out, w2, qweight_type2, tile2, topk_ids, w2.shape[1], 1, num_tokens * top_k
+                out, w2, qweight_type2, down.block_m, topk_ids, w2.shape[1], 1,
+                num_tokens * top_k,
             )
         else:
             out = moe_by_expert_group(  # overlay: as above
@@ -135,7 +128,7 @@ def _fused_moe_gguf(
             topk_weights.view(num_tokens, top_k, 1)
         )
         ops.moe_sum(out, out_hidden_states)
-    elif qweight_type2 in MMVQ_QUANT_TYPES and qweight_type in MMVQ_QUANT_TYPES:
+    elif gate_up.kernel is GGUFKernel.MMVQ:  # overlay: as above
         num_tokens, _ = x.shape
         E, N, _ = w1.shape
         top_k = topk_ids.shape[1]
@@ -183,16 +176,14 @@ def _gguf_moe_down(
     from vllm.model_executor.layers.fused_moe.fused_moe import moe_align_block_size
 
     tokens, rows, n = topk_ids.shape[0], x.shape[0], w.shape[1]
-    tile = moe_triton_tiles.triton_tile(qweight_type, tokens)
-    if tile:
+    launch = gguf_kernels.marlin_gguf_down(qweight_type, tokens)
+    if launch.kernel is GGUFKernel.TRITON_MOE:
         return moe_triton_tiles.triton_moe_product(
-            x, w, qweight_type, tile, topk_ids, n, 1, rows
+            x, w, qweight_type, launch.block_m, topk_ids, n, 1, rows
         )
-    if tokens >= moe_prefill.DEQUANT_MOE_MIN_TOKENS and qweight_type in DEQUANT_TYPES:
+    if launch.kernel is GGUFKernel.DEQUANT:
         return moe_prefill.dequant_moe_product(x, w, qweight_type, topk_ids)
-    if qweight_type in MMQ_QUANT_TYPES and tokens >= moe_triton_tiles.mmq_min_tokens(
-        qweight_type, qweight_type
-    ):
+    if launch.kernel is GGUFKernel.MMQ:
         sorted_token_ids, expert_ids, num_tokens_post_padded = moe_align_block_size(
             topk_ids, ops.ggml_moe_get_block_size(qweight_type), w.shape[0]
         )

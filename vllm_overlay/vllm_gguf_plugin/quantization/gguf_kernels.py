@@ -256,8 +256,9 @@ def _moe_product(tile: TritonMoETile | None) -> GGUFLaunch:
     return GGUFLaunch(GGUFKernel.MMQ)
 
 
-def _marlin_gguf_down(qweight_type: int, tokens: int) -> GGUFLaunch:
-    """The GGUF down product after Marlin's gate_up (moe_marlin.py)."""
+def marlin_gguf_down(qweight_type: int, tokens: int) -> GGUFLaunch:
+    """The kernel of a GGUF down product after Marlin's gate_up (moe_marlin.py), over
+    `tokens` tokens: the one the GGUF MoE takes for its type alone."""
     tile = triton_tile(qweight_type, tokens)
     if tile is not None:
         return GGUFLaunch(GGUFKernel.TRITON_MOE, tile.block_m)
@@ -279,7 +280,7 @@ def moe_launch(qweight_type: int, qweight_type2: int, tokens: int, *,
     a DEQUANT down product runs alone (dequant_moe_product)."""
     if marlin[0]:
         down = (GGUFLaunch(GGUFKernel.MARLIN) if marlin[1]
-                else _marlin_gguf_down(qweight_type2, tokens))
+                else marlin_gguf_down(qweight_type2, tokens))
         return GGUFMoELaunch(GGUFLaunch(GGUFKernel.MARLIN), down)
     types = (qweight_type, qweight_type2)
 

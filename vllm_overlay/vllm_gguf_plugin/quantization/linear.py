@@ -15,6 +15,8 @@ from vllm.utils.torch_utils import direct_register_custom_op
 from .. import ops
 from . import batch_invariant  # overlay: batch-invariant products
 from . import dequant_triton  # overlay: Q4_K and Q6_K dequantized on Triton
+from . import gguf_kernels  # overlay: the kernel of each product
+from .gguf_kernels import GGUFKernel  # overlay: as above
 from . import linear_marlin  # overlay: Q4_K weights on vLLM's Marlin GEMM
 from .params import (
     GGUFUninitializedWeightParameter,
@@ -26,26 +28,10 @@ from .params import (
     _resolve_gguf_weight_loader,
     _resolve_gguf_weight_type_loader,
 )
-from .utils import (
+from .utils import (  # overlay: the other type lists are gguf_kernels'
     DEQUANT_TYPES,
-    IMATRIX_QUANT_TYPES,
-    MMQ_QUANT_TYPES,
-    MMVQ_QUANT_TYPES,
     UNQUANTIZED_TYPES,
 )
-
-
-# overlay: from this many tokens on (a prefill), dequantize + 16-bit GEMM runs far faster than
-# the int8 MMQ kernel, whose time grows with every token (docs/results.md, "GGUF products")
-DEQUANT_GEMM_MIN_TOKENS = 256
-# overlay: from fewer for the types measured at GLM-5's dense shapes (docs/results.md, "Dense
-# Q4_K and Q6_K products with the Triton dequantization"): faster there on every shape from 16
-DEQUANT_GEMM_MIN_TOKENS_BY_TYPE = {int(WeightType.Q4_K): 16, int(WeightType.Q6_K): 16}
-
-
-def dequant_gemm_min_tokens(qweight_type: int) -> int:
-    """The fewest tokens whose product dequantizes for a 16-bit GEMM, not MMQ."""
-    return DEQUANT_GEMM_MIN_TOKENS_BY_TYPE.get(qweight_type, DEQUANT_GEMM_MIN_TOKENS)
 
 
 # overlay: the dense and the routed products' dequantization: Q4_K and Q6_K on Triton (the
@@ -60,23 +46,21 @@ def dequantize(qweight: torch.Tensor, qweight_type: int, rows: int, cols: int,
 def _fused_mul_mat_gguf(
     x: torch.Tensor, qweight: torch.Tensor, qweight_type: int
 ) -> torch.Tensor:
-    if qweight_type in IMATRIX_QUANT_TYPES:
-        mmvq_safe = 8 if qweight.shape[0] > 5120 else 16
-    else:
-        mmvq_safe = 2 if qweight.shape[0] > 5120 else 6
+    # overlay: the MMVQ bounds moved to gguf_kernels (mmvq_max_tokens)
     if x.shape[0] == 0:
         return torch.empty(x.shape[0], qweight.shape[0], dtype=x.dtype, device=x.device)
-    if qweight_type in UNQUANTIZED_TYPES:
+    # overlay: gguf_kernels decides the kernel (batch invariance: one for every count)
+    kernel = gguf_kernels.dense_launch(qweight_type, x.shape[0], qweight.shape[0],
+                                       batch_invariant=envs.VLLM_BATCH_INVARIANT).kernel
+    if kernel is GGUFKernel.PLAIN:  # overlay: as above
         return x @ qweight.T
-    # overlay: under VLLM_BATCH_INVARIANT one kernel for every token count
-    if envs.VLLM_BATCH_INVARIANT:
+    if kernel is GGUFKernel.BATCH_INVARIANT:  # overlay: as above
         return batch_invariant.mul_mat(x, qweight, qweight_type)
-    if x.shape[0] <= mmvq_safe and qweight_type in MMVQ_QUANT_TYPES:
+    if kernel is GGUFKernel.MMVQ:  # overlay: as above
         y = ops.ggml_mul_mat_vec_a8(qweight, x, qweight_type, qweight.shape[0])
-    # overlay: MMQ only below dequant_gemm_min_tokens
-    elif qweight_type in MMQ_QUANT_TYPES and x.shape[0] < dequant_gemm_min_tokens(qweight_type):
+    elif kernel is GGUFKernel.MMQ:  # overlay: as above
         y = ops.ggml_mul_mat_a8(qweight, x, qweight_type, qweight.shape[0])
-    elif qweight_type in DEQUANT_TYPES:
+    elif kernel is GGUFKernel.DEQUANT:  # overlay: as above
         block_size, type_size = gguf.GGML_QUANT_SIZES[qweight_type]
         shape = (qweight.shape[0], qweight.shape[1] // type_size * block_size)
         weight = dequantize(qweight, qweight_type, *shape, x.dtype)  # overlay: see above

@@ -9,18 +9,15 @@ tenth of their error, and 0.5-1.2x at one token, where the two small attention
 projections lose (H200, 2026-12-04, in the history of docs/results.md).
 
 Off unless VLLM_GGUF_DENSE_MARLIN=1: its effect on a whole decode step is not measured
-yet. Then a linear layer converts when every shard of its weight is Q4_K, on SM80 or
-later, with its output rows a multiple of Marlin's 64, outside batch-invariant mode; it
-runs Marlin at every token count and keeps no GGUF bytes. The output head converts as a
+yet. Then a linear layer converts where gguf_kernels.dense_marlin says (every shard of
+its weight Q4_K, on SM80 or later, its output rows a multiple of Marlin's 64, outside
+batch-invariant mode); it runs Marlin at every token count and keeps no GGUF bytes. The output head converts as a
 linear layer; an input embedding (GGUFEmbeddingMethod's lookup) never does.
 """
-
-import os
 
 import torch
 import vllm.envs as envs
 from vllm.model_executor.layers.quantization.utils.marlin_utils import (
-    GPTQ_MARLIN_MIN_THREAD_N,
     apply_gptq_marlin_linear,
     marlin_make_empty_g_idx,
     marlin_make_workspace_new,
@@ -32,9 +29,9 @@ from vllm.model_executor.layers.vocab_parallel_embedding import (
 )
 from vllm.scalar_type import scalar_types
 
+from . import gguf_kernels
 from .moe_marlin import (
     GROUP,
-    Q4_K,
     Q4_K_BLOCK,
     Q4_K_BYTES,
     group_sums,
@@ -43,29 +40,13 @@ from .moe_marlin import (
 )
 from .utils import logger
 
-MARLIN_ENV = "VLLM_GGUF_DENSE_MARLIN"
 PACK_VALUES = 1 << 24  # weights unpacked at a time: the packing goes through int64
-
-
-def enabled() -> bool:
-    """On only with VLLM_GGUF_DENSE_MARLIN=1."""
-    return os.environ.get(MARLIN_ENV, "0").strip() == "1"
 
 
 def weight_types(layer: torch.nn.Module) -> set[int]:
     """The GGUF types of a linear layer's weight: each shard's, or the weight's."""
     qweight_type = layer.qweight_type
     return set(qweight_type.shard_weight_type.values()) or {qweight_type.weight_type}
-
-
-def marlin_takes(types: set[int], n: int) -> bool:
-    """Whether a weight of these types and n output rows converts: Q4_K alone (its
-    256-value blocks make every input size whole tiles of Marlin's 128), n whole tiles of
-    its 64 outputs, on SM80 or later."""
-    from vllm.platforms import current_platform
-
-    return (types == {Q4_K} and n % GPTQ_MARLIN_MIN_THREAD_N == 0
-            and current_platform.is_cuda() and current_platform.has_device_capability(80))
 
 
 def marlin_weight(blocks: torch.Tensor, dtype: torch.dtype
@@ -95,17 +76,14 @@ def convert_layer(layer: torch.nn.Module, dtype: torch.dtype) -> bool:
     """Convert a GGUF linear layer for Marlin where it takes it, for activations of
     `dtype`: its parameters marlin_qweight, marlin_scales and marlin_b; its GGUF bytes
     released. False leaves the layer on the GGUF kernels."""
-    if not enabled():
-        return False
-    if envs.VLLM_BATCH_INVARIANT:  # Marlin's tiles follow the token count
-        logger.warning_once("%s=1 is ignored under VLLM_BATCH_INVARIANT=1", MARLIN_ENV)
-        return False
     if isinstance(layer, VocabParallelEmbedding) and not isinstance(layer, ParallelLMHead):
         return False  # an input embedding's lookup reads its GGUF rows
-    if not marlin_takes(weight_types(layer), layer.qweight.shape[0]):
+    if not gguf_kernels.dense_marlin(weight_types(layer), layer.qweight.shape[0],
+                                     capability=gguf_kernels.device_capability(),
+                                     batch_invariant=envs.VLLM_BATCH_INVARIANT):
         return False
     logger.info_once("GGUF linear layers with Q4_K weights run vLLM's Marlin GEMM (%s=1)",
-                     MARLIN_ENV)
+                     gguf_kernels.DENSE_MARLIN_ENV)
     attach(layer, layer.qweight.data, dtype)
     layer.qweight.data = torch.empty(0, dtype=layer.qweight.dtype, device=layer.qweight.device)
     return True

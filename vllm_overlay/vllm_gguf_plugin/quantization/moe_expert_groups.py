@@ -13,7 +13,7 @@ one-token-at-a-time kernel (`ggml_moe_a8_vec`) indexes whole blocks and is not a
 
 import torch
 
-INT32_MAX = 2**31 - 1
+from . import gguf_kernels
 
 
 def expert_groups(w: torch.Tensor) -> list[tuple[int, int]]:
@@ -21,9 +21,9 @@ def expert_groups(w: torch.Tensor) -> list[tuple[int, int]]:
     a 32-bit offset; one range when the whole tensor does."""
     experts = w.shape[0]
     per_expert = w.stride(0) * w.element_size()
-    if per_expert * experts <= INT32_MAX:
+    if per_expert * experts <= gguf_kernels.TABLE.moe_offset_max:
         return [(0, experts)]
-    size = INT32_MAX // per_expert
+    size = gguf_kernels.TABLE.moe_offset_max // per_expert
     if size == 0:
         raise ValueError(f"one expert's GGUF weights take {per_expert} bytes, more than "
                          "the MoE kernels' 32-bit offsets reach")

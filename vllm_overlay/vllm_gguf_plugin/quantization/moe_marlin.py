@@ -17,15 +17,15 @@ shapes it ran faster than every GGUF kernel at every token count measured, with 
 of their error (docs/results.md#gguf-moe-q4_k-experts-on-vllms-marlin-moe).
 
 On by default; VLLM_GGUF_MOE_MARLIN=0 keeps every layer on the GGUF kernels. A layer
-converts when its gate_up product is Q4_K, on SM80 or later, outside batch-invariant
-mode; its down product converts too where it is Q4_K, else it stays on the GGUF kernels
-(Q4_K_M gives about half of a file's layers Q6_K down projections) and runs after
-Marlin's gate_up. A converted product runs Marlin at every token count and keeps no GGUF
-bytes (its experts take 5 bits a value where Q4_K takes 4.5: the b-part).
+converts where gguf_kernels.moe_marlin says: its gate_up product Q4_K, on SM80 or later,
+outside batch-invariant mode; its down product converts too where it is Q4_K, else it
+stays on the GGUF kernels (Q4_K_M gives about half of a file's layers Q6_K down
+projections) and runs after Marlin's gate_up. A converted product runs Marlin at every
+token count and keeps no GGUF bytes (its experts take 5 bits a value where Q4_K takes
+4.5: the b-part).
 """
 
 import dataclasses
-import os
 
 import torch
 import triton.language as tl
@@ -46,9 +46,9 @@ from vllm.model_executor.layers.quantization.utils.marlin_utils import (
 )
 from vllm.scalar_type import scalar_types
 
-from .utils import MMVQ_QUANT_TYPES, logger
+from . import gguf_kernels
+from .utils import logger
 
-MARLIN_ENV = "VLLM_GGUF_MOE_MARLIN"
 GROUP = 32  # values a Marlin scale covers: Q4_K's sub-block
 Q4_K = int(GGMLQuantizationType.Q4_K)
 Q4_K_BLOCK, Q4_K_BYTES = GGML_QUANT_SIZES[GGMLQuantizationType.Q4_K]  # 256 values, 144 B
@@ -64,11 +64,6 @@ class MarlinExperts:
     qweight: torch.Tensor  # Marlin-packed uint4b8 codes
     scales: torch.Tensor  # s, a value per GROUP inputs, Marlin's permutation
     bias: torch.Tensor  # b [E, n, k / GROUP], the activations' dtype
-
-
-def enabled() -> bool:
-    """On unless VLLM_GGUF_MOE_MARLIN=0."""
-    return os.environ.get(MARLIN_ENV, "1").strip() != "0"
 
 
 def q4_k_parts(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -138,19 +133,6 @@ def marlin_experts(w: torch.Tensor, dtype: torch.dtype) -> MarlinExperts:
             scales = sc.new_empty(e, *sc.shape[1:])
         qweight[j], scales[j] = qw[0], sc[0]
     return MarlinExperts(qweight, scales, bias)
-
-
-def marlin_takes(qweight_type: int, qweight_type2: int) -> tuple[bool, bool]:
-    """Which products of a layer of these types convert, (gate_up, down): Q4_K ones (whose
-    256-value blocks make every shape whole tiles of Marlin's: 128 inputs, 64 outputs),
-    on SM80 or later; the down product only with its gate_up, and a layer whose down
-    product stays only where the GGUF one-pair kernel runs its type."""
-    from vllm.platforms import current_platform
-
-    gate_up = (qweight_type == Q4_K and current_platform.is_cuda()
-               and current_platform.has_device_capability(80))
-    down = gate_up and qweight_type2 == Q4_K
-    return gate_up and (down or qweight_type2 in MMVQ_QUANT_TYPES), down
 
 
 def group_sums(x: torch.Tensor) -> torch.Tensor:
@@ -243,18 +225,14 @@ def convert_layer(layer: torch.nn.Module, dtype: torch.dtype
     """A GGUF MoE layer's products that convert, in Marlin's layout for activations of
     `dtype`, their GGUF stacks then released (gate_up, and down or None where it stays
     GGUF); None leaves the layer on the GGUF kernels."""
-    if not enabled():
-        return None
-    if envs.VLLM_BATCH_INVARIANT:  # Marlin's tiles follow the token count
-        if os.environ.get(MARLIN_ENV, "").strip() == "1":
-            logger.warning_once("%s=1 is ignored under VLLM_BATCH_INVARIANT=1", MARLIN_ENV)
-        return None
-    gate_up, down = marlin_takes(layer.w13_qweight_type.weight_type,
-                                 layer.w2_qweight_type.weight_type)
+    gate_up, down = gguf_kernels.moe_marlin(layer.w13_qweight_type.weight_type,
+                                            layer.w2_qweight_type.weight_type,
+                                            capability=gguf_kernels.device_capability(),
+                                            batch_invariant=envs.VLLM_BATCH_INVARIANT)
     if not gate_up:
         return None
     logger.info_once("GGUF MoE layers with Q4_K experts run vLLM's Marlin MoE "
-                     "(%s=0 keeps the GGUF kernels)", MARLIN_ENV)
+                     "(%s=0 keeps the GGUF kernels)", gguf_kernels.MOE_MARLIN_ENV)
     experts = []
     for w in (layer.w13_qweight, layer.w2_qweight)[:2 if down else 1]:
         experts.append(marlin_experts(w.data, dtype))

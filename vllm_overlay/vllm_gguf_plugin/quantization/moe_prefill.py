@@ -4,10 +4,10 @@
 The plugin runs its MMQ MoE kernel (K-quants and legacy quants, int8 activations) from
 65 tokens on and its one-pair kernel at every count for I-quants; the time of both grows
 with every token, while dequantizing the experts costs the same at any count
-(docs/results.md, "GGUF MoE at GLM-5's shapes"). From DEQUANT_MOE_MIN_TOKENS tokens on,
-the experts are dequantized a group at a time, at most DEQUANT_MOE_GROUP_VALUES 16-bit
-values of the gate_up stack per group so that the transient stays bounded, and each
-group runs vLLM's fused_experts with an expert map of its own experts; the groups'
+(docs/results.md, "GGUF MoE at GLM-5's shapes"). From 1024 tokens on (gguf_kernels'
+table), the experts are dequantized a group at a time, at most DEQUANT_MOE_GROUP_VALUES
+16-bit values of the gate_up stack per group so that the transient stays bounded, and
+each group runs vLLM's fused_experts with an expert map of its own experts; the groups'
 outputs add up to the whole. A down product after Marlin's gate_up (moe_marlin.py) runs
 the same way alone (dequant_moe_product).
 """
@@ -24,7 +24,6 @@ from vllm.model_executor.layers.fused_moe.moe_align_block_size import moe_align_
 from .linear import dequantize
 from .moe_marlin import routed_product
 
-DEQUANT_MOE_MIN_TOKENS = 1024
 DEQUANT_MOE_GROUP_VALUES = 1 << 28
 
 
