@@ -209,12 +209,11 @@ def _register_omni_diffusion_quantization() -> None:
 # torch.compile cache on the ones it knows, and dense Marlin changes the parameters a
 # traced linear layer reads; --fail-on-environ-validation refuses unknown VLLM_ names.
 def _register_switches() -> None:
-    from vllm import envs
+    from vllm.overlay_switches import register_switches
 
     from .quantization import gguf_kernels
 
-    for name, enabled in gguf_kernels.SWITCHES.items():
-        envs.environment_variables.setdefault(name, enabled)
+    register_switches(gguf_kernels.SWITCHES)
 
 
 def register() -> None:

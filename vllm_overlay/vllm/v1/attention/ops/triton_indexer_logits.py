@@ -52,6 +52,7 @@ import os
 import torch
 
 from vllm.logger import init_logger
+from vllm.overlay_switches import register_switches
 from vllm.platforms import current_platform
 from vllm.triton_utils import tl, triton
 
@@ -70,18 +71,10 @@ def _switch(name: str) -> str:
     return os.environ.get(name, _SWITCH_DEFAULTS[name]).strip().lower()
 
 
-def _register_switches() -> None:
-    """The switches as vLLM environment variables: vLLM keys its torch.compile cache
-    on the ones it knows, and the dots and the cache set what the traced indexer
-    computes (the q quantization's dtype, or none), so a graph compiled for one
-    must not load for the other."""
-    from vllm import envs
-
-    for name in _SWITCH_DEFAULTS:
-        envs.environment_variables.setdefault(name, lambda name=name: _switch(name))
-
-
-_register_switches()
+# the switches as vLLM environment variables: the dots and the cache set what the traced
+# indexer computes (the q quantization's dtype, or none), so a graph compiled for one must
+# not load for the other
+register_switches({name: functools.partial(_switch, name) for name in _SWITCH_DEFAULTS})
 # persistent_topk's FilteredTopK plan needs this much opt-in shared memory per
 # block; below it (SM86/89/12x, ~99 KB) the oversubscription fallback can fail.
 PERSISTENT_TOPK_MIN_SMEM = 128 * 1024
