@@ -16,6 +16,7 @@ on, SM75/80/89/90/120, and the Marlin switches off and on:
 
 The whole grid's choices also hash to GRID_SHA256, recorded from the branches of
 linear.py and fused_moe.py before gguf_kernels.py decided for them (commit 76ad410).
+docs/gguf.md's kernel table is checked against the module's kernel_table().
 """
 
 import hashlib
@@ -364,3 +365,15 @@ def test_module_matches_the_written_choice(monkeypatch):
             want = expected_moe(types, tokens, bi, cap, switch)
             assert module_moe(types, tokens, bi, cap) == want, (types, tokens, bi, cap,
                                                                 switch)
+
+
+def test_docs_table_is_the_modules():
+    """docs/gguf.md's kernel table (between its `kernels` markers) is kernel_table()'s:
+    regenerate it with `python -m vllm_gguf_plugin.quantization.gguf_kernels`."""
+    from pathlib import Path
+
+    from vllm_gguf_plugin.quantization import gguf_kernels
+
+    text = (Path(__file__).parents[3] / "docs" / "gguf.md").read_text()
+    table = text.split("<!-- kernels: begin -->")[1].split("<!-- kernels: end -->")[0]
+    assert [line.strip() for line in table.strip().splitlines()] == gguf_kernels.kernel_table()

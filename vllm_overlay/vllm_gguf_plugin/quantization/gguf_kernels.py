@@ -298,3 +298,72 @@ def moe_launch(qweight_type: int, qweight_type2: int, tokens: int, *,
     if all(t in MMVQ_QUANT_TYPES for t in types):
         return both(GGUFKernel.MMVQ)
     return both(GGUFKernel.PER_TOKEN)
+
+
+# -- docs/gguf.md's kernel table -----------------------------------------------------
+TABLE_MAX_TOKENS = 16384  # the table's counts: 1 to this
+
+
+def _name(launch: GGUFLaunch) -> str:
+    return f"`{launch.kernel.value}`" + (f" ({launch.block_m} rows)" if launch.block_m else "")
+
+
+def _runs(choice) -> str:
+    """`choice(tokens)` over 1..TABLE_MAX_TOKENS as runs: "1-6 a; 7-255 b; 256+ c"."""
+    runs: list[list] = []
+    for tokens in range(1, TABLE_MAX_TOKENS + 1):
+        name = choice(tokens)
+        if runs and runs[-1][2] == name:
+            runs[-1][1] = tokens
+        else:
+            runs.append([tokens, tokens, name])
+    runs[-1][1] = None
+    return "; ".join(f"{first}{'+' if last is None else '' if last == first else f'-{last}'}"
+                     f" {name}" for first, last, name in runs)
+
+
+def _moe_runs(qweight_type: int, qweight_type2: int, marlin=(False, False)) -> str:
+    def choice(tokens):
+        launch = moe_launch(qweight_type, qweight_type2, tokens, batch_invariant=False,
+                            marlin=marlin)
+        gate_up, down = _name(launch.gate_up), _name(launch.down)
+        return gate_up if gate_up == down else f"{gate_up} / {down}"
+    return _runs(choice)
+
+
+def kernel_table() -> list[str]:
+    """docs/gguf.md's table: the kernel of each type's products by token count, dense
+    (either side of the MMVQ bound's output rows) and MoE (gate_up and down of that type;
+    "a / b": gate_up's / down's), outside batch invariance and Marlin; then the Marlin
+    layers. Types whose rows are equal share one."""
+    from .utils import KQUANT_TYPES, STANDARD_QUANT_TYPES
+
+    rows: dict[tuple[str, ...], list[str]] = {}
+    order = [*sorted(KQUANT_TYPES), *sorted(STANDARD_QUANT_TYPES),
+             *sorted(IMATRIX_QUANT_TYPES)]
+    for qtype in order:
+        cells = tuple(
+            _runs(lambda tokens, rows_=rows_: _name(dense_launch(
+                qtype, tokens, rows_, batch_invariant=False)))
+            for rows_ in (TABLE.mmvq_wide_rows, TABLE.mmvq_wide_rows + 1)
+        ) + (_moe_runs(int(qtype), int(qtype)),)
+        rows.setdefault(cells, []).append(T(qtype).name)
+    lines = [f"| type | dense, up to {TABLE.mmvq_wide_rows} output rows | dense, more rows "
+             "| MoE |", "|---|---|---|---|"]
+    lines += [f"| {', '.join(names)} | {' | '.join(cells)} |" for cells, names in rows.items()]
+    lines += [
+        "| any quantized type, `VLLM_BATCH_INVARIANT=1` | 1+ `batch_invariant` "
+        "| 1+ `batch_invariant` | 1+ `batch_invariant` |",
+        f"| Q4_K, `{DENSE_MARLIN_ENV}=1`, SM{TABLE.marlin_min_capability}+ (output rows a "
+        "multiple of 64) | 1+ `marlin` | 1+ `marlin` | |",
+    ]
+    for down in (T.Q4_K, T.Q6_K, T.Q5_K):
+        marlin = (True, down == T.Q4_K)
+        lines.append(f"| Q4_K gate_up, {down.name} down: Marlin MoE (default, "
+                     f"SM{TABLE.marlin_min_capability}+) | | | "
+                     f"{_moe_runs(Q4_K, int(down), marlin)} |")
+    return lines
+
+
+if __name__ == "__main__":
+    print("\n".join(kernel_table()))
