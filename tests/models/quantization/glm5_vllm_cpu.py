@@ -156,11 +156,11 @@ def stub_kernels(model) -> None:
             module.skip_topk = True  # every earlier token is in the top-k
 
 
-def model_config(gguf_file: str, dtype: str):
+def model_config(gguf_file: str, dtype: str, max_model_len: int = 2048):
     """The ModelConfig of `gguf_file` (nothing but the file)."""
     from vllm.engine.arg_utils import EngineArgs
 
-    return EngineArgs(model=gguf_file, max_model_len=2048, skip_tokenizer_init=True,
+    return EngineArgs(model=gguf_file, max_model_len=max_model_len, skip_tokenizer_init=True,
                       dtype=dtype).create_model_config()
 
 
@@ -176,13 +176,13 @@ def cpu_config(model, **extra):
                                                            custom_ops=["none"]), **extra)
 
 
-def build(gguf_file: str, dtype: str = "bfloat16"):
+def build(gguf_file: str, dtype: str = "bfloat16", max_model_len: int = 2048):
     """(config, the vLLM model of `gguf_file` (nothing but the file), filled by the loader)."""
     from vllm.config import set_current_vllm_config
 
     import vllm_gguf_plugin.loader as gguf_loader
 
-    config = cpu_config(model_config(gguf_file, dtype))
+    config = cpu_config(model_config(gguf_file, dtype, max_model_len))
     prepare_kernels = gguf_loader.process_weights_after_loading
     gguf_loader.process_weights_after_loading = lambda *args, **kwargs: None
     try:
@@ -242,6 +242,7 @@ def main():
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
     p.add_argument("--inputs", default=None, help="token ids (a torch file [T]) to run")
     p.add_argument("--out", default=None, help="with --inputs: where the logits go")
+    p.add_argument("--max-model-len", type=int, default=2048)
     args = p.parse_args()
     if args.inputs is not None and (len(args.gguf) != 1 or args.out is None):
         p.error("--inputs runs one file and needs --out")
@@ -255,7 +256,7 @@ def main():
         from safetensors.torch import load_file
 
         hf = {k: v.float() for k, v in load_file(Path(args.hf) / "model.safetensors").items()}
-    built = [build(f, args.dtype) for f in args.gguf]
+    built = [build(f, args.dtype, args.max_model_len) for f in args.gguf]
     report = [summary(model, hf) for _, model in built]
     if args.inputs is not None:
         torch.save(logits(*built[0], torch.load(args.inputs)), args.out)
@@ -283,7 +284,27 @@ def summary(model, hf: dict[str, torch.Tensor] | None) -> dict:
         "norm_eps": {n: m.variance_epsilon for n, m in rms_norms(model)},
         "scaled_norms": scaled_norms(model),
         "indexer_caches": indexer_caches(model),
+        "rope_tables": rope_tables(model),
     }
+
+
+def rope_tables(model) -> dict:
+    """{module name: [positions the table holds, its largest error against cos/sin of
+    position x theta^(-2i/d) at its last position]} of each unscaled rotary embedding."""
+    from vllm.model_executor.layers.rotary_embedding import RotaryEmbedding
+
+    tables = {}  # every use, where get_rope shares one module between layers
+    for name, m in model.named_modules(remove_duplicate=False):
+        if type(m) is not RotaryEmbedding:
+            continue
+        cache = m.cos_sin_cache.double()
+        last = cache.shape[0] - 1
+        inv_freq = 1.0 / (m.base ** (torch.arange(0, m.rotary_dim, 2, dtype=torch.float64)
+                                     / m.rotary_dim))
+        angles = last * inv_freq
+        expect = torch.cat([angles.cos(), angles.sin()])
+        tables[name] = [cache.shape[0], (cache[last] - expect).abs().max().item()]
+    return tables
 
 
 def indexer_caches(model) -> dict:

@@ -1205,6 +1205,10 @@ class DeepseekV2DecoderLayer(nn.Module):
 
         self.hidden_size = config.hidden_size
         max_position_embeddings = getattr(config, "max_position_embeddings", 8192)
+        if config.rope_parameters.get("rope_type", "default") == "default":
+            # overlay: unscaled rope tables as long as max_model_len, which
+            # VLLM_ALLOW_LONG_MAX_MODEL_LEN lets pass them (read out of bounds there)
+            max_position_embeddings = max(max_position_embeddings, model_config.max_model_len)
         moe_layer_freq = getattr(config, "moe_layer_freq", 1)
         # DecoderLayers are created with `make_layers` which passes the prefix
         # with the layer's index.
