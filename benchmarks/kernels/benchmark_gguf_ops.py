@@ -7,7 +7,7 @@ count, against the 16-bit tensor-core bound, same weights.
         [--triton-block-m 4 16 64] [--paths plugin marlin ...]
 
 Why: the overlay's prefill of a GGUF runs 3-4x slower than llama.cpp's on the same file
-(docs/results.md, "Against llama.cpp"); this finds which products hold that time and
+(docs/results.md#2-speed-against-llamacpp); this finds which products hold that time and
 what each of the plugin's kernels costs at each token count.
 
 Ops (GLM-5 at TP 1, float16 activations):

@@ -4,7 +4,7 @@
 The plugin picks kernels by token count (int8-activation MMVQ for a few rows, MMQ or
 dequantize + GEMM beyond), so a token's logits depend on how many tokens share its step;
 on the H200 the Q4_K_M and IQ2_M tiny GLM-5 gave other greedy text alone than batched,
-and with MTP than without (docs/results.md, "MTP by file type"). Under batch invariance
+and with MTP than without (docs/results.md#4-mtp). Under batch invariance
 every token count takes one fixed-tile Triton kernel.
 
 CPU: which kernel each product reaches at each token count, with and without the mode

@@ -4,7 +4,7 @@
 The plugin runs its MMQ MoE kernel (K-quants and legacy quants, int8 activations) from
 65 tokens on and its one-pair kernel at every count for I-quants; the time of both grows
 with every token, while dequantizing the experts costs the same at any count
-(docs/results.md, "GGUF MoE at GLM-5's shapes"). From 1024 tokens on (gguf_kernels'
+(docs/results.md#one-moe-layer). From 1024 tokens on (gguf_kernels'
 table), the experts are dequantized a group at a time, at most DEQUANT_MOE_GROUP_VALUES
 16-bit values of the gate_up stack per group so that the transient stays bounded, and
 each group runs vLLM's fused_experts with an expert map of its own experts; the groups'

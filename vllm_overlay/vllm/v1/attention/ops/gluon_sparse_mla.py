@@ -24,7 +24,7 @@ gathered rows:
   columns [256 C, 256 C + 256) from both halves. Each releases the stage on its
   "empty" mbarrier once its PV dots are done.
 
-Faster than the Triton tile with a 16-bit and an fp8 cache (docs/results.md). Triton
+Faster than the Triton tile with a 16-bit and an fp8 cache (docs/results.md#sparse-mla-vs-flashmla). Triton
 3.6's own `warp_specialize` loop option does not partition this loop for sm_90, hence
 Gluon.
 """

@@ -43,7 +43,7 @@ once per dot that reads it, whatever the number of heads:
   that brings its largest magnitude to [2^13, 2^14), exact for a bf16 query down to
   2^-24 of that magnitude; the score scale takes the inverse.
 
-Measured on Hopper (docs/results.md); mma.sync and async copies exist from SM80 on,
+Measured on Hopper (docs/results.md#sparse-mla-vs-flashmla); mma.sync and async copies exist from SM80 on,
 but only Hopper's launch table selects it.
 """
 

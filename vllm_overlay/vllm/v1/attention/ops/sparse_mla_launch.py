@@ -7,8 +7,8 @@
 (`SparseMLADevice`, read through vLLM's platform) only: no data, no host sync, so the
 launches are stable under CUDA-graph capture. The Triton tile's parameters are a table
 (`TRITON_TILES`); the rules below pick the head block, Hopper's Gluon tiles and the
-split-K count. docs/results.md ("Launch table: why each entry") has the measurements
-behind them.
+split-K count. docs/kernels.md says where the measurements behind them are
+(docs/results.md#sparse-mla-vs-flashmla holds the current figures).
 """
 
 import dataclasses
