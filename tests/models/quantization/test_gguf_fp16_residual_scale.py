@@ -84,8 +84,10 @@ def logits(run_without_gpu, glm5_gguf, tmp_path_factory) -> dict:
 def test_fp16_model_computes_the_model(logits):
     """vLLM's model in float16 (the residual stream divided by routed_scaling_factor, the
     norms' eps matched) is the model within float16's rounding: its logprobs no further
-    from transformers' float32 than transformers' own float16 is (x1.25); in float32 the
-    same as transformers'. (With the file's eps: 27x transformers' float16 error.)"""
+    from transformers' float32 than a few times transformers' own float16 is; in float32
+    the same as transformers'. The factor is the CPU's: PyTorch's float16 kernels differ by
+    machine (0.93x transformers' error where this was written, 2.9x on an AVX2-only AMD
+    EPYC), while the norms with the file's eps gave 27x."""
     ref = logits["transformers", "float32"].log_softmax(-1)
 
     def error(engine, dtype):
@@ -93,4 +95,4 @@ def test_fp16_model_computes_the_model(logits):
 
     errors = {k: error(*k) for k in logits}
     assert errors["vllm", "float32"] < 1e-3, errors
-    assert errors["vllm", "float16"] <= 1.25 * errors["transformers", "float16"], errors
+    assert errors["vllm", "float16"] <= 4 * errors["transformers", "float16"], errors
