@@ -15,7 +15,7 @@ on, SM75/80/89/90/120, and the Marlin switches off and on:
   pairs and one of each kind (MoE); the reference a changed threshold fails against.
 
 The whole grid's choices also hash to GRID_SHA256, recorded from the branches of
-linear.py and fused_moe.py before gguf_kernels.py decided for them (commit 76ad410).
+linear.py and fused_moe.py before gguf_kernels.py decided for them (commit 3fdd12d).
 docs/gguf.md's kernel table is checked against the module's kernel_table().
 """
 
