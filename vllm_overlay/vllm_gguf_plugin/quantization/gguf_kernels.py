@@ -258,16 +258,9 @@ def _moe_product(tile: TritonMoETile | None) -> GGUFLaunch:
 
 def marlin_gguf_down(qweight_type: int, tokens: int) -> GGUFLaunch:
     """The kernel of a GGUF down product after Marlin's gate_up (moe_marlin.py), over
-    `tokens` tokens: the one the GGUF MoE takes for its type alone."""
-    tile = triton_tile(qweight_type, tokens)
-    if tile is not None:
-        return GGUFLaunch(GGUFKernel.TRITON_MOE, tile.block_m)
-    if tokens >= TABLE.dequant_moe_min_tokens and qweight_type in DEQUANT_TYPES:
-        return GGUFLaunch(GGUFKernel.DEQUANT)
-    if qweight_type in MMQ_QUANT_TYPES and tokens >= mmq_min_tokens(qweight_type,
-                                                                    qweight_type):
-        return GGUFLaunch(GGUFKernel.MMQ)
-    return GGUFLaunch(GGUFKernel.MMVQ)
+    `tokens` tokens: the one the GGUF MoE takes for a layer of its type alone (moe_marlin
+    leaves on GGUF only the down products of one-pair kernel types: MMVQ below MMQ)."""
+    return moe_launch(qweight_type, qweight_type, tokens, batch_invariant=False).down
 
 
 def moe_launch(qweight_type: int, qweight_type2: int, tokens: int, *,
