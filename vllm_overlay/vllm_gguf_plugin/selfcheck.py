@@ -144,9 +144,10 @@ def selection(hf_config, dtype: str = "auto", kv_cache_dtype: str = "auto",
             report["attention_error"] = f"{type(e).__name__}: {e}"
         il.indexer_logits_backend.cache_clear()
         try:
-            # (the opt-in 16-bit key cache always takes the Triton kernels)
+            # the keys' dtype: the model's with the opt-in 16-bit key cache, else fp8
+            # bytes; deep_gemm_computes is the indexer's own rule for them
             keys16 = il.indexer_cache_16bit()
-            if not keys16 and il.indexer_logits_backend() == "deepgemm":
+            if il.deep_gemm_computes(getattr(torch, dtype) if keys16 else torch.uint8):
                 report["indexer"] = "DeepGEMM"
             else:
                 il.check_triton_indexer_supported(keys16)
