@@ -48,6 +48,13 @@ LOG_FIGURES = {
                         float),
 }
 TINY_CONTEXTS = (4096, 202752)
+# the engine arguments that take vLLM's defaults unless given
+ENGINE_OVERRIDES = ("max_model_len", "max_num_batched_tokens", "gpu_memory_utilization")
+
+
+def overrides(args) -> dict:
+    """The ENGINE_OVERRIDES given on the command line."""
+    return {k: getattr(args, k) for k in ENGINE_OVERRIDES if getattr(args, k) is not None}
 
 
 def gpu_memory_used_mib() -> int | None:
@@ -99,9 +106,7 @@ def worker(args) -> None:
     vocab = config_from_gguf(args.gguf).vocab_size
     engine = {"skip_tokenizer_init": True, "seed": 0, "disable_log_stats": False,
               "enforce_eager": args.eager}
-    for key in ("max_model_len", "max_num_batched_tokens", "gpu_memory_utilization"):
-        if getattr(args, key) is not None:
-            engine[key] = getattr(args, key)
+    engine.update(overrides(args))
     if settings["dtype"] != "auto":
         engine["dtype"] = settings["dtype"]
     if settings["backend"]:
@@ -159,9 +164,8 @@ def run_path(args, path: str, workdir: Path) -> dict:
            "--out", str(out), "--gguf", args.gguf, "--gen", str(args.gen),
            "--batch", str(args.batch), "--depth", str(args.depth),
            "--prompts", *map(str, args.prompts)]
-    for key in ("max_model_len", "max_num_batched_tokens", "gpu_memory_utilization"):
-        if getattr(args, key) is not None:
-            cmd += [f"--{key.replace('_', '-')}", str(getattr(args, key))]
+    for key, value in overrides(args).items():
+        cmd += [f"--{key.replace('_', '-')}", str(value)]
     if args.eager:
         cmd.append("--eager")
     t0 = time.perf_counter()
@@ -256,13 +260,9 @@ def main(argv=None):
     workdir = Path(args.workdir or (Path(args.json).with_suffix(".runs") if args.json
                                     else "long-context.runs"))
     workdir.mkdir(parents=True, exist_ok=True)
-    overrides = {k: getattr(args, k) for k in ("max_model_len", "max_num_batched_tokens",
-                                               "gpu_memory_utilization")
-                 if getattr(args, k) is not None}
-    if args.eager:
-        overrides["enforce_eager"] = True
+    given = overrides(args) | ({"enforce_eager": True} if args.eager else {})
     report = {"gguf": args.gguf, "gguf_bytes": Path(args.gguf).stat().st_size,
-              "overrides": overrides, "args": vars(args), "paths": {}}
+              "overrides": given, "args": vars(args), "paths": {}}
     for path in args.paths:
         report["paths"][path] = run_path(args, path, workdir)
         if args.json:
