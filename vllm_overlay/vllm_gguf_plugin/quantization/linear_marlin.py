@@ -11,8 +11,9 @@ projections lose (H200, 2026-12-04, in the history of docs/results.md).
 Off unless VLLM_GGUF_DENSE_MARLIN=1: its effect on a whole decode step is not measured
 yet. Then a linear layer converts where gguf_kernels.dense_marlin says (every shard of
 its weight Q4_K, on SM80 or later, its output rows a multiple of Marlin's 64, outside
-batch-invariant mode); it runs Marlin at every token count and keeps no GGUF bytes. The output head converts as a
-linear layer; an input embedding (GGUFEmbeddingMethod's lookup) never does.
+batch-invariant mode); it runs Marlin at every token count and keeps no GGUF bytes. The
+output head converts as a linear layer; an input embedding (GGUFEmbeddingMethod's lookup)
+never does.
 """
 
 import torch
