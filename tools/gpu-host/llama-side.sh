@@ -7,7 +7,7 @@
 # KEEP: a folder outside the checkout (every call syncs the checkout again); the tree this
 # needs is copied there first. SRC.tar.xz: tools/gpu-host/llama-cpp-source.sh's archive.
 # 1. build-llama-cpp-cuda.sh with SHARED=ON: llama-bench, llama-batched-bench,
-#    llama-imatrix and libllama.so (the llamaacc stage's LLAMA_LIB) in $LLAMA_OUT/bin
+#    llama-imatrix, llama-server and libllama.so (the llamaacc stage's LLAMA_LIB) in $LLAMA_OUT/bin
 #    (default /tmp/llama-cpp-cuda; LLAMA_SRC for the C runner is $LLAMA_OUT/src);
 # 2. beside it, benchmarks/glm5_llama_cpp_model.py once per set of MODEL ARGS (sets split
 #    by --), one after the other; default: the 2-layer file (--layers 2 --quants Q4_K_M
@@ -18,7 +18,8 @@
 #    (2L -> 3L: a Q4_K MoE layer; 2L -> 3L q6down: a Q4_K/Q6_K one); each checkpoint, and
 #    the 3-layer intermediate, in /dev/shm. An importance matrix (IQ2_M) waits for the build's
 #    llama-imatrix (KEEP/llama-imatrix). SETS=2L: the 2-layer file alone, so that the
-#    comparison on it runs with the CPUs free (the 3-layer conversion loads every core).
+#    comparison on it runs with the CPUs free (the 3-layer conversion loads every core);
+#    SETS=none: no file (serve-calls.sh writes its own).
 # Each ends its log with "rc=N": KEEP/build.log, KEEP/model.log (after every set, its
 # "set K rc=N" line). The .llama-cpp/ tree (the
 # converter and a llama-quantize) comes from VLLM_OVERLAY_LLAMA_CPP and
@@ -35,7 +36,8 @@ three=(--layers 3 --quants Q4_K_M --intermediate q8_0 --out /tmp/shaped3
 case "${SETS:-2L 3L}" in  # without MODEL ARGS: SETS=2L makes the 2-layer file alone
   "2L 3L") [ $# -gt 0 ] || set -- "${two[@]}" -- "${three[@]}" ;;
   2L) [ $# -gt 0 ] || set -- "${two[@]}" ;;
-  *) echo "SETS: \"2L 3L\" or 2L" >&2; exit 2 ;;
+  none) set -- ;;  # the build alone
+  *) echo "SETS: \"2L 3L\", 2L or none" >&2; exit 2 ;;
 esac
 
 tree="$keep/tree"
@@ -53,7 +55,7 @@ exec "$out/bin/llama-imatrix" "\$@"
 EOF
 chmod +x "$keep/llama-imatrix"
 
-( SHARED=ON TARGETS="llama-bench llama-batched-bench llama-imatrix" \
+( SHARED=ON TARGETS="llama-bench llama-batched-bench llama-imatrix llama-server" \
     bash "$tree/tools/gpu-host/build-llama-cpp-cuda.sh" "$src" "$out" > "$keep/build.log" 2>&1
   echo "rc=$?" >> "$keep/build.log" ) &
 models() {  # each set of model args in turn; rc: the first failure's
@@ -68,5 +70,9 @@ models() {  # each set of model args in turn; rc: the first failure's
   return $rc
 }
 : > "$keep/model.log"
-(models "$@" >> "$keep/model.log" 2>&1; echo "rc=$?" >> "$keep/model.log")
+if [ $# -gt 0 ]; then
+  (models "$@" >> "$keep/model.log" 2>&1; echo "rc=$?" >> "$keep/model.log")
+else
+  echo "rc=0" >> "$keep/model.log"
+fi
 wait

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # `vllm serve` of the tiny GLM-5 GGUF under load, on the GPU host (after gpu-checks.sh's install):
 #   bash tools/gpu-host/serve-check.sh OUT_DIR
-# Makes the tiny model and its bf16 GGUF, runs the offline greedy reference, starts
+# Makes the tiny model and its bf16 GGUF (or takes SERVE_GGUF), runs the offline greedy
+# reference, starts
 # `vllm serve FILE.gguf` with nothing else, waits for /health, runs benchmarks/serve_load.py
 # (64 clients, 3 rounds, completions + chat), stops the server. Batch-invariant mode on both sides,
 # so that a request's greedy text does not depend on what it was batched with. SERVE_MEM (default
@@ -16,7 +17,8 @@ set -uo pipefail
 out="${1:?out dir}"; here="$(cd "$(dirname "$0")/../.." && pwd)"; work=/tmp/serve-check
 mkdir -p "$out" "$work"; cd "$here"
 export VLLM_BATCH_INVARIANT="${VLLM_BATCH_INVARIANT:-1}"
-python3 - "$work" <<'PY' || exit 1
+gguf="${SERVE_GGUF:-$work/tiny-bf16.gguf}"; len="${SERVE_MAX_LEN:-2048}"
+[ -n "${SERVE_GGUF:-}" ] || python3 - "$work" <<'PY' || exit 1
 import sys
 from pathlib import Path
 from tests.models.glm5_tiny import make_tiny_glm5
@@ -27,17 +29,16 @@ gr.write_tokenizer(model, gr.config(model)["vocab_size"])
 llama_cpp = gr.llama_cpp_dir(work / "llama-cpp")
 gr.convert(llama_cpp, model, work / "tiny-bf16.gguf", "bf16")
 PY
-gguf="$work/tiny-bf16.gguf"
 mem="${SERVE_MEM:-0.9}"
 engine=(); [ -n "${SERVE_KV_BYTES:-}" ] && engine=(--kv-cache-memory-bytes "$SERVE_KV_BYTES")
 engine+=(--max-num-batched-tokens "${SERVE_MAX_BATCHED:-8192}")
 python3 -m benchmarks.serve_load offline --model "$gguf" --out "$work/ref.json" \
-  --gpu-memory-utilization "$mem" "${engine[@]}" \
+  --max-model-len "$len" --gpu-memory-utilization "$mem" "${engine[@]}" \
   > "$out/serve-offline.log" 2>&1 || {
     grep -v "it/s\]" "$out/serve-offline.log" | grep -A45 -m1 "Traceback"
     grep -E "Error|error:" "$out/serve-offline.log" | tail -n 5
     exit 1; }
-vllm serve "$gguf" --port 8000 --max-model-len 2048 --gpu-memory-utilization "$mem" "${engine[@]}" \
+vllm serve "$gguf" --port 8000 --max-model-len "$len" --gpu-memory-utilization "$mem" "${engine[@]}" \
   > "$out/serve.log" 2>&1 &
 pid=$!
 healthy() { python3 -c 'import urllib.request as u; u.urlopen("http://127.0.0.1:8000/health", timeout=2)' 2>/dev/null; }

@@ -1,0 +1,126 @@
+#!/usr/bin/env bash
+# SPDX-License-Identifier: Apache-2.0
+# Serving for a long time on the GPU host (issue 70), after llama-compare-calls.sh's `first`
+# (SETS=none: llama.cpp's build alone), parts and `stages` (the bundle installed in /tmp/site).
+# The files are GLM-5-shaped 2- and 3-layer Q4_K_M GGUFs written by
+# vllm_gguf_plugin.gguf_model.synthetic (llama.cpp's tensor types, random valid blocks: in a
+# minute, where llama.cpp's converter takes several), the 2-layer one twice: the soak's server
+# maps one, and a mapped page cannot be evicted for a cold start. One device call each:
+#   start   starts, detached: the files; `vllm serve` of the 2-layer one as on SM120 (SOAK_UTIL of the GPU) and
+#           benchmarks/serve_soak.py against it for SOAK_S seconds; beside the soak, in two
+#           lanes (JOBS, default "bi cold", and JOBS2, default "selfcheck tiny tests", each one
+#           job after the other): serve-check.sh on the file
+#           as on SM120 under VLLM_BATCH_INVARIANT=1; benchmarks/serve_cold_start.py on the
+#           synthetic files (vLLM as on SM120 at COLD_UTIL, llama-server); the self-check as
+#           itself and as on SM120, SM89 and SM80; the tiny GLM-5 of context 4096 stretched to
+#           131136 (the rope tables' fix); gpu-checks.sh's tests and gguftests stages
+#   wait    one line of progress every 30 s until everything ended or the call's time is up
+#           (CALL_S, default 585 s), then the reports to the device tool's $OUT
+set -uo pipefail
+here="$(cd "$(dirname "$0")/../.." && pwd)"
+keep=/tmp/keep; work=$keep/serve; out="${OUT:-/tmp/out}"; call_s="${CALL_S:-585}"
+cd "$here"
+export VLLM_OVERLAY_LLAMA_CPP=/tmp/llama-cpp VLLM_OVERLAY_LLAMA_QUANTIZE=/tmp/llama-cpp/bin/llama-quantize
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 VLLM_NO_USAGE_STATS=1 \
+  DO_NOT_TRACK=1 TVM_FFI_DISABLE_TORCH_C_DLPACK=1 VLLM_USE_FLASHINFER_SAMPLER=0
+# shellcheck disable=SC1091
+source /tmp/site/env.sh || { echo "no /tmp/site: run llama-compare-calls.sh stages first" >&2; exit 3; }
+as120=(VLLM_TEST_REPORT_CAPABILITY=12.0 VLLM_TEST_REPORT_SHARED_MEM=101376)
+shaped=/tmp/syn/glm5-synthetic-2L.gguf
+
+soak() {  # the server and the soak against it; the server's time to healthy in its log
+  while [ ! -f $work/syn-2.done ]; do sleep 2; done
+  local t0=$SECONDS
+  env "${as120[@]}" vllm serve "$shaped" --port 8100 --served-model-name glm5 \
+    --gpu-memory-utilization "${SOAK_UTIL:-0.35}" --enable-prompt-tokens-details \
+    > $work/soak-server.log 2>&1 < /dev/null &
+  local pid=$!
+  until python3 -c 'import urllib.request as u; u.urlopen("http://127.0.0.1:8100/health", timeout=2)' 2> /dev/null; do
+    kill -0 $pid 2> /dev/null || { echo "soak server exited" > $work/soak.done; return; }
+    sleep 1
+  done
+  echo "soak server healthy after $((SECONDS - t0)) s" >> $work/progress
+  python3 -m benchmarks.serve_soak --base-url http://127.0.0.1:8100 --model glm5 \
+    --duration-s "${SOAK_S:-1200}" --timeout 120 --server-pid $pid --json $work/soak.json --md $work/soak.md \
+    > $work/soak.log 2>&1
+  echo "soak rc=$?" >> $work/progress
+  kill $pid; wait $pid
+  echo "soak rc" > $work/soak.done
+}
+
+job() {  # one job beside the soak
+  echo "$(date +%T) $1 start" >> $work/progress
+  case "$1" in
+    bi)
+      SERVE_GGUF=$shaped SERVE_MEM=0.2 SERVE_KV_BYTES=8000000000 SERVE_MAX_LEN=4096 \
+        env "${as120[@]}" timeout 900 bash tools/gpu-host/serve-check.sh $work/bi > $work/bi.log 2>&1 ;;
+    cold)
+      while [ ! -f $work/syn.done ]; do sleep 5; done
+      while ! grep -q "^rc=" $keep/llama/build.log 2> /dev/null; do sleep 5; done
+      local server=() lib=/tmp/llama-cpp-cuda/bin
+      [ -x $lib/llama-server ] && server=(--llama-server $lib/llama-server)
+      [ -e /tmp/llama-cpp-cuda/cublas/libcublas.so ] \
+        && lib=$lib:$(dirname "$(readlink -f /tmp/llama-cpp-cuda/cublas/libcublas.so)")
+      LD_LIBRARY_PATH=$lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH} \
+      timeout 1500 python3 -m benchmarks.serve_cold_start --gguf /tmp/syn/cold/glm5-synthetic-2L.gguf \
+        /tmp/syn/glm5-synthetic-3L.gguf "${server[@]}" --as-capability 12.0:101376 --work $work/cold --json $work/cold.json --md $work/cold.md \
+        --vllm-args --gpu-memory-utilization "${COLD_UTIL:-0.3}" > $work/cold.log 2>&1 ;;
+    selfcheck)
+      for as_ in native:0 12.0:101376 8.9:101376 8.0:166912; do
+        IFS=: read -r cap smem <<< "$as_"
+        ( [ "$cap" = native ] || export VLLM_TEST_REPORT_CAPABILITY=$cap VLLM_TEST_REPORT_SHARED_MEM=$smem
+          timeout 400 python3 -m vllm_gguf_plugin.selfcheck --gpu-memory-utilization 0.1 \
+            --dir $work/selfcheck-$cap --json $work/selfcheck-$cap.json > $work/selfcheck-$cap.log 2>&1
+          echo "selfcheck $cap rc=$?" >> $work/progress )
+      done ;;
+    tiny)
+      python3 -m benchmarks.glm5_long_context --make-tiny $work/tiny > $work/tiny-make.log 2>&1
+      for path in sm120 upstream sm80; do
+        VLLM_ALLOW_LONG_MAX_MODEL_LEN=1 timeout 400 python3 -m benchmarks.glm5_long_context \
+          --gguf $work/tiny/tiny-glm5-4096-Q4_K_M.gguf --paths $path --prompts 16384 65536 131072 \
+          --batch 0 --gen 4 --max-model-len 131136 --max-num-batched-tokens 16384 \
+          --gpu-memory-utilization 0.15 --eager --launch-blocking \
+          --json $work/tiny-$path-ctx4096.json --md $work/tiny-$path-ctx4096.md > $work/tiny-$path.out 2>&1
+        echo "tiny $path rc=$?" >> $work/progress
+      done ;;
+    tests)
+      bash tools/gpu-host/gpu-checks.sh /tmp/parts $work/checks tests gguftests > $work/tests.log 2>&1 ;;
+  esac
+  echo "$(date +%T) $1 rc=$?" >> $work/progress
+}
+
+case "${1:?start|wait}" in
+  start)
+    mkdir -p $work /tmp/syn/cold; : > $work/progress
+    python3 -c "import vllm_report_capability" 2> /dev/null || pip install -q --no-deps \
+      --no-build-isolation --target /tmp/site tests/plugins/vllm_report_capability > /dev/null 2>&1
+    ( for l in 2 3; do
+        python3 -m vllm_gguf_plugin.gguf_model.synthetic /tmp/syn/glm5-synthetic-${l}L.gguf \
+          --layers $l >> $work/syn.log 2>&1; touch $work/syn-$l.done
+      done; cp /tmp/syn/glm5-synthetic-2L.gguf /tmp/syn/cold/; touch $work/syn.done
+      ls -la /tmp/syn /tmp/syn/cold >> $work/syn.log; df -h /tmp >> $work/syn.log ) \
+      > /dev/null 2>&1 < /dev/null &
+    setsid bash -c "$(declare -f soak); $(declare -p keep work shaped as120); soak" \
+      > /dev/null 2>&1 < /dev/null &
+    for lane in "${JOBS:-bi cold}" "${JOBS2:-selfcheck tiny tests}"; do
+      setsid bash -c "cd $here; $(declare -f job); $(declare -p keep work shaped as120);
+        while ! grep -q 'soak server healthy' $work/progress; do
+          [ -f $work/soak.done ] && break; sleep 5; done
+        for j in $lane; do job \$j; done; touch $work/lane-${lane%% *}.done" \
+        > /dev/null 2>&1 < /dev/null &
+    done
+    sleep 20; cat $work/progress; tail -2 $keep/llama/model.log $keep/llama/build.log ;;
+  wait)
+    while [ $SECONDS -lt $((call_s - 15)) ]; do
+      [ -f $work/soak.done ] && [ "$(ls $work/lane-*.done 2> /dev/null | wc -l)" = 2 ] && break
+      echo "$(date +%T) $(tail -1 $work/progress) | soak: $(grep -c '' $work/soak.log 2>/dev/null) lines" \
+        "| gpu $(nvidia-smi --query-gpu=memory.used,utilization.gpu --format=csv,noheader)"
+      sleep 30
+    done
+    cat $work/progress; cat $work/soak.md $work/cold.md 2>/dev/null
+    mkdir -p "$out/serve"
+    cp $work/*.json $work/*.md $work/progress "$out/serve/" 2>/dev/null
+    for f in $work/*.log $work/tiny-*.out $work/bi/*.log; do [ -f "$f" ] && tail -c 20000 "$f" > "$out/serve/$(basename "$f").tail"; done
+    cp $work/bi/*.json $work/checks/*.log "$out/serve/" 2>/dev/null; ls "$out/serve" | head -50 ;;
+  *) echo "start or wait" >&2; exit 2 ;;
+esac
