@@ -17,6 +17,7 @@ so it runs twice: in this environment, and "as on a GPU host", where those
 availability probes report every upstream kernel present.
 """
 
+import functools
 import itertools
 import sys
 import types
@@ -58,10 +59,12 @@ def _unimportable_backends() -> dict[AttentionBackendEnum, str]:
     return broken
 
 
-def _upstream_cuda_module(cuda: types.ModuleType) -> types.ModuleType:
+@functools.cache
+def upstream_cuda() -> types.ModuleType:
     """`vllm/platforms/cuda.py` of the pinned upstream wheel, as a module of its
     own beside the installed one (same package, so its relative imports and the
-    backend registry it validates are the installed ones)."""
+    backend registry it validates are the installed ones). Fetched on first use, so
+    that importing this module (test_gguf_selfcheck does) needs no package index."""
     lock = upstream.load_lock()
     wheel = upstream.fetch_wheel(lock, upstream.DEFAULT_PLATFORM)
     with zipfile.ZipFile(wheel) as zf:
@@ -76,7 +79,6 @@ def _upstream_cuda_module(cuda: types.ModuleType) -> types.ModuleType:
 
 
 cuda = import_cuda_platform()
-upstream_cuda = _upstream_cuda_module(cuda)
 UNIMPORTABLE = _unimportable_backends()
 CAPABILITIES = [(8, 0), (8, 6), (8, 9), (9, 0), (10, 0), (12, 0), (12, 1)]
 KV_DTYPES = ["auto", "bfloat16", "float16", "fp8", "fp8_e4m3", "fp8_ds_mla"]
@@ -179,10 +181,10 @@ def environment(request, monkeypatch):
 def test_upstream_module_is_the_pinned_release():
     import vllm
 
-    assert upstream_cuda.__file__.endswith("/vllm/platforms/cuda.py")
-    assert Path(upstream_cuda.__file__).parent.parent.parent.name.startswith(
+    assert upstream_cuda().__file__.endswith("/vllm/platforms/cuda.py")
+    assert Path(upstream_cuda().__file__).parent.parent.parent.name.startswith(
         f"vllm-{vllm.__version__.split('+')[0]}-")
-    assert upstream_cuda.CudaPlatform is not cuda.CudaPlatform
+    assert upstream_cuda().CudaPlatform is not cuda.CudaPlatform
 
 
 def set_flashinfer_fixed(monkeypatch, fixed: bool) -> None:
@@ -248,7 +250,7 @@ def test_priority_lists_extend_upstream(monkeypatch, capability, kv_cache_dtype,
     set_flashinfer_fixed(monkeypatch, fixed)
     args = (use_mla, DeviceCapability(*capability), num_heads, kv_cache_dtype)
     ours = cuda._get_backend_priorities(*args)
-    theirs = upstream_cuda._get_backend_priorities(*args)
+    theirs = upstream_cuda()._get_backend_priorities(*args)
     assert SPARSE not in theirs
     if not use_mla:
         assert ours == theirs
@@ -276,7 +278,7 @@ def test_sparse_mla_selection(cuda_platform_config, monkeypatch, environment, ca
     config = selector_config(True, kv_cache_dtype, dtype=DTYPES[dtype],
                              use_batch_invariant=batch_invariant)
     ours = select(cuda.CudaPlatform, capability, config, num_heads=num_heads)
-    theirs = select(upstream_cuda.CudaPlatform, capability, config, num_heads=num_heads)
+    theirs = select(upstream_cuda().CudaPlatform, capability, config, num_heads=num_heads)
     reasons = SPARSE.get_class().validate_configuration(
         device_capability=DeviceCapability(*capability), **config._asdict())
     if theirs == SM120.get_path() and not reasons:
@@ -340,7 +342,7 @@ def test_sparse_mla_selection_on_gpu_hosts(cuda_platform_config, monkeypatch, ca
     config = selector_config(True, kv_cache_dtype, dtype=DTYPES[dtype],
                              use_batch_invariant=batch_invariant)
     ours = select(cuda.CudaPlatform, capability, config)
-    theirs = select(upstream_cuda.CudaPlatform, capability, config)
+    theirs = select(upstream_cuda().CudaPlatform, capability, config)
     expect = _gpu_host_expectation(capability, dtype, kv_cache_dtype, index_topk,
                                    batch_invariant)
     if expect == "upstream":
@@ -362,7 +364,7 @@ def test_sparse_mla_selection_on_gpu_hosts(cuda_platform_config, monkeypatch, ca
 def test_dense_selection_unchanged(environment, capability, kv_cache_dtype, dtype, use_mla):
     config = selector_config(False, kv_cache_dtype, use_mla=use_mla, dtype=DTYPES[dtype])
     ours = select(cuda.CudaPlatform, capability, config)
-    theirs = select(upstream_cuda.CudaPlatform, capability, config)
+    theirs = select(upstream_cuda().CudaPlatform, capability, config)
     if theirs.startswith(NO_BACKEND):
         # (our message lists TRITON_MLA_SPARSE's reasons as well)
         assert ours.startswith(NO_BACKEND)
@@ -392,7 +394,7 @@ def test_batch_invariant_selection(environment, capability):
                     AttentionBackendEnum.FLASHINFER_MLA_SPARSE_SM120):
         assert not backend.get_class().supports_batch_invariance(), backend
     assert select(cuda.CudaPlatform, capability, config) == SPARSE.get_path()
-    assert select(upstream_cuda.CudaPlatform, capability, config).startswith(NO_BACKEND)
+    assert select(upstream_cuda().CudaPlatform, capability, config).startswith(NO_BACKEND)
 
 
 @pytest.mark.parametrize("capability", [(12, 0), (12, 1)])
