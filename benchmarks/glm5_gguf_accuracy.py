@@ -3,8 +3,8 @@
 
     python -m benchmarks.glm5_gguf_accuracy --out DIR --llama-lib DIR [--bindings DIR]
         [--paths portable-fp16 portable-bf16 upstream-bf16 portable-fp16-bi
-                 upstream-bf16-gguf-moe portable-fp16-gguf-moe upstream-bf16-dense-marlin
-                 portable-fp16-dense-marlin portable-bf16-keys16 portable-fp16-keys16]
+                 upstream-bf16-gguf-moe portable-fp16-gguf-moe portable-bf16-keys16
+                 portable-fp16-keys16]
         [--eager]
         [--json FILE]
         [--rounding bfloat16 float16 fp8-indexer bfloat16-fp8-indexer float16-fp8-indexer]
@@ -22,8 +22,7 @@ index_topk, then 32 greedy tokens):
   16-bit activations, where `portable-fp16`'s kernels quantize activations to int8 for dense
   products below 256 tokens and experts below 1024 (Q4_K experts run vLLM's Marlin MoE on
   16-bit activations, except under batch invariance); `-gguf-moe`: VLLM_GGUF_MOE_MARLIN=0,
-  those on the GGUF kernels too; `-dense-marlin`: VLLM_GGUF_DENSE_MARLIN=1, the Q4_K linear
-  layers on vLLM's Marlin GEMM;
+  those on the GGUF kernels too;
   `-keys16`: VLLM_SPARSE_INDEXER_CACHE=16bit, the indexer's keys cached and its queries
   kept in the model's dtype, where the default rounds both to e4m3);
 - llama.cpp: benchmarks/llama_cpp_logits.py on libllama.so of `--llama-lib` (all layers
@@ -74,10 +73,6 @@ PATHS = {
     "upstream-bf16-gguf-moe": {"dtype": "bfloat16"},
     "portable-fp16-gguf-moe": {"attention_backend": "TRITON_MLA_SPARSE", "indexer": "triton",
                                "dtype": "float16"},
-    # two paths above with the Q4_K linear layers on vLLM's Marlin GEMM (off by default)
-    "upstream-bf16-dense-marlin": {"dtype": "bfloat16"},
-    "portable-fp16-dense-marlin": {"attention_backend": "TRITON_MLA_SPARSE",
-                                   "indexer": "triton", "dtype": "float16"},
     # the two portable paths with the indexer's keys and queries in 16 bits
     "portable-bf16-keys16": {"attention_backend": "TRITON_MLA_SPARSE", "indexer": "triton",
                              "dtype": "bfloat16"},
@@ -88,15 +83,12 @@ KEYS16 = {"VLLM_SPARSE_INDEXER_CACHE": "16bit"}
 PATH_ENV = {"portable-fp16-bi": {"VLLM_BATCH_INVARIANT": "1"},
             "upstream-bf16-gguf-moe": {"VLLM_GGUF_MOE_MARLIN": "0"},
             "portable-fp16-gguf-moe": {"VLLM_GGUF_MOE_MARLIN": "0"},
-            "upstream-bf16-dense-marlin": {"VLLM_GGUF_DENSE_MARLIN": "1"},
-            "portable-fp16-dense-marlin": {"VLLM_GGUF_DENSE_MARLIN": "1"},
             "portable-bf16-keys16": KEYS16, "portable-fp16-keys16": KEYS16}
 
 
 # the overlay's switches: (on unless 0, the default; else only with 1), and glm5_generate's
 # count of what each runs, which the Q4_K_M file's row must show where it is on
-SWITCHES = {"VLLM_GGUF_MOE_MARLIN": (True, "marlin_moe_calls"),  # Q4_K experts on Marlin
-            "VLLM_GGUF_DENSE_MARLIN": (False, "dense_marlin_layers")}  # Q4_K linear layers
+SWITCHES = {"VLLM_GGUF_MOE_MARLIN": (True, "marlin_moe_calls")}  # Q4_K experts on Marlin
 
 
 def runs(path: str, switch: str) -> bool:

@@ -3,8 +3,8 @@
 
     python -m benchmarks.glm5_vs_llama_cpp --gguf FILE.gguf --llama-bench BIN
         [--llama-batched-bench BIN2] [--json out.json] [--md out.md]
-        [--paths portable upstream sm120 portable-gguf-moe portable-dense-marlin
-                 portable-keys16 upstream-keys16]
+        [--paths portable upstream sm120 portable-gguf-moe portable-keys16
+                 upstream-keys16]
         [--prompts 512 8192] [--depths 0 8192] [--batches 1 8 32] [--gen 128] [--profile]
         [--profile-batch 1] [--llama-profile NCU]
     python -m benchmarks.glm5_vs_llama_cpp --per-layer SHALLOW.json DEEP.json [--md out.md]
@@ -22,8 +22,7 @@ llama-bench from tools/gpu-host/build-llama-cpp-cuda.sh (CUDA, the pinned sdist)
   at bf16); `sm120`: capability 12.0 reported (tests/plugins/vllm_report_capability,
   installed with `pip install --no-deps`), dtype auto, nothing forced; `portable-gguf-moe`:
   `portable` with VLLM_GGUF_MOE_MARLIN=0 (every MoE layer on the GGUF kernels, where
-  Q4_K experts run vLLM's Marlin MoE by default); `portable-dense-marlin`: `portable` with
-  VLLM_GGUF_DENSE_MARLIN=1 (Q4_K linear layers on vLLM's Marlin GEMM);
+  Q4_K experts run vLLM's Marlin MoE by default);
   `portable-keys16`: `portable` with VLLM_SPARSE_INDEXER_CACHE=16bit (the indexer's keys and
   queries in 16 bits: twice the indexer cache's bytes read at depth); `upstream-keys16`:
   `upstream` with it (the indexer's logits then on the Triton kernels, not DeepGEMM).
@@ -86,9 +85,6 @@ PATHS = {
     # portable, with the Q4_K experts on the GGUF kernels instead of Marlin
     "portable-gguf-moe": {"backend": "TRITON_MLA_SPARSE", "indexer": "triton",
                           "dtype": "float16", "env": {"VLLM_GGUF_MOE_MARLIN": "0"}},
-    # portable, with the Q4_K linear layers on vLLM's Marlin GEMM too (off by default)
-    "portable-dense-marlin": {"backend": "TRITON_MLA_SPARSE", "indexer": "triton",
-                              "dtype": "float16", "env": {"VLLM_GGUF_DENSE_MARLIN": "1"}},
     # portable, with the indexer's 16-bit key cache (off by default)
     "portable-keys16": {"backend": "TRITON_MLA_SPARSE", "indexer": "triton",
                         "dtype": "float16", "env": {"VLLM_SPARSE_INDEXER_CACHE": "16bit"}},

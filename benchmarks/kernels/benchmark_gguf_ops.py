@@ -20,9 +20,7 @@ Ops (GLM-5 at TP 1, float16 activations):
 Paths (a path a type has no kernel for is left out):
 - dense: `plugin` (the plugin's own choice by M, torch.ops.vllm._fused_mul_mat_gguf),
   `mmvq` (CUDA, int8 activations, a row at a time), `mmq` (CUDA, int8 activations,
-  tiled), `triton` (the plugin's Triton GEMM, 16-bit activations), `marlin` (Q4_K: the
-  file's values on vLLM's Marlin GEMM plus their b-part, linear_marlin's; what the engine
-  runs under VLLM_GGUF_DENSE_MARLIN=1),
+  tiled), `triton` (the plugin's Triton GEMM, 16-bit activations),
   `dequant` (dequantize to 16 bits as the engine does, Q4_K and Q6_K on Triton,
   linear.dequantize; then torch.mm), `dequant-cuda` (the same on the plugin's CUDA
   dequantization, where it differs), and `mm16` (torch.mm on the weights dequantized
@@ -180,14 +178,11 @@ def dense_case(qtype: str, name: str, tokens, dtype=torch.float16, gen=None,
     w = random_blocks(qtype, n, k, gen).cuda()
     w16 = ops.ggml_dequantize(w, t, n, k, dtype)
     w32 = w16.float()
-    marlin = []  # the marlin path's weight, made on first use, then kept
     rows = []
     for m in tokens:
         x = (torch.randn(m, k, device="cuda") * k ** -0.5).to(dtype)  # outputs of order 1
         ref = x.float() @ w32.T
         paths = {"plugin": lambda: fused_mul_mat_gguf(x, w, t)}
-        if qtype == "Q4_K":
-            paths["marlin"] = functools.partial(_marlin_dense, marlin, w, x)
         if t in MMVQ_QUANT_TYPES and m <= 16:
             paths["mmvq"] = lambda: ops.ggml_mul_mat_vec_a8(w, x, t, n)
         if t in MMQ_QUANT_TYPES:
@@ -206,18 +201,6 @@ def dense_case(qtype: str, name: str, tokens, dtype=torch.float16, gen=None,
     del w, w16, w32
     torch.cuda.empty_cache()
     return rows
-
-
-def _marlin_dense(marlin: list, w, x) -> torch.Tensor:
-    """A Q4_K weight as the engine runs it under VLLM_GGUF_DENSE_MARLIN=1 (linear_marlin:
-    s * (q - 8) on Marlin and b times the activations' group sums beside it; the
-    converted layer made into `marlin` once)."""
-    from vllm_gguf_plugin.quantization import linear_marlin
-
-    if not marlin:
-        marlin.append(torch.nn.Module())
-        linear_marlin.attach(marlin[0], w, x.dtype)
-    return linear_marlin.apply(marlin[0], x)
 
 
 def _call_with_block_m(wrapper, block_m, x, w, sorted_ids, expert_ids, padded, rows, top_k,

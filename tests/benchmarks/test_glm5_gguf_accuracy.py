@@ -18,17 +18,14 @@ def test_paths_name_the_sm120_path_and_upstreams():
     ("portable-fp16-bi", "portable-fp16", "VLLM_BATCH_INVARIANT", "1"),
     ("portable-fp16-gguf-moe", "portable-fp16", "VLLM_GGUF_MOE_MARLIN", "0"),
     ("upstream-bf16-gguf-moe", "upstream-bf16", "VLLM_GGUF_MOE_MARLIN", "0"),
-    ("portable-fp16-dense-marlin", "portable-fp16", "VLLM_GGUF_DENSE_MARLIN", "1"),
-    ("upstream-bf16-dense-marlin", "upstream-bf16", "VLLM_GGUF_DENSE_MARLIN", "1"),
     ("portable-bf16-keys16", "portable-bf16", "VLLM_SPARSE_INDEXER_CACHE", "16bit"),
     ("portable-fp16-keys16", "portable-fp16", "VLLM_SPARSE_INDEXER_CACHE", "16bit"),
 ])
 def test_paths_that_differ_only_in_their_environment(monkeypatch, path, base, var, value):
     """`portable-fp16-bi` is `portable-fp16` with VLLM_BATCH_INVARIANT=1 added to the
     engine's environment (the rest of it kept), the `-gguf-moe` paths theirs with
-    VLLM_GGUF_MOE_MARLIN=0, the `-dense-marlin` ones with VLLM_GGUF_DENSE_MARLIN=1, the
-    `-keys16` ones with
-    VLLM_SPARSE_INDEXER_CACHE=16bit; the other paths inherit this process's."""
+    VLLM_GGUF_MOE_MARLIN=0, the `-keys16` ones with VLLM_SPARSE_INDEXER_CACHE=16bit; the
+    other paths inherit this process's."""
     monkeypatch.setenv("VLLM_OVERLAY_SOMETHING", "kept")
     monkeypatch.delenv(var, raising=False)
     assert acc.PATHS[path] == acc.PATHS[base]
@@ -37,8 +34,6 @@ def test_paths_that_differ_only_in_their_environment(monkeypatch, path, base, va
     assert acc.path_env(base) is None
     assert sorted(acc.PATH_ENV) == sorted(["portable-fp16-bi", "portable-fp16-gguf-moe",
                                            "upstream-bf16-gguf-moe",
-                                           "portable-fp16-dense-marlin",
-                                           "upstream-bf16-dense-marlin",
                                            "portable-bf16-keys16", "portable-fp16-keys16"])
 
 
@@ -49,39 +44,24 @@ def test_which_paths_must_show_marlin_calls(monkeypatch):
     monkeypatch.delenv("VLLM_GGUF_MOE_MARLIN", raising=False)
     monkeypatch.delenv("VLLM_BATCH_INVARIANT", raising=False)
     assert {p for p in acc.PATHS if acc.runs(p, "VLLM_GGUF_MOE_MARLIN")} == {
-        "portable-fp16", "portable-bf16", "upstream-bf16", "portable-fp16-dense-marlin",
-        "upstream-bf16-dense-marlin", "portable-bf16-keys16", "portable-fp16-keys16"}
+        "portable-fp16", "portable-bf16", "upstream-bf16", "portable-bf16-keys16",
+        "portable-fp16-keys16"}
     monkeypatch.setenv("VLLM_GGUF_MOE_MARLIN", "0")
     assert not any(acc.runs(p, "VLLM_GGUF_MOE_MARLIN") for p in acc.PATHS)
-
-
-def test_which_paths_must_show_dense_marlin_layers(monkeypatch):
-    """Only the `-dense-marlin` paths must convert a linear layer on the Q4_K_M file (the
-    row fails without one counted), or every path where this process turned it on but
-    the batch-invariant one."""
-    monkeypatch.delenv("VLLM_GGUF_DENSE_MARLIN", raising=False)
-    monkeypatch.delenv("VLLM_BATCH_INVARIANT", raising=False)
-    assert {p for p in acc.PATHS if acc.runs(p, "VLLM_GGUF_DENSE_MARLIN")} == {
-        "portable-fp16-dense-marlin", "upstream-bf16-dense-marlin"}
-    monkeypatch.setenv("VLLM_GGUF_DENSE_MARLIN", "1")
-    assert {p for p in acc.PATHS if not acc.runs(p, "VLLM_GGUF_DENSE_MARLIN")} == {"portable-fp16-bi"}
 
 
 def test_switch_counts_check_what_ran(monkeypatch):
     """A path's row fails where a switch it turns on did not run on the Q4_K_M file, and
     on any file where the 16-bit indexer key cache was written without being asked for
     or not written where asked for."""
-    for name in ("VLLM_GGUF_MOE_MARLIN", "VLLM_GGUF_DENSE_MARLIN",
-                 "VLLM_BATCH_INVARIANT", "VLLM_SPARSE_INDEXER_CACHE"):
+    for name in ("VLLM_GGUF_MOE_MARLIN", "VLLM_BATCH_INVARIANT", "VLLM_SPARSE_INDEXER_CACHE"):
         monkeypatch.delenv(name, raising=False)
 
     def result(marlin=1, writes=0):
-        return {"marlin_moe_calls": marlin, "dense_marlin_layers": None,
-                "keys16_cache_calls": {"write": writes, "gather": 1}}
+        return {"marlin_moe_calls": marlin, "keys16_cache_calls": {"write": writes, "gather": 1}}
 
     got = acc.switch_counts("gguf-Q4_K_M", "portable-fp16", result())
-    assert got == {"marlin_moe_calls": 1, "dense_marlin_layers": None,
-                   "keys16_writes": 0}
+    assert got == {"marlin_moe_calls": 1, "keys16_writes": 0}
     with pytest.raises(RuntimeError, match="VLLM_GGUF_MOE_MARLIN is on"):
         acc.switch_counts("gguf-Q4_K_M", "portable-fp16", result(marlin=0))
     acc.switch_counts("gguf-bf16", "portable-fp16", result(marlin=0))  # (no Q4_K there)
@@ -98,8 +78,7 @@ def test_switches_read_as_their_modules_read_them(monkeypatch):
     on in that path's environment."""
     from vllm_gguf_plugin.quantization import gguf_kernels
 
-    modules = {"VLLM_GGUF_MOE_MARLIN": gguf_kernels.moe_marlin_enabled,
-               "VLLM_GGUF_DENSE_MARLIN": gguf_kernels.dense_marlin_enabled}
+    modules = {"VLLM_GGUF_MOE_MARLIN": gguf_kernels.moe_marlin_enabled}
     assert set(modules) == set(acc.SWITCHES)
     monkeypatch.delenv("VLLM_BATCH_INVARIANT", raising=False)
     for switch, enabled in modules.items():

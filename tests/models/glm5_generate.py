@@ -26,15 +26,13 @@ def prompts(vocab: int) -> list[list[int]]:
     return [[rng.randrange(3, vocab) for _ in range(n)] for n in PROMPT_LENS]
 
 
-def count_into(counts: dict[str, int], key: str, module, name: str,
-               counts_result=lambda result: True) -> None:
-    """Replace module.name with a wrapper that adds one to counts[key] at each call
-    (each call whose result counts_result takes)."""
+def count_into(counts: dict[str, int], key: str, module, name: str) -> None:
+    """Replace module.name with a wrapper that adds one to counts[key] at each call."""
     fn = getattr(module, name)
 
     def counted(*a, **kw):
         result = fn(*a, **kw)
-        counts[key] += bool(counts_result(result))
+        counts[key] += 1
         return result
 
     setattr(module, name, counted)
@@ -73,19 +71,6 @@ def count_marlin_moe_calls() -> dict[str, int] | None:
     calls = {"moe": 0}
     count_into(calls, "moe", moe_marlin, "fused_moe")
     return calls
-
-
-def count_dense_marlin_layers() -> dict[str, int] | None:
-    """Count the linear layers converted for vLLM's Marlin GEMM (in-process engine); None
-    unless VLLM_GGUF_DENSE_MARLIN=1 turns it on."""
-    from vllm_gguf_plugin.quantization import gguf_kernels, linear_marlin
-
-    if not gguf_kernels.dense_marlin_enabled():
-        return None
-
-    layers = {"converted": 0}
-    count_into(layers, "converted", linear_marlin, "convert_layer", lambda converted: converted)
-    return layers
 
 
 def attention_backend_name(llm, layer_filter=None) -> str | None:
@@ -168,7 +153,6 @@ def main():
     calls = count_triton_indexer_calls()
     keys16_calls = count_keys16_cache_calls()
     marlin_calls = count_marlin_moe_calls()
-    dense_marlin = count_dense_marlin_layers()
 
     # launches of Hopper's Gluon sparse MLA tiles (none where they cannot run): the
     # warp-specialized one and the 8-head fp8 one
@@ -225,7 +209,6 @@ def main():
         "triton_indexer_calls": calls,
         "keys16_cache_calls": keys16_calls,
         "marlin_moe_calls": marlin_calls and marlin_calls["moe"],
-        "dense_marlin_layers": dense_marlin and dense_marlin["converted"],
         "outputs": [
             {
                 "prompt_len": len(o.prompt_token_ids),

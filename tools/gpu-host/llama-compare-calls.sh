@@ -11,8 +11,8 @@
 #               unpacks them outside the checkout, starts llama-side.sh (CUDA build; the 2- and
 #               3-layer Q4_K_M files; SETS=2L: the 2-layer one alone)
 #   part N      carry .bundle/part-0N, for N in 0 1 2 3 4
-#   stages      gpu-checks.sh's stages: install; the Marlin GPU tests (MoE and dense, or the
-#               files in MARLIN_TESTS; MARLIN_S seconds; MARLIN_S=0 skips them); ggufops, the
+#   stages      gpu-checks.sh's stages: install; the Marlin MoE GPU tests (or the files in
+#               MARLIN_TESTS; MARLIN_S seconds; MARLIN_S=0 skips them); ggufops, the
 #               MoE kernel benchmark (MOE_TYPES, MOE_TOKENS, MOE_BM, MOE_S seconds; MOE_S=0
 #               skips it; OPS_ARGS: the benchmark's arguments instead) while llama.cpp
 #               builds; then llamaacc, the accuracy stage (ACC_PATHS, ACC_ROUND; ACC_S
@@ -100,8 +100,7 @@ EOF
     env_; mkdir -p "$out/moe"
     if [ "${MARLIN_S:-150}" != 0 ]; then
       # shellcheck disable=SC2086
-      timeout "${MARLIN_S:-150}" python3 -m pytest ${MARLIN_TESTS:-tests/models/quantization/test_gguf_moe_marlin.py \
-        tests/models/quantization/test_gguf_linear_marlin.py} -m gpu -v \
+      timeout "${MARLIN_S:-150}" python3 -m pytest ${MARLIN_TESTS:-tests/models/quantization/test_gguf_moe_marlin.py} -m gpu -v \
         -p no:cacheprovider -p no:warnings > "$out/moe/marlin-tests.log" 2>&1
       echo "marlin tests rc=$?"; grep -cE "PASSED|FAILED" "$out/moe/marlin-tests.log"; tail -3 "$out/moe/marlin-tests.log"
     fi

@@ -206,8 +206,8 @@ def _register_omni_diffusion_quantization() -> None:
 
 
 # overlay: the GGUF kernel switches as vLLM environment variables. vLLM keys its
-# torch.compile cache on the ones it knows, and dense Marlin changes the parameters a
-# traced linear layer reads; --fail-on-environ-validation refuses unknown VLLM_ names.
+# torch.compile cache on the ones it knows, and a switch changes the kernels a traced
+# layer runs; --fail-on-environ-validation refuses unknown VLLM_ names.
 def _register_switches() -> None:
     from vllm.overlay_switches import register_switches
 

@@ -205,13 +205,13 @@ def test_dtype(glm5_ggufs, capability, dtype, expect):
     assert model_config(str(glm5_ggufs["bf16"]), capability, dtype=dtype).dtype == expect
 
 
-@pytest.mark.parametrize("name", [
-    "VLLM_GGUF_DENSE_MARLIN", "VLLM_GGUF_MOE_MARLIN"])
+@pytest.mark.parametrize("name", ["VLLM_GGUF_MOE_MARLIN"])
 def test_kernel_switch_keys_the_compile_cache(monkeypatch, name):
     """Each GGUF kernel switch is a vLLM environment variable: set one way and the other,
-    it gives two torch.compile cache keys (a graph traced with dense Marlin reads
-    marlin_qweight; loaded from the cache without it, the engine failed with KeyError),
-    and vLLM's strict environment check (--fail-on-environ-validation) accepts it."""
+    it gives two torch.compile cache keys (a graph traced with a switch one way runs
+    other kernels: a removed dense Marlin switch's graph read marlin_qweight, and loaded
+    from the cache without it the engine failed with KeyError), and vLLM's strict
+    environment check (--fail-on-environ-validation) accepts it."""
     import os
 
     from vllm import envs

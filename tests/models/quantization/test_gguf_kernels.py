@@ -5,17 +5,18 @@ Three statements of the choice, checked against each other over a grid of every 
 plugin runs (K-quants, legacy quants, I-quants; the unquantized ones in dense layers),
 token counts 1 to 16384 (each count where a threshold changes, its neighbours, and a
 spread), dense and MoE (each pair of gate_up and down types), batch invariance off and
-on, SM75/80/89/90/120, and the Marlin switches off and on:
+on, SM75/80/89/90/120, and the Marlin MoE switch off and on:
 
-- the module's records (`dense_launch`, `moe_launch`, after `dense_marlin`/`moe_marlin`
-  at load);
+- the module's records (`dense_launch`, `moe_launch`, after `moe_marlin` at load);
 - what linear.py and fused_moe.py call, run on the CPU with meta tensors and every kernel
   replaced by a recorder (`Engine`): the layers run the record and nothing else;
 - EXPECTED_*: the choice written out by hand, for every type (dense) and GLM-5's type
   pairs and one of each kind (MoE); the reference a changed threshold fails against.
 
 The whole grid's choices also hash to GRID_SHA256, recorded from the branches of
-linear.py and fused_moe.py before gguf_kernels.py decided for them (commit 3fdd12d).
+linear.py and fused_moe.py before gguf_kernels.py decided for them (commit 3fdd12d), then
+with the dense Marlin switch removed: its "off" choice at every grid point (with the
+switch on, the dense lines had Q4_K layers on `marlin`).
 docs/gguf.md's kernel table is checked against the module's kernel_table().
 """
 
@@ -81,16 +82,15 @@ FIRSTS = {f for runs in EXPECTED_DENSE.values() for r in runs for f, _ in r} | {
 TOKENS = sorted({t for f in FIRSTS for t in (f - 1, f, f + 1) if t > 0}
                 | {4, 12, 24, 48, 100, 128, 200, 512, 2048, 4096, 5000, 8192, 12000, 16384})
 # sha256 of every grid point's choice (`grid_lines`) from the branches before the module
-GRID_SHA256 = "0cd40af39f98cf9c5d026e8e583f316a2898f33c5252e06b237958fd9d36f50e"
+# (0cd40af3...), each dense line then the dense Marlin switch's off choice (20aefb1e...)
+GRID_SHA256 = "20aefb1ef4fb4d319559bad1112653f0035dd111b6aec0defe8198bf8f9603e9"
 
 
 def _at(runs, tokens):
     return [r for r in runs if r[0] <= tokens][-1][1:]
 
 
-def expected_dense(qtype, tokens, rows, bi, cap, dense_marlin):
-    if (dense_marlin and not bi and cap >= 80 and qtype == T.Q4_K and rows % 64 == 0):
-        return "marlin"
+def expected_dense(qtype, tokens, rows, bi):
     if bi and qtype not in UNQUANTIZED_TYPES:
         return BI
     return _at(EXPECTED_DENSE[qtype][rows > 5120], tokens)[0]
@@ -132,7 +132,6 @@ class Engine:
             batch_invariant,
             fused_moe,
             linear,
-            linear_marlin,
             moe_marlin,
             moe_prefill,
             moe_triton_tiles,
@@ -151,14 +150,12 @@ class Engine:
         mp.setattr(current_platform, "get_device_capability",
                    lambda device_id=0: DeviceCapability(self.cap // 10, self.cap % 10))
         mp.setattr("vllm.envs.VLLM_BATCH_INVARIANT", False, raising=False)
-        for name in ("VLLM_GGUF_DENSE_MARLIN", "VLLM_GGUF_MOE_MARLIN"):
-            mp.delenv(name, raising=False)
+        mp.delenv("VLLM_GGUF_MOE_MARLIN", raising=False)
         # dense kernels
         mp.setattr(ops, "ggml_mul_mat_vec_a8", _record(calls, MMVQ))
         mp.setattr(ops, "ggml_mul_mat_a8", _record(calls, MMQ))
         mp.setattr(linear, "dequantize", _record(calls, DEQ))
         mp.setattr(batch_invariant, "mul_mat", _record(calls, BI))
-        mp.setattr(linear_marlin, "attach", lambda *args: None)
         mp.setattr(moe_marlin, "marlin_experts", lambda w, dtype: "marlin")
         mp.setattr(quantization, "fused_mul_mat_gguf", _record(calls, "per_token"))
 
@@ -210,23 +207,16 @@ class Engine:
 
         w2_inter = 128
         mp.setattr(moe_marlin, "fused_moe", marlin)
-        self.linear, self.linear_marlin = linear, linear_marlin
+        self.linear = linear
         self.fused_moe, self.moe_marlin = fused_moe, moe_marlin
 
-    def set(self, bi, cap, dense_marlin, moe_marlin):
+    def set(self, bi, cap, moe_marlin):
         self.envs.VLLM_BATCH_INVARIANT = bi
         self.cap = cap
-        self.monkeypatch.setenv("VLLM_GGUF_DENSE_MARLIN", "1" if dense_marlin else "0")
         self.monkeypatch.setenv("VLLM_GGUF_MOE_MARLIN", "1" if moe_marlin else "0")
 
     def dense(self, qtype, tokens, rows):
         self.calls.clear()
-        layer = SimpleNamespace(
-            qweight_type=SimpleNamespace(weight_type=qtype, shard_weight_type={}),
-            qweight=SimpleNamespace(shape=(rows, 144), data=None, dtype=torch.uint8,
-                                    device="meta"))
-        if self.linear_marlin.convert_layer(layer, torch.float16):
-            return "marlin"
         meta = torch.device("meta")
         x = torch.empty(tokens, 256, device=meta, dtype=torch.float16)
         if qtype in UNQUANTIZED_TYPES:
@@ -283,11 +273,10 @@ def _name(launch):
     return launch.kernel.value + (f":{launch.block_m}" if launch.block_m else "")
 
 
-def module_dense(qtype, tokens, rows, bi, cap):
+def module_dense(qtype, tokens, rows, bi):
     from vllm_gguf_plugin.quantization import gguf_kernels as gk
 
-    marlin = gk.dense_marlin({qtype}, rows, capability=cap, batch_invariant=bi)
-    return _name(gk.dense_launch(qtype, tokens, rows, batch_invariant=bi, marlin=marlin))
+    return _name(gk.dense_launch(qtype, tokens, rows, batch_invariant=bi))
 
 
 def module_moe(types, tokens, bi, cap):
@@ -303,7 +292,8 @@ SETTINGS = list(itertools.product((False, True), CAPABILITIES, (False, True)))
 
 def grid_lines(dense, moe):
     """Every grid point's choice, a line each: dense(qtype, tokens, rows) and
-    moe(types, tokens), under each setting (batch invariance, capability, switch)."""
+    moe(types, tokens), under each setting (batch invariance, capability, the Marlin MoE
+    switch; a dense line's choice does not depend on it)."""
     lines = []
     for bi, cap, switch in SETTINGS:
         for qtype, rows, tokens in itertools.product(DENSE_TYPES, ROWS, TOKENS):
@@ -317,7 +307,7 @@ def grid_lines(dense, moe):
 
 
 def _module_dense(bi, cap, switch, qtype, tokens, rows):
-    return module_dense(qtype, tokens, rows, bi, cap)
+    return module_dense(qtype, tokens, rows, bi)
 
 
 def _module_moe(bi, cap, switch, types, tokens):
@@ -326,17 +316,17 @@ def _module_moe(bi, cap, switch, types, tokens):
 
 def test_layers_run_the_modules_choice(engine):
     """Over the whole grid, linear.py and fused_moe.py call the kernel the module names
-    (each switch on and off)."""
+    (the switch on and off)."""
     cache = {}
 
     def dense(bi, cap, switch, qtype, tokens, rows):
-        engine.set(bi, cap, switch, switch)
+        engine.set(bi, cap, switch)
         got = engine.dense(qtype, tokens, rows)
-        assert got == module_dense(qtype, tokens, rows, bi, cap), (qtype, tokens, rows)
+        assert got == module_dense(qtype, tokens, rows, bi), (qtype, tokens, rows)
         return got
 
     def moe(bi, cap, switch, types, tokens):
-        engine.set(bi, cap, switch, switch)
+        engine.set(bi, cap, switch)
         marlin = engine.converts(types)
         key = (types, tokens, bi, None if marlin is None else tuple(m is None for m in marlin))
         if key not in cache:
@@ -354,12 +344,11 @@ def test_module_matches_the_written_choice(monkeypatch):
     """The module's records against EXPECTED_*: every dense type, the MoE pairs listed."""
     monkeypatch.setattr("vllm.envs.VLLM_BATCH_INVARIANT", False, raising=False)
     for (bi, cap, switch), tokens in itertools.product(SETTINGS, TOKENS):
-        monkeypatch.setenv("VLLM_GGUF_DENSE_MARLIN", "1" if switch else "0")
         monkeypatch.setenv("VLLM_GGUF_MOE_MARLIN", "1" if switch else "0")
         for qtype, rows in itertools.product(DENSE_TYPES, ROWS):
-            want = expected_dense(qtype, tokens, rows, bi, cap, switch)
-            assert module_dense(qtype, tokens, rows, bi, cap) == want, (qtype, tokens, rows,
-                                                                        bi, cap, switch)
+            want = expected_dense(qtype, tokens, rows, bi)
+            assert module_dense(qtype, tokens, rows, bi) == want, (qtype, tokens, rows,
+                                                                   bi, cap, switch)
         for types in EXPECTED_MOE:
             types = tuple(map(int, types))
             want = expected_moe(types, tokens, bi, cap, switch)

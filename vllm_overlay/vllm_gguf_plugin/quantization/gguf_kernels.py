@@ -2,11 +2,11 @@
 """Which kernel runs a GGUF product: the one place that decides it.
 
 `dense_launch` (a linear layer's product) and `moe_launch` (a layer's routed experts)
-choose from the weight's quant type(s), the token count, batch invariance and whether
-the layer was converted for Marlin at load (`dense_marlin` and `moe_marlin`, from the
-device's capability and the switches). Each returns a frozen record naming the kernel
-and its tile (`GGUFLaunch`; for the experts one a product, `GGUFMoELaunch`);
-`linear.py` and `fused_moe.py` run it and decide nothing themselves. Every tuned
+choose from the weight's quant type(s), the token count, batch invariance and, for the
+experts, whether they were converted for Marlin at load (`moe_marlin`, from the device's
+capability and the switch). Each returns a frozen record naming the kernel and its tile
+(`GGUFLaunch`; for the experts one a product, `GGUFMoELaunch`); `linear.py` and
+`fused_moe.py` run it and decide nothing themselves. Every tuned
 threshold is in one table, `TABLE`, each entry with the measurement behind it on
 docs/results.md. No data, no host sync: the choice depends on shapes and types alone,
 so it is stable under CUDA-graph capture. docs/gguf.md's kernel table is generated
@@ -35,16 +35,8 @@ Q4_K = int(T.Q4_K)
 
 # The switches: kernels chosen by an environment variable (registered with vLLM's
 # environment variables by plugin.py; read here alone).
-# off by default: Q4_K linear layers on vLLM's Marlin GEMM (linear_marlin.py); faster at
-# the op, its effect on a whole decode step is not measured yet
-DENSE_MARLIN_ENV = "VLLM_GGUF_DENSE_MARLIN"
 # on by default: Q4_K routed experts on vLLM's Marlin MoE (moe_marlin.py)
 MOE_MARLIN_ENV = "VLLM_GGUF_MOE_MARLIN"
-
-
-def dense_marlin_enabled() -> bool:
-    """On only with VLLM_GGUF_DENSE_MARLIN=1."""
-    return os.environ.get(DENSE_MARLIN_ENV, "0").strip() == "1"
 
 
 def moe_marlin_enabled() -> bool:
@@ -53,7 +45,7 @@ def moe_marlin_enabled() -> bool:
 
 
 # the switches and their values, as plugin.py registers them with vLLM
-SWITCHES = {DENSE_MARLIN_ENV: dense_marlin_enabled, MOE_MARLIN_ENV: moe_marlin_enabled}
+SWITCHES = {MOE_MARLIN_ENV: moe_marlin_enabled}
 
 
 class GGUFKernel(enum.Enum):
@@ -70,7 +62,7 @@ class GGUFKernel(enum.Enum):
     # dequantize (dequant_triton.py for Q4_K and Q6_K) + a 16-bit GEMM; MoE: moe_prefill.py
     DEQUANT = "dequant"
     TRITON_MOE = "triton_moe"  # moe_triton_tiles.py: the plugin's Triton MoE kernel, block_m
-    MARLIN = "marlin"  # linear_marlin.py / moe_marlin.py (the layer converted at load)
+    MARLIN = "marlin"  # MoE: moe_marlin.py (the layer's experts converted at load)
     PER_TOKEN = "per_token"  # the plugin's fallback: a dense product a token and expert
     UNSUPPORTED = "unsupported"  # no kernel: the layer refuses the type
 
@@ -115,7 +107,7 @@ class KernelTable:
     plugin_mmq_min_tokens: int  # MoE: MMQ from here, not the one-pair kernel
     mmq_min_tokens_by_type: Mapping[int, int]
     triton_moe_tiles: Mapping[int, tuple[TritonMoETile, ...]]  # MoE: by rising counts
-    marlin_min_capability: int  # Marlin's GEMM and MoE: SM80 or later
+    marlin_min_capability: int  # Marlin MoE: SM80 or later
     moe_offset_max: int  # MoE: the tiled kernels' 32-bit offsets: bytes of an expert group
 
 
@@ -201,22 +193,6 @@ def _marlin_switched_off(env: str, on: bool, batch_invariant: bool) -> bool:
     return False
 
 
-def dense_marlin(types: set[int], rows: int, *, capability: int | None,
-                 batch_invariant: bool) -> bool:
-    """Whether a linear layer whose weight has these types (each shard's) and `rows`
-    outputs is converted for vLLM's Marlin GEMM at load: VLLM_GGUF_DENSE_MARLIN=1,
-    not batch invariant, Q4_K alone (its 256-value blocks make every input size whole
-    tiles of Marlin's 128), whole tiles of its 64 outputs, on SM80 or later."""
-    from vllm.model_executor.layers.quantization.utils.marlin_utils import (
-        GPTQ_MARLIN_MIN_THREAD_N,
-    )
-
-    if _marlin_switched_off(DENSE_MARLIN_ENV, dense_marlin_enabled(), batch_invariant):
-        return False
-    return (set(types) == {Q4_K} and rows % GPTQ_MARLIN_MIN_THREAD_N == 0
-            and _marlin_capable(capability))
-
-
 def moe_marlin(qweight_type: int, qweight_type2: int, *, capability: int | None,
                batch_invariant: bool) -> tuple[bool, bool]:
     """Which routed products of a layer of these types are converted for vLLM's Marlin
@@ -231,12 +207,10 @@ def moe_marlin(qweight_type: int, qweight_type2: int, *, capability: int | None,
     return gate_up and (down or qweight_type2 in MMVQ_QUANT_TYPES), down
 
 
-def dense_launch(qweight_type: int, tokens: int, rows: int, *, batch_invariant: bool,
-                 marlin: bool = False) -> GGUFLaunch:
+def dense_launch(qweight_type: int, tokens: int, rows: int, *,
+                 batch_invariant: bool) -> GGUFLaunch:
     """The kernel of a linear product of `tokens` tokens with a weight of this type and
-    `rows` outputs; `marlin`: the layer was converted (dense_marlin)."""
-    if marlin:
-        return GGUFLaunch(GGUFKernel.MARLIN)
+    `rows` outputs."""
     if qweight_type in UNQUANTIZED_TYPES:
         return GGUFLaunch(GGUFKernel.PLAIN)
     if batch_invariant:
@@ -328,7 +302,7 @@ def kernel_table() -> list[str]:
     """docs/gguf.md's table: the kernel of each type's products by token count, dense
     (either side of the MMVQ bound's output rows) and MoE (gate_up and down of that type;
     "a / b": gate_up's / down's), outside batch invariance and Marlin; then the Marlin
-    layers. Types whose rows are equal share one."""
+    MoE layers. Types whose rows are equal share one."""
     from .utils import KQUANT_TYPES, STANDARD_QUANT_TYPES
 
     rows: dict[tuple[str, ...], list[str]] = {}
@@ -347,8 +321,6 @@ def kernel_table() -> list[str]:
     lines += [
         "| any quantized type, `VLLM_BATCH_INVARIANT=1` | 1+ `batch_invariant` "
         "| 1+ `batch_invariant` | 1+ `batch_invariant` |",
-        f"| Q4_K, `{DENSE_MARLIN_ENV}=1`, SM{TABLE.marlin_min_capability}+ (output rows a "
-        "multiple of 64) | 1+ `marlin` | 1+ `marlin` | |",
     ]
     for down in (T.Q4_K, T.Q6_K, T.Q5_K):
         marlin = (True, down == T.Q4_K)

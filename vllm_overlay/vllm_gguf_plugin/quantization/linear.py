@@ -17,7 +17,6 @@ from . import batch_invariant  # overlay: batch-invariant products
 from . import dequant_triton  # overlay: Q4_K and Q6_K dequantized on Triton
 from . import gguf_kernels  # overlay: the kernel of each product
 from .gguf_kernels import GGUFKernel  # overlay: as above
-from . import linear_marlin  # overlay: Q4_K weights on vLLM's Marlin GEMM
 from .params import (
     GGUFUninitializedWeightParameter,
     GGUFUninitializedWeightTypeParameter,
@@ -158,8 +157,6 @@ class GGUFLinearMethod(LinearMethodBase):
                 f"Unsupported GGUF quantization type {qweight_type} in layer {layer}."
             )
         self._create_padded_weight_param(layer)
-        # overlay: Q4_K weights converted for vLLM's Marlin GEMM where asked (linear_marlin.py)
-        linear_marlin.convert_layer(layer, self.params_dtype)
 
     def _materialize_gguf_parameters(self, layer: torch.nn.Module) -> None:
         self._materialize_qweight(layer)
@@ -228,9 +225,6 @@ class GGUFLinearMethod(LinearMethodBase):
     ) -> torch.Tensor:
         from . import fused_mul_mat_gguf as fused_mul_mat_gguf_op
 
-        # overlay: a layer linear_marlin converted has no GGUF bytes left
-        if hasattr(layer, "marlin_qweight"):
-            return linear_marlin.apply(layer, x, bias)
         shard_id = layer.qweight.shard_id
         if shard_id:
             shard_id = ["q", "k", "v"] if "q" in shard_id else shard_id
