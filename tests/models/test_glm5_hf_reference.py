@@ -119,7 +119,7 @@ def vllm_fp16_layer_forward(self, hidden_states, attention_mask=None, position_i
 def test_fp16_residual_scale_is_vllms_scaled_stream(model, monkeypatch):
     """--fp16-residual-scale (eps x s^2 on the stream's norms) gives the logits of the
     layers run as vLLM runs them in float16 (the stream divided by s); dividing those
-    norms' eps by s^2 there instead (the plugin's fp16_residual_scale.py) gives the
+    norms' eps by s^2 there instead (the model's deepseek_fp16_residual_scale.py) gives the
     model's own; and on this model the scaled stream is not the model."""
     from transformers.models.glm_moe_dsa import modeling_glm_moe_dsa as m
 

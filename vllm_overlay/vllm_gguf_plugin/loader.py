@@ -16,7 +16,6 @@ from vllm.model_executor.model_loader.utils import (
 )
 from vllm.utils.torch_utils import set_default_torch_dtype
 
-from .fp16_residual_scale import match_fp16_residual_scale  # overlay: float16's norms
 from .quantization import GGUFConfig
 from .weight_utils import download_gguf, resolve_local_gguf
 from .weights_adapter import get_weights_adapter
@@ -115,7 +114,4 @@ class GGUFModelLoader(BaseModelLoader):
             if (check := getattr(adapter, "check_loaded", None)) is not None:
                 check(model, loaded)
             process_weights_after_loading(model, model_config, target_device)
-        # overlay: in float16 (a GGUF's default from SM 10.0 on) the norms of the residual
-        # stream vLLM divides by routed_scaling_factor keep the model's eps
-        match_fp16_residual_scale(model, model_config.dtype)
         return model

@@ -1,18 +1,20 @@
 # SPDX-License-Identifier: Apache-2.0
 """vLLM's MTP draft of GLM-5 (DeepSeekMTP) built and filled on CPU from a glm-dsa
-GGUF the way the engine does it for `--speculative-config '{"method": "mtp", ...}'`,
-and run on given inputs.
+GGUF (or from the HF checkpoint directory, by vLLM's safetensors loader) the way the
+engine does it for `--speculative-config '{"method": "mtp", ...}'`, and run on given
+inputs.
 
-    python -m tests.models.quantization.glm5_mtp_cpu FILE.gguf --out OUT.pt [--inputs IN.pt] [--tokens N]
-        [--dtype float32|bfloat16|float16]
+    python -m tests.models.quantization.glm5_mtp_cpu FILE.gguf|DIR --out OUT.pt [--inputs IN.pt]
+        [--tokens N] [--dtype float32|bfloat16|float16]
 
 Run it as a script (glm5_vllm_cpu's stubs change vLLM's platform for the process).
 The configs are made by vLLM's own code: EngineArgs for the target (nothing but the
 file), SpeculativeConfig for the draft (method "mtp": the draft's ModelConfig, its
 hf_config override to deepseek_mtp). The engine's loading is kept: the target model
-first (GGUFModelLoader.load_model, as the GPU model runner), then vLLM's MTP
-proposer (EagleProposer, as the GPU model runner makes it for method "mtp") and its
-load_model(target): the draft through the GGUF loader with the draft's model config,
+first (GGUFModelLoader.load_model, or DefaultModelLoader's for a directory, as the GPU
+model runner), then vLLM's MTP proposer (EagleProposer, as the GPU model runner makes
+it for method "mtp") and its load_model(target): the draft through the same loader with
+the draft's model config,
 then what the proposer shares of the target's modules (embedding, head). Left out: process_weights_after_loading, which prepares device kernels (as
 in glm5_vllm_cpu.py), and pinned host memory.
 
@@ -25,6 +27,7 @@ experts) replaced by plain PyTorch on the loaded parameters, as glm5_vllm_cpu.py
 runs the target (stub_kernels), valid while T <= index_topk (the sparse top-k then
 selects every earlier token).
 OUT.pt holds {"logits": [T, vocab], "hidden_states": [T, hidden] (pre-norm),
+"normed_hidden_states": [T, hidden] (the shared head's norm of them, what the next step takes),
 "params": {name: tensor}} (the draft's parameters as loaded, before the proposer
 shares the target's; a GGUF parameter of merged shards, which stays uninitialized
 until process_weights_after_loading, as "<name>:<shard id>" per shard, its weight
@@ -44,9 +47,9 @@ import sys
 import torch
 
 from tests.models.quantization.glm5_vllm_cpu import (cpu_config, describe,
-                                                     init_single_process, model_config,
-                                                     rms_norms, stub_device_selection,
-                                                     stub_kernels)
+                                                     init_single_process, loader_of,
+                                                     model_config, rms_norms,
+                                                     stub_device_selection, stub_kernels)
 
 
 def configs(gguf_file: str, num_speculative_tokens: int, dtype: str):
@@ -56,24 +59,24 @@ def configs(gguf_file: str, num_speculative_tokens: int, dtype: str):
     spec = SpeculativeConfig(target_model_config=target,
                              target_parallel_config=ParallelConfig(), method="mtp",
                              num_speculative_tokens=num_speculative_tokens)
-    return cpu_config(target, speculative_config=spec), spec.draft_model_config
+    return (cpu_config(target, loader_of(gguf_file)[2], speculative_config=spec),
+            spec.draft_model_config)
 
 
 def build(gguf_file: str, num_speculative_tokens: int, dtype: str):
     """(config, draft config, target, the proposer after load_model, the draft as
     the loader filled it: {"tensors": loaded_tensors, "params": describe'd})."""
     import vllm.v1.spec_decode.llm_base_proposer as proposer_module
-    import vllm_gguf_plugin.loader as loader_module
     from vllm.config import set_current_vllm_config
     from vllm.v1.spec_decode.eagle import EagleProposer
-    from vllm_gguf_plugin.loader import GGUFModelLoader
 
+    loader_module, loader_cls, _ = loader_of(gguf_file)
     loader_module.process_weights_after_loading = lambda *args, **kwargs: None
     proposer_module.PIN_MEMORY = False  # pinned host memory needs a GPU
     config, draft_config = configs(gguf_file, num_speculative_tokens, dtype)
     loaded = {}
     with set_current_vllm_config(config):
-        target = GGUFModelLoader(config.load_config).load_model(config, config.model_config)
+        target = loader_cls(config.load_config).load_model(config, config.model_config)
         proposer = EagleProposer(config, torch.device("cpu"))
         get_model = proposer._get_model
 
@@ -132,10 +135,11 @@ def run(config, model, inputs: dict) -> dict:
     stub_kernels(model)
     dtype = next(p.dtype for p in model.parameters() if p.is_floating_point())
     with set_current_vllm_config(config), set_forward_context(None, config), torch.no_grad():
-        hidden, _ = model(input_ids=inputs["input_ids"], positions=inputs["positions"],
-                          hidden_states=inputs["hidden_states"].to(dtype))
+        hidden, normed = model(input_ids=inputs["input_ids"], positions=inputs["positions"],
+                               hidden_states=inputs["hidden_states"].to(dtype))
         logits = model.compute_logits(hidden)
-    return {"logits": logits.float(), "hidden_states": hidden.float()}
+    return {"logits": logits.float(), "hidden_states": hidden.float(),
+            "normed_hidden_states": normed.float()}
 
 
 def main():

@@ -1,9 +1,11 @@
 # SPDX-License-Identifier: Apache-2.0
 """vLLM's GlmMoeDsaForCausalLM built and filled on CPU from a glm-dsa GGUF, the way
-the GGUF plugin's loader does it in the engine, for tests without a GPU.
+the GGUF plugin's loader does it in the engine, for tests without a GPU; or from the HF
+checkpoint directory (safetensors) by vLLM's own loader, as the engine loads it.
 
-    python -m tests.models.quantization.glm5_vllm_cpu FILE.gguf [FILE.gguf ...] [--hf DIR]
-        [--dtype bfloat16|float16|float32] [--inputs IDS.pt --out LOGITS.pt]
+    python -m tests.models.quantization.glm5_vllm_cpu FILE.gguf|DIR [FILE.gguf|DIR ...]
+        [--hf DIR] [--dtype bfloat16|float16|float32] [--inputs IDS.pt --out LOGITS.pt]
+        [--file-eps]
 
 Run it as a script (the stubs below change vLLM's platform for the whole process).
 What the engine would pick from the device is stubbed:
@@ -11,11 +13,13 @@ What the engine would pick from the device is stubbed:
 - sparse MLA layers take the TRITON_MLA_SPARSE backend class (constructed, not
   run) and no dense-MHA prefill backend (sparse MLA's fallback when none fits);
 - unquantized MoE layers take the Triton backend, without selecting its kernel.
-Then the loader itself (vllm_gguf_plugin.loader.GGUFModelLoader.load_model): the
+Then the loader itself (vllm_gguf_plugin.loader.GGUFModelLoader.load_model: the
 adapter's load spec, the model, load_weights, the adapter's check that every
-parameter was filled, the RMSNorm eps of a float16 model's scaled residual stream
-(fp16_residual_scale.py); process_weights_after_loading, which prepares kernels, is
-replaced by nothing. vLLM's custom ops run their PyTorch (forward_native) paths.
+parameter was filled; for a directory vLLM's DefaultModelLoader.load_model, load
+format safetensors); the model's load_weights sets the RMSNorm eps of a float16
+model's scaled residual stream (deepseek_fp16_residual_scale.py), whatever the loader;
+process_weights_after_loading, which prepares kernels, is replaced by nothing. vLLM's
+custom ops run their PyTorch (forward_native) paths.
 
 With --inputs (a torch file of token ids [T], T <= index_topk: the sparse top-k then
 selects every earlier token) the one file's model runs them on the CPU (vLLM's
@@ -26,7 +30,8 @@ absorbed query over the latents, kv_b_proj split per head as MLAAttention splits
 the DSA indexer (not run), the routed experts (sigmoid scores, the correction bias for
 the choice, top-k, renormalized, the runner's own routed_scaling_factor rule); the
 float32 logits [T, vocab] go to --out. GGUF products of quantized types need the
-device: bf16, f16 and f32 files only.
+device: bf16, f16 and f32 files only. --file-eps runs them with every RMSNorm back at the
+file's eps (rms_norm_eps): a float16 model without its stream's eps matched.
 
 Prints JSON on its last line, a list with one entry per file: {"params": {name: [dtype,
 shape]}, "indexer_layers": [...], "errors": {name: relative error}, "norm_eps": {name:
@@ -157,40 +162,54 @@ def stub_kernels(model) -> None:
 
 
 def model_config(gguf_file: str, dtype: str, max_model_len: int = 2048):
-    """The ModelConfig of `gguf_file` (nothing but the file)."""
+    """The ModelConfig of `gguf_file` (nothing but the file), or of a checkpoint directory."""
     from vllm.engine.arg_utils import EngineArgs
 
     return EngineArgs(model=gguf_file, max_model_len=max_model_len, skip_tokenizer_init=True,
                       dtype=dtype).create_model_config()
 
 
-def cpu_config(model, **extra):
+def cpu_config(model, load_format: str = "gguf", **extra):
     """The VllmConfig of ModelConfig `model` on the CPU, eager, with `extra` keywords."""
     from vllm.config import CompilationConfig, DeviceConfig, LoadConfig, VllmConfig
     from vllm.config.compilation import CompilationMode
 
     # custom ops off: vLLM's modules run their PyTorch (forward_native) paths
-    return VllmConfig(model_config=model, load_config=LoadConfig(load_format="gguf"),
+    return VllmConfig(model_config=model, load_config=LoadConfig(load_format=load_format),
                       device_config=DeviceConfig(device="cpu"),
                       compilation_config=CompilationConfig(mode=CompilationMode.NONE,
                                                            custom_ops=["none"]), **extra)
 
 
-def build(gguf_file: str, dtype: str = "bfloat16", max_model_len: int = 2048):
-    """(config, the vLLM model of `gguf_file` (nothing but the file), filled by the loader)."""
-    from vllm.config import set_current_vllm_config
+def loader_of(model_path):
+    """(the module whose process_weights_after_loading the loader calls, the loader class,
+    the load format) of `model_path`: a GGUF file, the plugin's GGUFModelLoader; a
+    checkpoint directory, vLLM's DefaultModelLoader (safetensors)."""
+    import vllm.model_executor.model_loader.base_loader as base_loader
+    from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
 
     import vllm_gguf_plugin.loader as gguf_loader
 
-    config = cpu_config(model_config(gguf_file, dtype, max_model_len))
-    prepare_kernels = gguf_loader.process_weights_after_loading
-    gguf_loader.process_weights_after_loading = lambda *args, **kwargs: None
+    if Path(model_path).is_dir():
+        return base_loader, DefaultModelLoader, "safetensors"
+    return gguf_loader, gguf_loader.GGUFModelLoader, "gguf"
+
+
+def build(model_path: str, dtype: str = "bfloat16", max_model_len: int = 2048):
+    """(config, the vLLM model of `model_path` filled by its loader (loader_of): a GGUF
+    file (nothing but the file), or a checkpoint directory)."""
+    from vllm.config import set_current_vllm_config
+
+    loader_module, loader_cls, load_format = loader_of(model_path)
+    config = cpu_config(model_config(model_path, dtype, max_model_len), load_format)
+    prepare_kernels = loader_module.process_weights_after_loading
+    loader_module.process_weights_after_loading = lambda *args, **kwargs: None
     try:
         with set_current_vllm_config(config):
-            loader = gguf_loader.GGUFModelLoader(config.load_config)
+            loader = loader_cls(config.load_config)
             model = loader.load_model(config, config.model_config)
     finally:
-        gguf_loader.process_weights_after_loading = prepare_kernels
+        loader_module.process_weights_after_loading = prepare_kernels
     return config, model
 
 
@@ -237,12 +256,14 @@ def describe(param: torch.nn.Parameter) -> list:
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("gguf", nargs="+")
+    p.add_argument("gguf", nargs="+", help="GGUF files or HF checkpoint directories")
     p.add_argument("--hf", default=None, help="HF checkpoint to compare the parameters with")
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
     p.add_argument("--inputs", default=None, help="token ids (a torch file [T]) to run")
     p.add_argument("--out", default=None, help="with --inputs: where the logits go")
     p.add_argument("--max-model-len", type=int, default=2048)
+    p.add_argument("--file-eps", action="store_true",
+                   help="with --inputs: every RMSNorm at the file's eps (the fix undone)")
     args = p.parse_args()
     if args.inputs is not None and (len(args.gguf) != 1 or args.out is None):
         p.error("--inputs runs one file and needs --out")
@@ -259,6 +280,9 @@ def main():
     built = [build(f, args.dtype, args.max_model_len) for f in args.gguf]
     report = [summary(model, hf) for _, model in built]
     if args.inputs is not None:
+        if args.file_eps:
+            for _, norm in rms_norms(built[0][1]):
+                norm.variance_epsilon = built[0][1].config.rms_norm_eps
         torch.save(logits(*built[0], torch.load(args.inputs)), args.out)
     print(json.dumps(report))
 

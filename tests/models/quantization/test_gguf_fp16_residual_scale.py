@@ -1,10 +1,12 @@
 # SPDX-License-Identifier: Apache-2.0
 """In float16 vLLM's DeepSeek decoder layers carry the residual stream divided by
 routed_scaling_factor s (against float16 overflow), so every RMSNorm of that stream sees
-eps x s^2 relative to it; a GGUF runs float16 by default from SM 10.0 on. The plugin's
-loader divides those norms' eps by s^2 (vllm_gguf_plugin/fp16_residual_scale.py). Checked
-on vLLM's GlmMoeDsaForCausalLM built on the CPU from the tiny GLM-5's Q4_K_M file, the
-way the loader fills it (glm5_vllm_cpu.py): which norms change, by how much, and what
+eps x s^2 relative to it; a GGUF runs float16 by default from SM 10.0 on. The model,
+after loading its weights, divides those norms' eps by s^2, whatever the loader
+(vllm/model_executor/models/deepseek_fp16_residual_scale.py; the safetensors checkpoint
+against its GGUF: test_gguf_fp16_as_safetensors.py). Checked on vLLM's
+GlmMoeDsaForCausalLM built on the CPU from the tiny GLM-5's Q4_K_M file, the way the
+GGUF plugin's loader fills it (glm5_vllm_cpu.py): which norms change, by how much, and what
 vLLM's own RMSNorm then computes on a stream divided by s, against the same norm with the
 file's eps on the undivided stream."""
 

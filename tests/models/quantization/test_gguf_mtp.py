@@ -386,7 +386,7 @@ def scaled(trained, mtp_ggufs, tmp_path_factory) -> tuple[Path, Path]:
 def test_float16_draft_computes_the_nextn_block(scaled, run_without_gpu, mtp_inputs, tmp_path):
     """In float16 vLLM's DeepSeek layers carry the residual stream divided by
     routed_scaling_factor. The MTP block divides its own (eh_proj's output) as layer 0
-    does, and the loader divides the eps of the norms that see it (the block's
+    does, and the model divides the eps of the norms that see it (the block's
     post-attention norm, the shared head's) by the factor squared: the float16 draft's
     logits are the nextn block's (fp32) within float16's rounding, closer than the
     bfloat16 draft's. (A block that divides only its attention and MoE outputs, as

@@ -101,6 +101,9 @@ from vllm.v1.attention.ops.triton_indexer_logits import (  # overlay: 16-bit key
 )
 from vllm.v1.kv_cache_interface import KVCacheSpec, MLAAttentionSpec
 
+from .deepseek_fp16_residual_scale import (  # overlay: float16's norms, any loader
+    match_fp16_residual_scale,
+)
 from .interfaces import (
     MixtureOfExperts,
     SupportsEagle,
@@ -1372,6 +1375,7 @@ class DeepseekV2Model(nn.Module):
         quant_config = vllm_config.quant_config
         self.config = config
         self.device = current_platform.device_type
+        self.model_dtype = vllm_config.model_config.dtype  # overlay: for load_weights
         self.hidden_size = config.hidden_size
         self.vocab_size = config.vocab_size
         self.is_v32 = hasattr(config, "index_topk")
@@ -1754,6 +1758,9 @@ class DeepseekV2Model(nn.Module):
             if name is not None and not is_fusion_moe_shared_experts_layer:
                 loaded_params.add(name)
 
+        # overlay: in float16 the norms of the residual stream the layers divide by
+        # routed_scaling_factor keep the model's eps, whatever the loader
+        match_fp16_residual_scale(self, self.model_dtype)
         return loaded_params
 
 

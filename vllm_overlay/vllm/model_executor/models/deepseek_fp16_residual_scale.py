@@ -10,11 +10,11 @@ attention on, every RMSNorm of that stream then sees its input divided by the fa
 
 which is the norm of the unscaled stream with eps times s^2 (6.25 for GLM-5's 2.5): a
 different function wherever mean(x^2) is not far above eps. Dividing those norms' eps by
-s^2 makes the scaled stream's norms exactly the model's. A GGUF runs float16 by default
-on compute capability >= 10.0 (plugin.py), so its loader applies this to the target model
-and to an MTP draft, whose block (the overlay's deepseek_v2.py) divides its residual, the
-eh_proj output, as layer 0 does: there the block's post-attention norm and the shared
-head's norm see the scaled stream.
+s^2 makes the scaled stream's norms exactly the model's. The models apply this after
+loading their weights, whatever the loader (safetensors, GGUF, ...):
+DeepseekV2Model.load_weights to its stack, DeepSeekMTP.load_weights to an MTP draft,
+whose block (deepseek_v2.py) divides its residual, the eh_proj output, as layer 0 does:
+there the block's post-attention norm and the shared head's norm see the scaled stream.
 """
 
 import torch
@@ -24,7 +24,8 @@ import torch.nn as nn
 def match_fp16_residual_scale(model: nn.Module, dtype: torch.dtype) -> None:
     """Divide the eps of the RMSNorms that see the scaled residual stream by
     routed_scaling_factor^2 in every DeepseekV2Model and MTP layer of `model` run in
-    float16 (once, after loading); nothing changes for other dtypes."""
+    float16; nothing changes for other dtypes. Each norm is divided once, however often
+    load_weights runs (a weight reload, an update in parts)."""
     from vllm.model_executor.layers.layernorm import RMSNorm
     from vllm.model_executor.models.deepseek_mtp import DeepSeekMultiTokenPredictorLayer
     from vllm.model_executor.models.deepseek_v2 import (
@@ -52,9 +53,9 @@ def match_fp16_residual_scale(model: nn.Module, dtype: torch.dtype) -> None:
             if layer.layer_idx != 0:  # layer 0's input norm sees the embeddings as they are
                 norms.append(layer.input_layernorm)
             for norm in norms:
-                norm.variance_epsilon /= scale**2
+                _divide_eps(norm, scale**2)
         if scale not in (None, 1.0) and isinstance(stack.norm, RMSNorm):
-            stack.norm.variance_epsilon /= scale**2
+            _divide_eps(stack.norm, scale**2)
     for mtp in model.modules():
         if not isinstance(mtp, DeepSeekMultiTokenPredictorLayer):
             continue
@@ -63,4 +64,11 @@ def match_fp16_residual_scale(model: nn.Module, dtype: torch.dtype) -> None:
             continue
         # its input norm sees eh_proj's output as it is
         for norm in (block.post_attention_layernorm, mtp.shared_head.norm):
-            norm.variance_epsilon /= block.routed_scaling_factor**2
+            _divide_eps(norm, block.routed_scaling_factor**2)
+
+
+def _divide_eps(norm: nn.Module, divisor: float) -> None:
+    if getattr(norm, "eps_of_scaled_stream", False):
+        return
+    norm.variance_epsilon /= divisor
+    norm.eps_of_scaled_stream = True
