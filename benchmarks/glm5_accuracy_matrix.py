@@ -7,8 +7,9 @@
 Rows: model {the tiny GLM-5 (tests/models/glm5_tiny.make_tiny_glm5), the tiny GLM-5.2
 (make_tiny_glm52: IndexShare)} x source {safetensors, GGUF bf16, GGUF q8_0, GGUF
 Q4_K_M} x path {FLASHMLA_SPARSE + DeepGEMM (upstream), TRITON_MLA_SPARSE + DeepGEMM,
-TRITON_MLA_SPARSE + portable indexer, the same with the indexer's 16-bit dots (SM80/86's
-path, VLLM_SPARSE_INDEXER_DOTS=16bit)} x {eager, CUDA graphs} x dtype {bf16, fp16}.
+TRITON_MLA_SPARSE + portable indexer, the same as on an A100 (SM80's path: the indexer's
+16-bit dots; capability 8.0 and its shared memory reported by
+tests/plugins/vllm_report_capability)} x {eager, CUDA graphs} x dtype {bf16, fp16}.
 Each row runs tests/models/glm5_generate.py (prompts of 300-1000 tokens, longer
 than the model's index_topk of 128; 32 greedy tokens) and is compared with
 transformers' GlmMoeDsaForCausalLM in fp32 on the same weights (for a GGUF: the
@@ -44,7 +45,10 @@ PATHS = {
     "portable": {"attention_backend": "TRITON_MLA_SPARSE", "indexer": "triton"},
     "portable-16bit": {"attention_backend": "TRITON_MLA_SPARSE", "indexer": "triton"},
 }
-# the indexer dots a path forces (VLLM_SPARSE_INDEXER_DOTS) and must be seen to run
+# the GPU a path runs as (the test hook's report; glm5_generate applies it in its own
+# process, no install needed) and the indexer dots that must be seen to run there
+PATH_ENV = {"portable-16bit": {"VLLM_TEST_REPORT_CAPABILITY": "8.0",
+                               "VLLM_TEST_REPORT_SHARED_MEM": str(163 * 1024)}}
 PATH_DOTS = {"portable-16bit": "16bit"}
 MODES = ("eager", "graphs")
 DTYPES = ("bfloat16", "float16")
@@ -120,8 +124,7 @@ def run_row(row: dict, model: Path, ref: dict, out: Path, mem: float) -> dict:
     from tests.models.glm5_runs import compare, generate
 
     name = "-".join(row.values())
-    dots = PATH_DOTS.get(row["path"])
-    env = {**os.environ, "VLLM_SPARSE_INDEXER_DOTS": dots} if dots else None
+    env = {**os.environ, **PATH_ENV[row["path"]]} if row["path"] in PATH_ENV else None
     try:
         res = generate(model, out / f"{name}.json", eager=row["mode"] == "eager", env=env,
                        dtype=row["dtype"], gpu_memory_utilization=str(mem), **PATHS[row["path"]])

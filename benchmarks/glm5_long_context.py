@@ -30,6 +30,7 @@ import time
 from pathlib import Path
 
 from benchmarks.glm5_vs_llama_cpp import PATHS as VS_PATHS
+from tests.plugins.vllm_report_capability import vllm_report_capability as hook
 
 PATHS = {
     "upstream": VS_PATHS["upstream"],
@@ -92,7 +93,7 @@ def error_lines(log: str, keep: int = 12) -> list[str]:
 
 def worker(args) -> None:
     settings = PATHS[args.path]
-    os.environ["VLLM_SPARSE_INDEXER_LOGITS"] = settings["indexer"]
+    os.environ.update(hook.indexer_env(settings["indexer"]))
     from benchmarks.glm5_throughput import decode_step_s, timed_generate
     from vllm import LLM
     from vllm_gguf_plugin.gguf_model import config_from_gguf

@@ -83,7 +83,13 @@ def timed_generate(llm, n: int, batch: int, max_tokens: int, seed: int, vocab: i
 
 
 def worker(args) -> None:
-    os.environ["VLLM_SPARSE_INDEXER_LOGITS"] = PATHS[args.path]["indexer"]
+    from tests.plugins.vllm_report_capability import vllm_report_capability as hook
+
+    # the portable path on a GPU with DeepGEMM: the test plugin reports no DeepGEMM
+    env = hook.indexer_env(PATHS[args.path]["indexer"])
+    if hook.missing(env):
+        sys.exit("pip install --no-deps tests/plugins/vllm_report_capability first")
+    os.environ.update(env)
     if args.profile:  # the profiler sees only this process's kernels
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     from vllm import LLM

@@ -64,7 +64,6 @@ of a step (the 154880-row head, sampling, scheduling) leave out.
 
 import argparse
 import gzip
-import importlib.util
 import json
 import os
 import re
@@ -73,6 +72,8 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+
+from tests.plugins.vllm_report_capability import vllm_report_capability as hook
 
 
 PATHS = {
@@ -440,11 +441,17 @@ def kernel_shares(kernels: list[tuple[str, float]]) -> dict:
     return shares
 
 
+def path_env(path: str) -> dict[str, str]:
+    """The variables a path runs with: its own, and the test hook's that put its indexer
+    on the portable kernels (`indexer`: triton, where the platform would take DeepGEMM)."""
+    return {**hook.indexer_env(PATHS[path]["indexer"]), **PATHS[path]["env"]}
+
+
 def capability_plugin_missing(path: str) -> bool:
-    """Whether the path reports another GPU's capability and the test plugin doing it is not
-    installed; the paths that only set the overlay's own variables need nothing more."""
-    reports = any(k.startswith("VLLM_TEST_REPORT_") for k in PATHS[path]["env"])
-    return reports and importlib.util.find_spec("vllm_report_capability") is None
+    """Whether the path has the test plugin report another GPU's capability or no DeepGEMM
+    and the plugin is not installed; the paths that only set the overlay's own variables
+    need nothing more."""
+    return hook.missing(path_env(path))
 
 
 def distinct_tokens(outputs) -> float:
@@ -475,7 +482,7 @@ def worker(args) -> None:
     settings = PATHS[args.path]
     if capability_plugin_missing(args.path):
         sys.exit("pip install --no-deps tests/plugins/vllm_report_capability first")
-    os.environ["VLLM_SPARSE_INDEXER_LOGITS"] = settings["indexer"]
+    os.environ.update(hook.indexer_env(settings["indexer"]))
     if args.profile:  # vLLM's host sections in the trace (the timed rows carry them too)
         os.environ["VLLM_CUSTOM_SCOPES_FOR_PROFILING"] = "1"
     from benchmarks import glm5_throughput as throughput  # timed_generate
@@ -726,7 +733,7 @@ def main(argv=None):
                    "--depths", *map(str, args.depths), "--batches", *map(str, args.batches),
                    *(["--profile", "--profile-batch", str(args.profile_batch)]
                      if args.profile else [])]
-            env = dict(os.environ, **PATHS[path]["env"])
+            env = dict(os.environ, **path_env(path))
             res = subprocess.run(cmd, capture_output=True, text=True, env=env)
             if res.returncode != 0:
                 report["paths"][path] = {"error": res.stderr[-4000:], "ratios": []}

@@ -36,26 +36,30 @@ def test_bounds_and_status():
 
 
 def test_sixteen_bit_dots_path(monkeypatch, tmp_path):
-    # the 16-bit-dot path runs the portable indexer with VLLM_SPARSE_INDEXER_DOTS=16bit,
-    # the other paths with the environment as it is; a row whose indexer ran other
-    # dots fails even within its bound
+    # the 16-bit-dot path runs the portable indexer as on an A100 (the test hook reports
+    # capability 8.0 and its 163 KiB), the other paths with the environment as it is; a
+    # row whose indexer ran other dots fails even within its bound
     from tests.models import glm5_runs
 
     seen = {}
 
     def generate(model, out, eager=True, env=None, **kw):
         seen[kw.get("indexer")] = env
-        dots = (env or {}).get("VLLM_SPARSE_INDEXER_DOTS", "fp8")
+        # (as the indexer decides: fp8 dots from capability 8.9 on; an H200's here)
+        capability = float((env or {}).get("VLLM_TEST_REPORT_CAPABILITY", "9.0"))
+        dots = "fp8" if capability >= 8.9 else "16bit"
         return {"indexer_backend": kw["indexer"], "indexer_dots": dots,
                 "attention_backend": kw["attention_backend"]}
 
     monkeypatch.setattr(glm5_runs, "generate", generate)
     monkeypatch.setattr(glm5_runs, "compare", lambda ref, res: {"mean": 0.1})
-    monkeypatch.delenv("VLLM_SPARSE_INDEXER_DOTS", raising=False)
+    monkeypatch.delenv("VLLM_TEST_REPORT_CAPABILITY", raising=False)
     row = dict(model="glm5", source="gguf-bf16", path="portable-16bit", mode="eager",
                dtype="bfloat16")
     res = matrix.run_row(row, tmp_path / "m.gguf", {}, tmp_path, 0.1)
-    assert seen["triton"]["VLLM_SPARSE_INDEXER_DOTS"] == "16bit"
+    assert seen["triton"]["VLLM_TEST_REPORT_CAPABILITY"] == "8.0"
+    assert seen["triton"]["VLLM_TEST_REPORT_SHARED_MEM"] == str(163 * 1024)
+    assert res["indexer_dots"] == "16bit"
     assert matrix.status(res, 0.5)["status"] == "pass"
     matrix.run_row(dict(row, path="portable"), tmp_path / "m.gguf", {}, tmp_path, 0.1)
     assert seen["triton"] is None

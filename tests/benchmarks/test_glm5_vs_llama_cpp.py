@@ -566,12 +566,19 @@ def test_per_layer():
         bench.per_layer(deep, shallow)
 
 
-def test_only_reported_capabilities_need_the_test_plugin(monkeypatch):
-    """The as-on-SM120 path needs tests/plugins/vllm_report_capability installed; a path
-    that only sets the overlay's own variables (the Marlin MoE's) does not (2026-12-04:
-    such a path refused to start for want of it)."""
-    monkeypatch.setattr(bench.importlib.util, "find_spec", lambda name: None)
+def test_only_reports_need_the_test_plugin(monkeypatch):
+    """The paths the test plugin reports for need it installed: the as-on-SM120 path (its
+    capability) and the portable ones (no DeepGEMM reported, so that the indexer takes its
+    Triton kernels on the H200); a path that only sets the overlay's own variables (the
+    16-bit key cache's on upstream's path) does not (2026-12-04: such a path refused to
+    start for want of it)."""
+    from tests.plugins.vllm_report_capability import vllm_report_capability as hook
+
+    monkeypatch.setattr(hook.importlib.util, "find_spec", lambda name: None)
     missing = {p for p in bench.PATHS if bench.capability_plugin_missing(p)}
-    assert missing == {"sm120"}
-    monkeypatch.setattr(bench.importlib.util, "find_spec", lambda name: object())
+    assert missing == {"sm120"} | {p for p in bench.PATHS if p.startswith("portable")}
+    assert "upstream-keys16" not in missing
+    assert bench.path_env("portable-gguf-moe") == {hook.DEEP_GEMM_ENV: "0",
+                                                   "VLLM_GGUF_MOE_MARLIN": "0"}
+    monkeypatch.setattr(hook.importlib.util, "find_spec", lambda name: object())
     assert not any(bench.capability_plugin_missing(p) for p in bench.PATHS)

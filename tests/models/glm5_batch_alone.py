@@ -13,8 +13,9 @@ $OUT/diag-N.json (both outputs).
 
 import json, os, sys
 os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-os.environ["VLLM_SPARSE_INDEXER_LOGITS"] = "triton"
 from tests.models.glm5_trained import prompts
+from tests.plugins.vllm_report_capability import vllm_report_capability as hook
+hook.use_indexer("triton")  # the platform reports no DeepGEMM (the test hook, here)
 from vllm import LLM, SamplingParams
 f, n = sys.argv[1], int(sys.argv[2])
 spec = {"method": "mtp", "num_speculative_tokens": n, "attention_backend": "TRITON_MLA_SPARSE"}

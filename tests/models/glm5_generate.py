@@ -18,6 +18,8 @@ import json
 import os
 import random
 
+from tests.plugins.vllm_report_capability import vllm_report_capability as hook
+
 PROMPT_LENS = (300, 450, 700, 1000)
 
 
@@ -144,8 +146,9 @@ def main():
     p.add_argument("--inspect", action="store_true",
                    help="also dump parameter digests, quant methods and the config")
     args = p.parse_args()
-    os.environ["VLLM_SPARSE_INDEXER_LOGITS"] = args.indexer
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    # triton: the platform reports no DeepGEMM (the test hook, applied in this process)
+    hook.use_indexer(args.indexer)
 
     from vllm import LLM, SamplingParams
     from vllm.v1.attention.ops import triton_indexer_logits as il
@@ -196,6 +199,9 @@ def main():
     def top(lp):
         return {str(t): v.logprob for t, v in lp.items()} if lp else None
 
+    if args.indexer != "auto" and il.indexer_logits_backend() != args.indexer:
+        raise SystemExit(f"--indexer {args.indexer}: this platform's indexer computes on "
+                         f"{il.indexer_logits_backend()}")
     model_config = llm.llm_engine.vllm_config.model_config
     result = {
         "args": vars(args),

@@ -27,6 +27,8 @@ import os
 import re
 import time
 
+from tests.plugins.vllm_report_capability import vllm_report_capability as hook
+
 PROMPT_LENS = (40, 64, 96, 128, 160, 200, 256, 320)
 SPEC_COUNTERS = ("vllm:spec_decode_num_drafts", "vllm:spec_decode_num_draft_tokens",
                  "vllm:spec_decode_num_accepted_tokens")
@@ -106,8 +108,9 @@ def main():
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--speed-tokens", type=int, default=256, help="0: no speed runs")
     args = p.parse_args()
-    os.environ["VLLM_SPARSE_INDEXER_LOGITS"] = args.indexer
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    # triton: the platform reports no DeepGEMM (the test hook, applied in this process)
+    hook.use_indexer(args.indexer)
 
     from tests.models.glm5_generate import attention_backend_name, count_triton_indexer_calls
     from tests.models.glm5_trained import prompts

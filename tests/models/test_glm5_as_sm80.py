@@ -16,9 +16,9 @@ Against transformers fp32 on the same weights, a run must be as close as the oth
 paths of the accuracy matrix (benchmarks/glm5_accuracy_matrix.py): mean |delta
 logprob| at most 2x that of the upstream path (FLASHMLA_SPARSE + DeepGEMM on the
 H200's own capability) for the same mode and dtype, plus 0.05 nats (the bf16 row
-where upstream takes no fp16). A second test forces the 16-bit dots on the H200's
-own capability (VLLM_SPARSE_INDEXER_DOTS=16bit) and compares them with the fp8-dot
-Triton path as well.
+where upstream takes no fp16). A second test compares the two dot kinds on the GPUs
+that differ in them alone, an RTX 3090 (SM86: 16-bit dots) and an RTX 4090 (SM89: fp8
+dots), both 99 KiB of shared memory and mma.sync dots, with the same flags.
 
 Run as a script (`python -m tests.models.test_glm5_as_sm80`), this file is
 tests.models.glm5_generate counting the Triton indexer's kernel launches by dot kind and
@@ -35,9 +35,10 @@ import pytest
 
 from tests.models.glm5_runs import _run, compare, generate, hf_reference, within_rerun
 from tests.models.glm5_tiny import make_tiny_glm5
+from tests.plugins.vllm_report_capability import vllm_report_capability as hook
 
 # opt-in shared memory per block, as the test hook reports it (bytes)
-SHARED_MEM = {"8.0": 163 * 1024, "8.6": 99 * 1024}
+SHARED_MEM = {"8.0": 163 * 1024, "8.6": 99 * 1024, "8.9": 99 * 1024}
 UPSTREAM = dict(attention_backend="FLASHMLA_SPARSE", indexer="deepgemm")
 
 
@@ -73,8 +74,7 @@ def report_env(capability: str) -> dict:
         pytest.skip("pip install --no-deps tests/plugins/vllm_report_capability first")
     env = dict(os.environ, VLLM_TEST_REPORT_CAPABILITY=capability,
                VLLM_TEST_REPORT_SHARED_MEM=str(SHARED_MEM[capability]))
-    for name in ("VLLM_SPARSE_INDEXER_LOGITS", "VLLM_SPARSE_INDEXER_DOTS"):
-        env.pop(name, None)
+    env.pop(hook.DEEP_GEMM_ENV, None)
     return env
 
 
@@ -113,22 +113,19 @@ def test_glm5_as_on_sm8x(tiny, tmp_path, capability, dtype, eager):
 
 
 @pytest.mark.gpu
-def test_16bit_dots_forced_on_h200(tiny, tmp_path):
+def test_16bit_dots_against_fp8_dots(tiny, tmp_path):
     model, fp32, upstream = tiny
     flags = dict(attention_backend="TRITON_MLA_SPARSE", indexer="triton")
-    env = {k: v for k, v in os.environ.items() if not k.startswith("VLLM_TEST_REPORT_")}
-    forced = generate_counted(model, tmp_path / "16bit.json",
-                              env=dict(env, VLLM_SPARSE_INDEXER_DOTS="16bit"), **flags)
-    assert_16bit_path(forced, "bfloat16")
-    fp8 = [generate_counted(model, tmp_path / f"fp8-{i}.json",
-                            env=dict(env, VLLM_SPARSE_INDEXER_DOTS="fp8"), **flags)
+    sm86 = generate_counted(model, tmp_path / "16bit.json", env=report_env("8.6"), **flags)
+    assert_16bit_path(sm86, "bfloat16")
+    fp8 = [generate_counted(model, tmp_path / f"fp8-{i}.json", env=report_env("8.9"), **flags)
            for i in range(2)]
     for run in fp8:
         assert run["launches"]["decode"]["fp8"] > 0 and run["launches"]["decode"]["16bit"] == 0
-    got, ref = compare(fp32, forced), compare(fp32, upstream[True])
-    same, rerun = compare(fp8[0], forced), compare(fp8[0], fp8[1])
-    print("FORCED_16BIT_REPORT", {"vs_fp32": got, "upstream_vs_fp32": ref,
-                                  "vs_fp8_dots": same, "fp8_dots_rerun": rerun})
+    got, ref = compare(fp32, sm86), compare(fp32, upstream[True])
+    same, rerun = compare(fp8[0], sm86), compare(fp8[0], fp8[1])
+    print("SM86_SM89_DOTS_REPORT", {"vs_fp32": got, "upstream_vs_fp32": ref,
+                                    "vs_fp8_dots": same, "fp8_dots_rerun": rerun})
     assert got["mean"] <= bound(ref["mean"]), (got, ref)
     # the same sums (fp8 values exact in fp16, fp32 accumulation): the two dot kinds
     # differ no more than two runs of one do

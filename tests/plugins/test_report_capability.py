@@ -1,8 +1,9 @@
 # SPDX-License-Identifier: Apache-2.0
 """The "as on SM120" test hook: with VLLM_TEST_REPORT_CAPABILITY=12.0 and
 VLLM_TEST_REPORT_SHARED_MEM=101376 vLLM's CUDA platform reports SM120's capability and
-shared memory, and what vLLM and the overlay's kernels decide from them is SM120's
-(CPU, no driver)."""
+shared memory, and what vLLM and the overlay's kernels decide from them is SM120's;
+with VLLM_TEST_REPORT_DEEP_GEMM=0 it reports no DeepGEMM support and the indexer takes
+its Triton kernels. The variables set are in vLLM's compile cache key (CPU, no driver)."""
 
 import functools
 import os
@@ -21,8 +22,15 @@ def cuda_platform(monkeypatch):
     platform = cuda.NonNvmlCudaPlatform()
     monkeypatch.setattr("vllm.platforms._current_platform", platform)
     cls = type(platform)
-    for name in ("get_device_capability", "get_max_shared_memory_per_block"):
+    for name in ("get_device_capability", "get_max_shared_memory_per_block",
+                 "support_deep_gemm"):
         monkeypatch.setattr(cls, name, getattr(cls, name))
+    # (the hook registers its variables with vLLM's: restored after each test)
+    from vllm import envs
+
+    monkeypatch.setattr(envs, "environment_variables", dict(envs.environment_variables))
+    for name in hook.VARIABLES:
+        monkeypatch.delenv(name, raising=False)
     return platform
 
 
@@ -61,7 +69,6 @@ def test_reports_the_capability(cuda_platform, monkeypatch):
     # (imported here after an engine's platform resolved to CUDA: the same object)
     monkeypatch.setattr(il, "current_platform", cuda_platform)
     il.indexer_logits_backend.cache_clear()
-    monkeypatch.delenv("VLLM_SPARSE_INDEXER_LOGITS", raising=False)
     assert cuda_platform.support_deep_gemm()
     assert il.indexer_logits_backend() == ("deepgemm" if has_deep_gemm() else "triton")
     il.indexer_logits_backend.cache_clear()
@@ -75,12 +82,72 @@ def test_reports_the_capability(cuda_platform, monkeypatch):
 
 
 def test_without_the_variables_nothing_changes(cuda_platform, monkeypatch):
-    monkeypatch.delenv(hook.ENV, raising=False)
-    monkeypatch.delenv(hook.SHARED_MEM_ENV, raising=False)
+    from vllm import envs
+
     cls = type(cuda_platform)
-    before = (cls.get_device_capability, cls.get_max_shared_memory_per_block)
+    names = ("get_device_capability", "get_max_shared_memory_per_block", "support_deep_gemm")
+    before = [getattr(cls, name) for name in names]
     hook.register()
-    assert (cls.get_device_capability, cls.get_max_shared_memory_per_block) == before
+    assert [getattr(cls, name) for name in names] == before
+    assert not set(hook.VARIABLES) & set(envs.environment_variables)
+
+
+def test_reports_no_deep_gemm(cuda_platform, monkeypatch):
+    """An H200 (9.0) that reports no DeepGEMM: the indexer's logits on the Triton kernels
+    with the fp8 dots its capability has, the q quantization's e4m3 as e4m3; the report
+    in the compile cache's key, so a graph compiled without it does not load with it."""
+    import torch
+
+    from vllm import envs
+    from vllm.platforms.interface import DeviceCapability
+    from vllm.utils import import_utils
+    from vllm.v1.attention.ops import triton_indexer_logits as il
+
+    cls = type(cuda_platform)
+    monkeypatch.setattr(cls, "get_device_capability",
+                        classmethod(lambda c, device_id=0: DeviceCapability(9, 0)))
+    monkeypatch.setattr(il, "current_platform", cuda_platform)
+    monkeypatch.setattr(import_utils, "has_deep_gemm", lambda: True)
+    il.indexer_logits_backend.cache_clear()
+    assert il.indexer_logits_backend() == "deepgemm"
+    without = envs.compile_factors()
+    assert hook.indexer_env("deepgemm") == hook.indexer_env("auto") == {}
+    for name, value in hook.indexer_env("triton").items():
+        monkeypatch.setenv(name, value)
+    hook.register()
+    il.indexer_logits_backend.cache_clear()
+    try:
+        assert not cuda_platform.support_deep_gemm()
+        assert il.indexer_logits_backend() == "triton"
+        assert il.triton_indexer_dots() == "fp8"
+        assert not il.deep_gemm_computes(torch.uint8)
+    finally:
+        il.indexer_logits_backend.cache_clear()
+    with_report = envs.compile_factors()
+    assert with_report[hook.DEEP_GEMM_ENV] == "0"
+    assert hook.DEEP_GEMM_ENV not in without
+    # a capability reported is in the key too (the q quantization's stores follow it)
+    monkeypatch.setenv(hook.ENV, "8.6")
+    monkeypatch.setenv("DISABLE_MMA_V3", "")  # (restored by the teardown)
+    monkeypatch.setenv("DISABLE_MMA_V5", "")
+    hook.register()
+    assert envs.compile_factors()[hook.ENV] == "8.6"
+    assert il.triton_indexer_dots() == "16bit"
+    monkeypatch.setenv(hook.DEEP_GEMM_ENV, "1")
+    with pytest.raises(ValueError, match="only 0"):
+        hook.register()
+    with pytest.raises(ValueError, match="expected auto, deepgemm or triton"):
+        hook.indexer_env("cutlass")
+
+
+def test_missing_only_where_a_report_is_set(monkeypatch):
+    """An engine in other processes sees the report only from the installed plugin."""
+    monkeypatch.setattr(hook.importlib.util, "find_spec", lambda name: None)
+    assert hook.missing(hook.indexer_env("triton"))
+    assert hook.missing({hook.ENV: "12.0"})
+    assert not hook.missing({"VLLM_SPARSE_INDEXER_CACHE": "16bit"})
+    monkeypatch.setattr(hook.importlib.util, "find_spec", lambda name: object())
+    assert not hook.missing(hook.indexer_env("triton"))
 
 
 def test_reports_shared_memory(cuda_platform, monkeypatch):

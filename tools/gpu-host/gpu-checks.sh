@@ -97,6 +97,9 @@ for stage in $stages; do
         | grep -E "passed|failed|error|REPORT|FAILED|Error" || rc=1 ;;
     chat)
       # `vllm serve` of a scripted tiny GLM-5 GGUF with GLM-5's reasoning and tool parsers
+      # (the portable indexer: the capability test hook reports no DeepGEMM)
+      pip install -q --no-deps --no-build-isolation --target /tmp/site \
+        tests/plugins/vllm_report_capability >/dev/null 2>&1 || rc=1
       timeout 420 python3 -m pytest tests/models/quantization/test_glm5_gguf_chat_gpu.py -q -s \
         -p no:cacheprovider -p no:warnings 2>&1 | tee "$out/chat.log" \
         | grep -E "passed|failed|error|REPORT|FAILED|Error" || rc=1 ;;
@@ -193,7 +196,10 @@ for stage in $stages; do
       timeout 420 bash tools/gpu-host/serve-check.sh "$out" 2>&1 | tee "$out/serve-check.log" \
         | tail -20 || rc=1 ;;
     throughput)
-      # THROUGHPUT_ARGS: e.g. --profile (kernels of 16 decode steps per path)
+      # THROUGHPUT_ARGS: e.g. --profile (kernels of 16 decode steps per path); the portable
+      # path's indexer on Triton: the capability test hook reports no DeepGEMM
+      pip install -q --no-deps --no-build-isolation --target /tmp/site \
+        tests/plugins/vllm_report_capability >/dev/null 2>&1 || rc=1
       timeout 500 python3 -m benchmarks.glm5_throughput ${THROUGHPUT_ARGS:-} \
         --json "$out/glm5-throughput.json" 2>&1 \
         | tee "$out/glm5-throughput.log" | tail -8 || rc=1 ;;

@@ -46,6 +46,12 @@ env_() {  # the trees `first` unpacked, and the installed bundle
   [ -f /tmp/site/env.sh ] && source /tmp/site/env.sh
   return 0
 }
+report_plugin() {  # the capability test hook: the as-on-SM120/SM80 paths, and the portable
+  # ones (no DeepGEMM reported, so that the indexer takes its Triton kernels)
+  python3 -c "import vllm_report_capability" 2> /dev/null || pip install -q --no-deps \
+    --no-build-isolation --target /tmp/site tests/plugins/vllm_report_capability \
+    > /dev/null 2>&1 || echo "no capability plugin" >&2
+}
 where() {  # one line on the llama.cpp side's progress
   echo "== $(date +%T) build: $(tail -1 $keep/llama/build.log 2>/dev/null)" \
     "| files: $(grep -E 'rc=' $keep/llama/model.log 2>/dev/null | tr '\n' ' ')"
@@ -123,7 +129,7 @@ EOF
     cat $keep/acc/done 2>/dev/null; grep -E '^\|' $keep/acc/log
     mkdir -p "$out/acc"; cp $keep/acc/* "$out/acc/" 2>/dev/null; where ;;
   compare)
-    which="${2:?2L|3L}"; need_side; env_; where
+    which="${2:?2L|3L}"; need_side; env_; report_plugin; where
     if [ -d $keep/acc ]; then  # benchmarks run alone on the GPU
       while [ ! -f $keep/acc/done ]; do sleep 5; done
       mkdir -p "$out/acc"; cp $keep/acc/* "$out/acc/"; grep -E '^\|' $keep/acc/log
@@ -168,10 +174,7 @@ EOF
     # `long selfcheck`, vllm_gguf_plugin.selfcheck as itself and as on SM120, SM89, SM80;
     # `long whole`, the 2-layer file with vLLM's defaults (LONG_PATHS), then llama-bench at
     # the same depths (LONG_LLAMA_S seconds; 0 skips it)
-    which="${2:?tiny|whole}"; env_; mkdir -p $keep/long "$out/long"
-    python3 -c "import vllm_report_capability" 2> /dev/null || pip install -q --no-deps \
-      --no-build-isolation --target /tmp/site tests/plugins/vllm_report_capability \
-      > /dev/null 2>&1 || echo "no capability plugin" >&2
+    which="${2:?tiny|whole}"; env_; report_plugin; mkdir -p $keep/long "$out/long"
     case "$which" in
       tiny)
         python3 -m benchmarks.glm5_long_context --make-tiny $keep/long/tiny > $keep/long/make.log 2>&1 \

@@ -5,7 +5,7 @@
 vLLM keys its torch.compile cache on the environment variables it knows
 (`envs.compile_factors`), and `--fail-on-environ-validation` refuses `VLLM_` names it
 does not know. A switch that changes what a traced graph computes or reads must be one
-of them: the modules that read switches (the portable indexer's
+of them: the modules that read switches (the indexer key cache's in
 `triton_indexer_logits.py`, the GGUF plugin's `gguf_kernels.py`) register theirs here.
 This module imports nothing of the plugin.
 """

@@ -45,7 +45,8 @@ PROMPTS = ("The capital of France is",
 # (what an error's text says, what to change): the first match is the hint
 HINTS = (
     (("deep_gemm", "deepgemm"),
-     "DeepGEMM failed; the portable indexer needs none: VLLM_SPARSE_INDEXER_LOGITS=triton"),
+     "DeepGEMM failed; the indexer's 16-bit key cache takes the portable Triton kernels, "
+     "which need none: VLLM_SPARSE_INDEXER_CACHE=16bit"),
     (("no valid attention backend",),
      "no attention backend accepts this GPU, dtype and KV-cache dtype: try "
      "--kv-cache-dtype bfloat16 (or float16), or --attention-backend TRITON_MLA_SPARSE"),

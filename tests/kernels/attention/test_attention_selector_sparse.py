@@ -472,8 +472,8 @@ def test_validate_configuration(cuda_platform_config, monkeypatch, capability):
 def test_indexer_layer_with_16bit_keys(cuda_platform_config, monkeypatch, deep_gemm):
     """VLLM_SPARSE_INDEXER_CACHE=16bit on an H200 (capability 9.0): an indexer layer
     whose cache holds 16-bit keys starts on the Triton kernels with or without DeepGEMM
-    (a layer of fp8 keys needs it where it is the backend), refuses DeepGEMM or fp8
-    dots forced, and a float32 cache."""
+    (a layer of fp8 keys needs it where it is the backend), and refuses a float32
+    cache."""
     from vllm.model_executor.layers import sparse_attn_indexer as sai
     from vllm.v1.attention.ops import triton_indexer_logits as il
 
@@ -483,8 +483,6 @@ def test_indexer_layer_with_16bit_keys(cuda_platform_config, monkeypatch, deep_g
     monkeypatch.setattr(il, "current_platform", platform)
     monkeypatch.setattr(sai, "current_platform", platform)
     monkeypatch.setattr(sai, "has_deep_gemm", lambda: deep_gemm)
-    for env in (il.LOGITS_BACKEND_ENV, il.DOTS_ENV):
-        monkeypatch.delenv(env, raising=False)
     monkeypatch.setenv(il.CACHE_ENV, "16bit")
 
     def layer(dtype):
@@ -500,11 +498,6 @@ def test_indexer_layer_with_16bit_keys(cuda_platform_config, monkeypatch, deep_g
     if not deep_gemm:
         with pytest.raises(RuntimeError, match="requires DeepGEMM"):
             layer(torch.uint8)
-    for env, value in ((il.LOGITS_BACKEND_ENV, "deepgemm"), (il.DOTS_ENV, "fp8")):
-        monkeypatch.setenv(env, value)
-        with pytest.raises(RuntimeError, match="16-bit keys take the Triton kernels"):
-            layer(torch.bfloat16)
-        monkeypatch.delenv(env)
     with pytest.raises(ValueError, match="float16 or bfloat16 model; this one is"):
         layer(torch.float32)
 
@@ -535,8 +528,6 @@ def test_glm5_on_sm8x_without_flags(cuda_platform_config, monkeypatch, capabilit
     monkeypatch.setattr(sai, "current_platform", platform)
     monkeypatch.setattr("vllm.utils.import_utils.has_deep_gemm", lambda: True)
     monkeypatch.setattr(sai, "has_deep_gemm", lambda: True)
-    for env in (il.LOGITS_BACKEND_ENV, il.DOTS_ENV):
-        monkeypatch.delenv(env, raising=False)
     il.indexer_logits_backend.cache_clear()
     try:
         assert il.indexer_logits_backend() == "triton"
@@ -577,8 +568,6 @@ def readme_table(monkeypatch, config) -> list[str]:
     monkeypatch.setattr(config, "model_config", glm5_model_config())
     monkeypatch.setattr("vllm.utils.import_utils.has_deep_gemm", lambda: True)
     monkeypatch.setattr(il, "current_platform", cuda.CudaPlatform())
-    monkeypatch.delenv(il.LOGITS_BACKEND_ENV, raising=False)
-    monkeypatch.delenv(il.DOTS_ENV, raising=False)
     rows = ["| GPU | bf16, 16-bit KV | bf16, fp8 KV | fp16, 16-bit KV | fp16, fp8 KV | indexer |",
             "|---|---|---|---|---|---|"]
     for name, capabilities in README_GPUS:

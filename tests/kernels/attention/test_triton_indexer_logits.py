@@ -342,8 +342,8 @@ def test_q_rope_quant_as_bytes(monkeypatch, is_neox):
     weights = torch.randn(T, H, generator=g).bfloat16()
     softmax_scale, head_scale = 128**-0.5, H**-0.5
     args = [x.to(DEVICE) for x in (positions, q, cos_sin, weights)]
-    if ON_GPU:
-        monkeypatch.setenv(il.DOTS_ENV, "16bit")
+    if ON_GPU:  # as on an RTX 3090 (SM86): 16-bit dots
+        _report_capability(monkeypatch, (8, 6))
         q8, w_out = sai.fused_indexer_q_rope_quant(args[0], args[1], args[2], args[3],
                                                    softmax_scale, head_scale, is_neox)
     else:  # the wrapper asserts a CUDA platform: launch the kernel as it does
@@ -369,7 +369,7 @@ def test_q_rope_quant_as_bytes(monkeypatch, is_neox):
     tol = ref.abs() * (2**-4 + 2**-8) + q_scale[..., None] * 2**-10
     assert ((deq - ref).abs() <= tol).all()
     if ON_GPU and torch.cuda.get_device_capability() >= (8, 9):
-        monkeypatch.setenv(il.DOTS_ENV, "fp8")
+        _report_capability(monkeypatch, (9, 0))  # fp8 dots
         fp8, w_fp8 = sai.fused_indexer_q_rope_quant(args[0], args[1], args[2], args[3],
                                                     softmax_scale, head_scale, is_neox)
         assert torch.equal(fp8.cpu().view(torch.uint8), q8.view(torch.uint8))
@@ -393,18 +393,6 @@ def test_pack_decode_queries_as_bytes():
         assert (packed[b, n:].view(torch.uint8) == 0).all()
 
 
-def test_backend_choice(monkeypatch):
-    for value, expect in (("triton", "triton"), ("deepgemm", "deepgemm"), ("TRITON", "triton")):
-        monkeypatch.setenv(il.LOGITS_BACKEND_ENV, value)
-        il.indexer_logits_backend.cache_clear()
-        assert il.indexer_logits_backend() == expect
-    monkeypatch.setenv(il.LOGITS_BACKEND_ENV, "cutlass")
-    il.indexer_logits_backend.cache_clear()
-    with pytest.raises(ValueError, match="expected auto, deepgemm or triton"):
-        il.indexer_logits_backend()
-    il.indexer_logits_backend.cache_clear()
-
-
 def _report_capability(monkeypatch, capability):
     from tests.cuda_platform import import_cuda_platform
     from vllm.platforms.interface import DeviceCapability
@@ -415,20 +403,15 @@ def _report_capability(monkeypatch, capability):
     monkeypatch.setattr(il, "current_platform", cuda.CudaPlatform())
 
 
-@pytest.mark.parametrize("capability,env,dots", [
-    ((8, 0), None, "16bit"), ((8, 6), None, "16bit"), ((8, 7), None, "16bit"),
-    ((8, 9), None, "fp8"), ((9, 0), None, "fp8"), ((12, 0), None, "fp8"),
-    ((9, 0), "16bit", "16bit"), ((8, 9), " 16BIT ", "16bit"), ((9, 0), "fp8", "fp8"),
-    ((8, 0), "auto", "16bit"),
+@pytest.mark.parametrize("capability,dots", [
+    ((8, 0), "16bit"), ((8, 6), "16bit"), ((8, 7), "16bit"),
+    ((8, 9), "fp8"), ((9, 0), "fp8"), ((12, 0), "fp8"),
 ])
-def test_dots_choice(monkeypatch, capability, env, dots):
-    """16-bit dots where the GPU has no fp8 dots, forceable anywhere; fp8 elsewhere.
-    The q quantization's stores follow (bytes with 16-bit dots)."""
+def test_dots_choice(monkeypatch, capability, dots):
+    """16-bit dots where the GPU has no fp8 dots, fp8 elsewhere: by the capability alone
+    (no setting: tests emulate a GPU by reporting its capability). The q quantization's
+    stores follow (bytes with 16-bit dots)."""
     _report_capability(monkeypatch, capability)
-    if env is None:
-        monkeypatch.delenv(il.DOTS_ENV, raising=False)
-    else:
-        monkeypatch.setenv(il.DOTS_ENV, env)
     assert il.triton_indexer_dots() == dots
     assert il.e4m3_as_bytes() == (dots == "16bit")
     il.check_triton_indexer_supported()
@@ -453,7 +436,6 @@ def test_e4m3_as_bytes_is_a_constant_to_torch_compile(monkeypatch):
     monkeypatch.setattr(cuda.NonNvmlCudaPlatform, "get_device_capability",
                         classmethod(untraceable))
     monkeypatch.setattr(il, "current_platform", cuda.NonNvmlCudaPlatform())
-    monkeypatch.delenv(il.DOTS_ENV, raising=False)
 
     def quantize(q):
         out = torch.empty_like(q, dtype=torch.uint8 if il.e4m3_as_bytes() else FP8)
@@ -469,40 +451,31 @@ def test_e4m3_as_bytes_is_a_constant_to_torch_compile(monkeypatch):
     torch._dynamo.reset()
 
 
-@pytest.mark.parametrize("name,values", [(il.DOTS_ENV, ("fp8", "16bit")),
-                                         (il.LOGITS_BACKEND_ENV, ("deepgemm", "triton")),
-                                         (il.CACHE_ENV, ("fp8", "16bit"))])
-def test_switches_key_the_compile_cache(monkeypatch, name, values):
+def test_cache_switch_keys_the_compile_cache(monkeypatch):
     """vLLM keys its torch.compile cache on the environment variables it knows: with the
-    dots in the key, a graph traced with e4m3 bytes (16-bit dots) is not loaded where q
-    is e4m3 (fp8 dots); the logits backend is keyed alike."""
+    key cache's switch in the key, a graph traced with unquantized (16-bit) queries is not
+    loaded where q is quantized to fp8. The dots and the logits backend follow the GPU
+    (its name is in Inductor's part of the key): no variables of their own, registered or
+    read, that a user could set."""
     from vllm import envs
     from vllm.config.utils import hash_factors
 
     keys = set()
-    for value in values:
-        monkeypatch.setenv(name, value)
+    for value in ("fp8", "16bit"):
+        monkeypatch.setenv(il.CACHE_ENV, value)
         factors = envs.compile_factors()
-        assert factors[name] == value
+        assert factors[il.CACHE_ENV] == value
         keys.add(hash_factors(factors))
     assert len(keys) == 2
-
-
-def test_dots_choice_refusals(monkeypatch):
-    monkeypatch.setenv(il.DOTS_ENV, "fp16")
-    with pytest.raises(ValueError, match="expected auto, fp8 or 16bit"):
-        il.triton_indexer_dots()
-    _report_capability(monkeypatch, (8, 6))
-    monkeypatch.setenv(il.DOTS_ENV, "fp8")
-    with pytest.raises(RuntimeError, match="fp8 dots need compute capability 8.9"):
-        il.check_triton_indexer_supported()
+    sparse = {name for name in envs.environment_variables
+              if name.startswith("VLLM_SPARSE_INDEXER_")}
+    assert sparse == {il.CACHE_ENV, "VLLM_SPARSE_INDEXER_MAX_LOGITS_MB"}
 
 
 @pytest.mark.parametrize("capability", [(7, 5), (8, 0), (8, 6), (8, 9), (12, 0)])
 def test_supported_from_sm80(monkeypatch, capability):
     """The Triton kernels need 16-bit tensor-core dots: SM80 and newer run them."""
     _report_capability(monkeypatch, capability)
-    monkeypatch.delenv(il.DOTS_ENV, raising=False)
     if capability < (8, 0):
         with pytest.raises(RuntimeError, match="needs compute capability 8.0"):
             il.check_triton_indexer_supported()
@@ -511,7 +484,7 @@ def test_supported_from_sm80(monkeypatch, capability):
 
 
 def test_wrappers_follow_the_dots_choice(monkeypatch):
-    """With upcast unset, the launch wrappers take the configured dots."""
+    """With upcast unset, the launch wrappers take the dots of the GPU's capability."""
     seen = []
 
     class Launch:
@@ -522,8 +495,8 @@ def test_wrappers_follow_the_dots_choice(monkeypatch):
     monkeypatch.setattr(il, "_paged_mqa_logits_kernel", Launch())
     q, k = torch.zeros(2, 4, 16, dtype=FP8), torch.zeros(8, 16, dtype=FP8)
     cache = torch.zeros(2, 4, 20, dtype=torch.uint8)
-    for env, upcast in (("16bit", True), ("fp8", False)):
-        monkeypatch.setenv(il.DOTS_ENV, env)
+    for capability, upcast in (((8, 6), True), ((9, 0), False)):
+        _report_capability(monkeypatch, capability)
         il.triton_mqa_logits(q, k, torch.ones(8), torch.ones(2, 4),
                              torch.zeros(2, dtype=torch.int32), torch.ones(2, dtype=torch.int32))
         il.triton_paged_mqa_logits(q[:, None], cache, torch.ones(2, 4),
@@ -554,7 +527,6 @@ def test_auto_backend_follows_vllm_support(monkeypatch, capability, deep_gemm_in
                         classmethod(lambda cls, device_id=0: DeviceCapability(*capability)))
     monkeypatch.setattr(il, "current_platform", cuda.CudaPlatform())
     monkeypatch.setattr(import_utils, "has_deep_gemm", lambda: deep_gemm_installed)
-    monkeypatch.delenv(il.LOGITS_BACKEND_ENV, raising=False)
     il.indexer_logits_backend.cache_clear()
     try:
         native = deep_gemm_installed and capability in DEEPGEMM_CAPABILITIES
@@ -666,21 +638,14 @@ def test_gather_k_cache_16bit(dtype):
 
 def test_cache_switch(monkeypatch):
     """fp8 by default, 16bit on request, other values refused; a layer with 16-bit keys
-    refuses DeepGEMM forced (it reads fp8 keys) and fp8 dots forced."""
+    passes the Triton kernels' check on a GPU whose fp8 keys take fp8 dots."""
     _report_capability(monkeypatch, (9, 0))
     monkeypatch.delenv(il.CACHE_ENV, raising=False)
     assert not il.indexer_cache_16bit()
     monkeypatch.setenv(il.CACHE_ENV, " 16BIT ")
     assert il.indexer_cache_16bit()
-    for name in (il.LOGITS_BACKEND_ENV, il.DOTS_ENV):
-        monkeypatch.delenv(name, raising=False)
     il.check_triton_indexer_supported(keys16=True)
-    for name, value in ((il.LOGITS_BACKEND_ENV, "deepgemm"), (il.DOTS_ENV, "fp8")):
-        monkeypatch.setenv(name, value)
-        with pytest.raises(RuntimeError, match="16-bit keys take the Triton kernels"):
-            il.check_triton_indexer_supported(keys16=True)
-        il.check_triton_indexer_supported()  # (layers of fp8 keys: as before)
-        monkeypatch.delenv(name)
+    il.check_triton_indexer_supported()  # (layers of fp8 keys: as before)
     monkeypatch.setenv(il.CACHE_ENV, "bf16")
     with pytest.raises(ValueError, match="expected fp8 or 16bit"):
         il.indexer_cache_16bit()

@@ -59,7 +59,7 @@ def as_gpu_host(monkeypatch, capability):
             monkeypatch.setattr(config, "model_config", sel.glm5_model_config())
             monkeypatch.setattr("vllm.utils.import_utils.has_deep_gemm", lambda: True)
             monkeypatch.setattr(il, "current_platform", platform)
-            for env in (il.LOGITS_BACKEND_ENV, il.DOTS_ENV, il.CACHE_ENV, hook.ENV):
+            for env in (il.CACHE_ENV, *hook.VARIABLES):
                 monkeypatch.delenv(env, raising=False)
             yield il
 
@@ -138,7 +138,7 @@ class FakeLLM:
 @pytest.mark.parametrize("fail,stage_hint", [
     (None, None),
     (RuntimeError("DeepGEMM JIT: cannot build sm_120 kernels (nvcc not found)"),
-     "VLLM_SPARSE_INDEXER_LOGITS=triton"),
+     "VLLM_SPARSE_INDEXER_CACHE=16bit"),
     (RuntimeError("CUDA error: the provided PTX was compiled with an unsupported toolchain"),
      "update the driver"),
     (KeyError("something else"), "traceback in the report"),

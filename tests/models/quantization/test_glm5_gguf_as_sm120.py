@@ -46,7 +46,7 @@ def sm120_env(capability: str = "12.0"):
         pytest.skip("pip install --no-deps tests/plugins/vllm_report_capability first")
     env = dict(os.environ, VLLM_TEST_REPORT_CAPABILITY=capability,
                VLLM_TEST_REPORT_SHARED_MEM="101376")
-    env.pop("VLLM_SPARSE_INDEXER_LOGITS", None)
+    env.pop("VLLM_TEST_REPORT_DEEP_GEMM", None)  # the platform's own DeepGEMM choice
     return env
 
 

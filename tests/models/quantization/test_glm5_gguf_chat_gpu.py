@@ -31,6 +31,7 @@ from pathlib import Path
 import pytest
 
 from tests.models.quantization import gguf_reference as gr
+from tests.plugins.vllm_report_capability import vllm_report_capability as hook
 
 pytestmark = pytest.mark.gpu
 
@@ -99,7 +100,9 @@ def vllm_serve(model: Path, log: Path, timeout: float = 600):
     import requests
 
     port = free_port()
-    env = {**os.environ, "VLLM_SPARSE_INDEXER_LOGITS": "triton"}
+    # the portable indexer where the test plugin is installed (the replies do not depend
+    # on the indexer: the attention's output projections are zero)
+    env = {**os.environ, **hook.indexer_env("triton")}
     with open(log, "w") as out:
         proc = subprocess.Popen([sys.executable, "-m", "vllm.entrypoints.cli.main", "serve",
                                  str(model), "--port", str(port), *SERVE],

@@ -29,13 +29,12 @@ otherwise left unwritten, as DeepGEMM's `clean_logits=False`; the top-k kernels
 only read the valid range. No host synchronisation: launch shapes depend only on
 tensor shapes.
 
-`VLLM_SPARSE_INDEXER_LOGITS` = auto (default) | deepgemm | triton chooses the
-implementation; auto takes DeepGEMM where it is installed and the platform
-supports it (`support_deep_gemm`, which upstream's indexer relies on), so the
-Triton kernels run on SM80/86/89 and on GPUs DeepGEMM has no kernels for.
-`VLLM_SPARSE_INDEXER_DOTS` = auto (default) | fp8 | 16bit chooses the Triton
-kernels' dots: auto takes fp8 dots where the GPU has them; 16bit runs the SM80/86
-path on any GPU (tests); fp8 is refused where the GPU has no fp8 dots.
+The platform chooses the implementation: DeepGEMM where it is installed and the
+platform supports it (`support_deep_gemm`, which upstream's indexer relies on), so
+the Triton kernels run on SM80/86/89 and on GPUs DeepGEMM has no kernels for; and
+the Triton kernels' dots: fp8 where the GPU has them (compute capability 8.9+),
+16-bit elsewhere. Tests emulate another GPU's path through what the platform reports
+(tests/plugins/vllm_report_capability), not through a setting of their own.
 
 `VLLM_SPARSE_INDEXER_CACHE` = fp8 (default) | 16bit chooses the key cache of
 DeepSeek-V3.2 / GLM-5's indexer (vLLM's deepseek_v2 model): 16bit stores the keys in
@@ -58,23 +57,20 @@ from vllm.triton_utils import tl, triton
 
 logger = init_logger(__name__)
 
-LOGITS_BACKEND_ENV = "VLLM_SPARSE_INDEXER_LOGITS"
-DOTS_ENV = "VLLM_SPARSE_INDEXER_DOTS"
 CACHE_ENV = "VLLM_SPARSE_INDEXER_CACHE"
-_SWITCH_DEFAULTS = {LOGITS_BACKEND_ENV: "auto", DOTS_ENV: "auto", CACHE_ENV: "fp8"}
 # the dtypes of the 16-bit key cache's keys (and queries): the model's
 KEYS16_DTYPES = (torch.float16, torch.bfloat16)
 
 
-def _switch(name: str) -> str:
-    """A switch's value as set (lower case, its default where unset), not validated."""
-    return os.environ.get(name, _SWITCH_DEFAULTS[name]).strip().lower()
+def _cache_switch() -> str:
+    """VLLM_SPARSE_INDEXER_CACHE as set (lower case, fp8 where unset), not validated."""
+    return os.environ.get(CACHE_ENV, "fp8").strip().lower()
 
 
-# the switches as vLLM environment variables: the dots and the cache set what the traced
-# indexer computes (the q quantization's dtype, or none), so a graph compiled for one must
+# the key cache's switch as a vLLM environment variable: it sets what the traced indexer
+# computes (the queries quantized to fp8 or not), so a graph compiled for one value must
 # not load for the other
-register_switches({name: functools.partial(_switch, name) for name in _SWITCH_DEFAULTS})
+register_switches({CACHE_ENV: _cache_switch})
 # persistent_topk's FilteredTopK plan needs this much opt-in shared memory per
 # block; below it (SM86/89/12x, ~99 KB) the oversubscription fallback can fail.
 PERSISTENT_TOPK_MIN_SMEM = 128 * 1024
@@ -87,13 +83,6 @@ def indexer_logits_backend() -> str:
     Not `is_deep_gemm_supported()`: its VLLM_USE_DEEP_GEMM switch is about
     DeepGEMM's GEMMs, and upstream's indexer uses DeepGEMM regardless of it.
     """
-    choice = _switch(LOGITS_BACKEND_ENV)
-    if choice not in ("auto", "deepgemm", "triton"):
-        raise ValueError(
-            f"{LOGITS_BACKEND_ENV}={choice!r}: expected auto, deepgemm or triton"
-        )
-    if choice != "auto":
-        return choice
     from vllm.utils.import_utils import has_deep_gemm
 
     if has_deep_gemm() and current_platform.support_deep_gemm():
@@ -109,7 +98,7 @@ def deep_gemm_computes(keys_dtype: torch.dtype) -> bool:
 
 def indexer_cache_16bit() -> bool:
     """Whether the indexer's key cache holds 16-bit keys (VLLM_SPARSE_INDEXER_CACHE)."""
-    choice = _switch(CACHE_ENV)
+    choice = _cache_switch()
     if choice not in ("fp8", "16bit"):
         raise ValueError(f"{CACHE_ENV}={choice!r}: expected fp8 or 16bit")
     return choice == "16bit"
@@ -121,53 +110,36 @@ def _fp8_dot_supported() -> bool:
 
 
 def triton_indexer_dots() -> str:
-    """'fp8' or '16bit': the dots of the Triton kernels (VLLM_SPARSE_INDEXER_DOTS).
+    """'fp8' or '16bit': the dots of the Triton kernels, by the GPU's capability.
 
     '16bit' reads q and k as bytes and converts them to fp16 in registers: the
-    path of GPUs without fp8 dots (SM80/86), forceable on any GPU. Read per call
-    (cheap), so that it follows the capability tests and the test hook report.
+    path of GPUs without fp8 dots (SM80/86). Read per call (cheap), so that it
+    follows the capability tests and the test hook report.
     """
-    choice = _switch(DOTS_ENV)
-    if choice not in ("auto", "fp8", "16bit"):
-        raise ValueError(f"{DOTS_ENV}={choice!r}: expected auto, fp8 or 16bit")
-    if choice == "auto":
-        return "fp8" if _fp8_dot_supported() else "16bit"
-    return choice
+    return "fp8" if _fp8_dot_supported() else "16bit"
 
 
 def check_triton_indexer_supported(keys16: bool = False) -> None:
-    """The Triton kernels need 16-bit tensor-core dots (compute capability 8.0+);
-    fp8 dots, if forced, need 8.9+. keys16: an indexer layer with the 16-bit key
-    cache, which the Triton kernels compute whatever the backend of fp8 keys
-    (DeepGEMM reads fp8 keys only), with 16-bit dots."""
-    cap = current_platform.get_device_capability()
+    """The Triton kernels need 16-bit tensor-core dots (compute capability 8.0+).
+    keys16: an indexer layer with the 16-bit key cache, which the Triton kernels
+    compute whatever the backend of fp8 keys (DeepGEMM reads fp8 keys only), with
+    16-bit dots."""
     if not current_platform.has_device_capability(80):
         raise RuntimeError(
             "The portable sparse attention indexer (DeepSeek-V3.2 / GLM-5) needs "
-            f"compute capability 8.0 or newer; this GPU reports {cap}."
+            "compute capability 8.0 or newer; this GPU reports "
+            f"{current_platform.get_device_capability()}."
         )
     if keys16:
-        for name, value in ((LOGITS_BACKEND_ENV, "deepgemm"), (DOTS_ENV, "fp8")):
-            if _switch(name) == value:
-                raise RuntimeError(
-                    f"{name}={value} with {CACHE_ENV}=16bit: 16-bit keys take the "
-                    f"Triton kernels' 16-bit dots (leave {name} unset)."
-                )
         logger.info_once(
             "Sparse attention indexer: Triton logits kernels on 16-bit keys and "
             "queries (%s=16bit).",
             CACHE_ENV,
         )
         return
-    dots = triton_indexer_dots()
-    if dots == "fp8" and not _fp8_dot_supported():
-        raise RuntimeError(
-            f"{DOTS_ENV}=fp8: fp8 dots need compute capability 8.9 or newer; this "
-            f"GPU reports {cap} (leave {DOTS_ENV} unset for its 16-bit dots)."
-        )
     logger.info_once(
         "Sparse attention indexer: Triton logits kernels with %s dots.",
-        "fp8" if dots == "fp8" else "16-bit (fp8 converted in registers)",
+        "fp8" if triton_indexer_dots() == "fp8" else "16-bit (fp8 converted in registers)",
     )
 
 
@@ -182,11 +154,12 @@ def use_persistent_topk(topk_tokens: int) -> bool:
 @torch.compiler.assume_constant_result
 def e4m3_as_bytes() -> bool:
     """Whether Triton kernels on the indexer's CUDA path take fp8 e4m3 tensors as
-    bytes (uint8): with 16-bit dots, where Triton has no e4m3 type (SM80/86) or
-    that path is forced.
+    bytes (uint8): with 16-bit dots, where Triton has no e4m3 type (SM80/86).
 
     A constant to torch.compile: the q quantization asks it inside the compiled
-    model, where the platform's capability query (NVML) cannot be traced.
+    model, where the platform's capability query (NVML) cannot be traced. The
+    capability is in the compile cache's key: the GPU's name (Inductor's system
+    factors), or the test hook's registered variable where it reports another.
     """
     return current_platform.is_cuda() and triton_indexer_dots() == "16bit"
 
