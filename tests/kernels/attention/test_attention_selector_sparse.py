@@ -475,14 +475,15 @@ def test_indexer_layer_with_16bit_keys(cuda_platform_config, monkeypatch, deep_g
     (a layer of fp8 keys needs it where it is the backend), and refuses a float32
     cache."""
     from vllm.model_executor.layers import sparse_attn_indexer as sai
+    from vllm.model_executor.layers import sparse_attn_indexer_key_cache as kc
     from vllm.v1.attention.ops import triton_indexer_logits as il
 
     platform = cuda.CudaPlatform()
     monkeypatch.setattr(cuda.CudaPlatform, "get_device_capability",
                         classmethod(lambda cls, device_id=0: DeviceCapability(9, 0)))
     monkeypatch.setattr(il, "current_platform", platform)
-    monkeypatch.setattr(sai, "current_platform", platform)
-    monkeypatch.setattr(sai, "has_deep_gemm", lambda: deep_gemm)
+    monkeypatch.setattr(kc, "current_platform", platform)
+    monkeypatch.setattr(kc, "has_deep_gemm", lambda: deep_gemm)
     monkeypatch.setenv(il.CACHE_ENV, "16bit")
 
     def layer(dtype):
@@ -509,6 +510,7 @@ def test_glm5_on_sm8x_without_flags(cuda_platform_config, monkeypatch, capabilit
     reason), the Triton indexer with 16-bit dots, which the indexer layer accepts
     at start, and the decode top-k kernel that fits the GPU's shared memory."""
     from vllm.model_executor.layers import sparse_attn_indexer as sai
+    from vllm.model_executor.layers import sparse_attn_indexer_key_cache as kc
     from vllm.v1.attention.ops import triton_indexer_logits as il
 
     as_on_gpu_host(monkeypatch)
@@ -525,9 +527,9 @@ def test_glm5_on_sm8x_without_flags(cuda_platform_config, monkeypatch, capabilit
     reported = classmethod(lambda cls, device_id=0: DeviceCapability(*capability))
     monkeypatch.setattr(cuda.CudaPlatform, "get_device_capability", reported)
     monkeypatch.setattr(il, "current_platform", platform)
-    monkeypatch.setattr(sai, "current_platform", platform)
+    monkeypatch.setattr(kc, "current_platform", platform)
     monkeypatch.setattr("vllm.utils.import_utils.has_deep_gemm", lambda: True)
-    monkeypatch.setattr(sai, "has_deep_gemm", lambda: True)
+    monkeypatch.setattr(kc, "has_deep_gemm", lambda: True)
     il.indexer_logits_backend.cache_clear()
     try:
         assert il.indexer_logits_backend() == "triton"

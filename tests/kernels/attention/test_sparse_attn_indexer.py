@@ -10,7 +10,11 @@ The op's CUDA-only pieces are replaced by torch equivalents with the semantics o
 vLLM's kernels (`top_k_per_row_prefill`: indices from the row's first key;
 `top_k_per_row_decode`: from the request's first key); the Triton kernels (logits,
 cache write and gather, sequence packing) run in the interpreter. fp16: Triton 3.6's
-interpreter dots bf16 operands as bit patterns."""
+interpreter dots bf16 operands as bit patterns.
+
+Below, the key cache seam (`sparse_attn_indexer_key_cache`): the op and the layer choose
+the fp8 or the 16-bit cache's kernels by dtype in one place, and the fp8 cache's are
+upstream's calls."""
 
 from types import SimpleNamespace
 
@@ -18,6 +22,7 @@ import pytest
 import torch
 
 from vllm.model_executor.layers import sparse_attn_indexer as sai
+from vllm.model_executor.layers import sparse_attn_indexer_key_cache as kc
 from vllm.v1.attention.backends.mla.indexer import (
     DeepseekV32IndexerMetadata,
     DeepseekV32IndexerPrefillChunkMetadata,
@@ -137,6 +142,9 @@ def test_keys16_indexer_op(monkeypatch, decode_lens, with_prefill):
     monkeypatch.setattr(sai, "get_forward_context",
                         lambda: SimpleNamespace(attn_metadata={LAYER: meta}))
     monkeypatch.setattr(sai, "current_workspace_manager", Workspace)
+    chosen = []  # the key cache, chosen once (by the queries' dtype: the cache's)
+    monkeypatch.setattr(sai, "indexer_key_cache",
+                        lambda d: chosen.append(d) or kc.indexer_key_cache(d))
     monkeypatch.setattr(sai, "ops", SimpleNamespace(
         top_k_per_row_prefill=top_k_per_row_prefill,
         top_k_per_row_decode=top_k_per_row_decode))
@@ -144,6 +152,7 @@ def test_keys16_indexer_op(monkeypatch, decode_lens, with_prefill):
     sai.sparse_attn_indexer(
         torch.empty(T + 1, 8), LAYER, cache, q, None, k_step, w, 128, "ue8m0", TOPK, D,
         MAX_LEN, 256, topk_buffer, False, False)
+    assert chosen == [dtype]
 
     # every key of the step is in the cache now (the padding token's nowhere)
     for (old, new), k, r in zip(reqs, keys, range(len(reqs))):
@@ -163,3 +172,108 @@ def test_keys16_indexer_op(monkeypatch, decode_lens, with_prefill):
             ref = reference_topk(q[token], w[token], keys[num_decodes + i], old + j + 1)
             assert got[token] == ref, (i, j)
             token += 1
+
+
+# --------------------------------------------------------------------------------------
+# The key cache seam: one choice by dtype, upstream's calls for fp8 keys
+# --------------------------------------------------------------------------------------
+def test_key_cache_chosen_by_dtype():
+    """`indexer_key_cache` is the one choice of the key cache's kernels: the 16-bit
+    cache for the model's float16/bfloat16 (the cache's and its queries' dtype),
+    upstream's fp8 cache for bytes (its uint8 cache, fp8 or MXFP4 queries); a float32
+    cache is refused with the switch's name."""
+    from vllm.model_executor.layers import sparse_attn_indexer_key_cache as kc
+
+    for dtype in (torch.uint8, torch.float8_e4m3fn, torch.float8_e4m3fnuz, torch.int8):
+        assert kc.indexer_key_cache(dtype) is kc.FP8_KEY_CACHE
+    for dtype in (torch.float16, torch.bfloat16):
+        chosen = kc.indexer_key_cache(dtype)
+        assert isinstance(chosen, kc.Keys16KeyCache) and chosen.dtype == dtype
+        assert chosen is kc.indexer_key_cache(dtype)
+        assert chosen.workspace_shapes(40, D, torch.float8_e4m3fn, False) == (
+            ((40, D), dtype), ((40, 0), torch.uint8))
+        assert chosen.logits_key_scales(torch.empty(40, 0, dtype=torch.uint8)) is None
+    with pytest.raises(ValueError, match="VLLM_SPARSE_INDEXER_CACHE=16bit needs a "
+                       "float16 or bfloat16 model; this one is torch.float32"):
+        kc.indexer_key_cache(torch.float32)
+
+
+def test_op_has_one_key_cache_choice():
+    """Upstream's op and layer change only by call sites of the chosen key cache: each
+    asks `indexer_key_cache` once, and neither branches on the 16-bit cache."""
+    import inspect
+
+    for fn, asked_with in ((sai.sparse_attn_indexer, "indexer_key_cache(q_quant.dtype)"),
+                           (sai.SparseAttnIndexer.__init__,
+                            "indexer_key_cache(k_cache.dtype)")):
+        source = inspect.getsource(fn)
+        assert source.count("indexer_key_cache(") == 1 and asked_with in source
+        for word in ("keys16", "KEYS16", "16bit", "_16bit", "float16", "bfloat16"):
+            assert word not in source, (fn.__name__, word)
+
+
+@pytest.mark.parametrize("q_dtype", [torch.float8_e4m3fn, torch.float16, torch.bfloat16])
+def test_profiling_run_reserves_the_key_caches_workspace(monkeypatch, q_dtype):
+    """The profiling run (no metadata, no cache allocated yet: the layer's placeholder is
+    float32) reserves the prefill workspace of the key cache its queries' dtype
+    chooses: upstream's fp8 keys and 4-byte scales, or 16-bit keys and no scales."""
+    reserved = []
+
+    class Recorder:
+        def get_simultaneous(self, *specs):
+            reserved.append(specs)
+
+    monkeypatch.setenv("VLLM_SPARSE_INDEXER_MAX_LOGITS_MB", "1")
+    monkeypatch.setattr(sai, "get_forward_context", lambda: SimpleNamespace(attn_metadata=None))
+    monkeypatch.setattr(sai, "current_workspace_manager", Recorder)
+    T = 3
+    buffer = torch.full((T, TOPK), -1, dtype=torch.int32)
+    out = sai.sparse_attn_indexer(
+        torch.empty(T, 8), LAYER, torch.tensor([]), torch.zeros(T, H, D).to(q_dtype), None,
+        torch.zeros(T, D), torch.zeros(T, H), 128, "ue8m0", TOPK, D, MAX_LEN, 256, buffer,
+        False, False)
+    assert out is buffer
+    if q_dtype == torch.float8_e4m3fn:
+        fp8 = sai.current_platform.fp8_dtype()
+        values, scales = sai._gather_workspace_shapes(256, D, fp8, False)
+    else:
+        values, scales = ((256, D), q_dtype), ((256, 0), torch.uint8)
+    assert reserved == [(values, scales, ((sai.RADIX_TOPK_WORKSPACE_SIZE,), torch.uint8))]
+
+
+def test_fp8_key_cache_is_upstreams_calls(monkeypatch):
+    """The fp8 key cache makes exactly the calls upstream's op makes in its place:
+    `indexer_k_quant_and_cache`, `cp_gather_indexer_k_quant_cache` with the op's
+    arguments, the scales viewed as fp32, queries padded with pack_seq_triton's default
+    (or with 0 bytes where Triton takes e4m3 as bytes, SM80/86)."""
+    from vllm.model_executor.layers import sparse_attn_indexer_key_cache as kc
+
+    calls = []
+    monkeypatch.setattr(kc, "ops", SimpleNamespace(
+        indexer_k_quant_and_cache=lambda *a: calls.append(("write", a)),
+        cp_gather_indexer_k_quant_cache=lambda *a: calls.append(("gather", a))))
+    fp8 = kc.FP8_KEY_CACHE
+    k, cache, slots, table, cu = (torch.empty(1) for _ in range(5))
+    fp8.write_keys(k, cache, slots, 128, "ue8m0")
+    values, scales = torch.empty(4, D), torch.empty(4, 4, dtype=torch.uint8)
+    fp8.gather_keys(cache, values, scales, table, cu)
+    assert calls == [("write", (k, cache, slots, 128, "ue8m0")),
+                     ("gather", (cache, values, scales, table, cu))]
+    for fp4 in (False, True):
+        assert fp8.workspace_shapes(40, D, torch.float8_e4m3fn, fp4) == \
+            sai._gather_workspace_shapes(40, D, torch.float8_e4m3fn, fp4)
+    got = fp8.logits_key_scales(scales)
+    assert got.dtype == torch.float32 and got.shape == (4,)
+    assert got.data_ptr() == scales.data_ptr()
+
+    packed = []
+    monkeypatch.setattr(kc, "pack_seq_triton",
+                        lambda x, lens, **kw: packed.append((x.dtype, kw)) or x)
+    q = torch.zeros(3, H, D, dtype=torch.float8_e4m3fn)
+    for as_bytes in (False, True):
+        monkeypatch.setattr(kc.indexer_logits, "e4m3_as_bytes", lambda: as_bytes)
+        assert fp8.pad_decode_q(q, torch.tensor([3])).dtype == q.dtype
+    keys16 = kc.indexer_key_cache(torch.bfloat16)
+    keys16.pad_decode_q(q.to(torch.bfloat16), torch.tensor([3]))
+    assert packed == [(torch.float8_e4m3fn, {}), (torch.uint8, {"pad_value": 0}),
+                      (torch.bfloat16, {"pad_value": 0})]

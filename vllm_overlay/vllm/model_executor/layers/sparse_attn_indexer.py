@@ -19,7 +19,11 @@ from vllm.model_executor.layers.quantization.utils.quant_utils import (
 )
 from vllm.platforms import current_platform
 from vllm.triton_utils import tl, triton
-from vllm.utils.deep_gemm import has_deep_gemm  # overlay: logits via indexer_logits
+from vllm.utils.deep_gemm import (
+    fp8_fp4_mqa_logits,
+    fp8_fp4_paged_mqa_logits,
+    has_deep_gemm,
+)
 from vllm.utils.import_utils import has_cutedsl
 from vllm.utils.torch_utils import (
     LayerNameType,
@@ -29,6 +33,9 @@ from vllm.utils.torch_utils import (
 )
 from vllm.v1.attention.backends.mla.indexer import (
     DeepseekV32IndexerMetadata,
+)
+from vllm.model_executor.layers.sparse_attn_indexer_key_cache import (  # overlay:
+    indexer_key_cache,  # the key cache's kernels: fp8 or 16-bit keys
 )
 from vllm.v1.attention.ops import triton_indexer_logits as indexer_logits  # overlay: portable
 from vllm.v1.attention.ops.triton_indexer_logits import f32_to_e4m3  # overlay: SM80/86
@@ -277,18 +284,11 @@ def _gather_workspace_shapes(
     head_dim: int,
     fp8_dtype: torch.dtype,
     use_fp4_cache: bool,
-    keys16_dtype: torch.dtype | None = None,  # overlay: the 16-bit key cache
 ) -> tuple[tuple[tuple[int, int], torch.dtype], tuple[tuple[int, int], torch.dtype]]:
     """Return ((values_shape, values_dtype), (scales_shape, scales_dtype)) for
     the K-gather workspace. FP8 path: (T, head_dim) fp8 + (T, 4) uint8 fp32
     scales. MXFP4 path: (T, head_dim // 2) uint8 packed mxfp4 +
     (T, head_dim // MXFP4_BLOCK_SIZE) uint8 ue8m0 scales."""
-    if keys16_dtype is not None:
-        # overlay: 16-bit keys (VLLM_SPARSE_INDEXER_CACHE=16bit) have no scales
-        return (
-            ((total_seq_lens, head_dim), keys16_dtype),
-            ((total_seq_lens, 0), torch.uint8),
-        )
     if use_fp4_cache:
         return (
             ((total_seq_lens, head_dim // 2), torch.uint8),
@@ -348,16 +348,13 @@ def sparse_attn_indexer(
     attn_metadata = get_forward_context().attn_metadata
     fp8_dtype = current_platform.fp8_dtype()
     k_cache_prefix = _resolve_layer_name(k_cache_prefix)
-    # overlay: 16-bit queries come with the 16-bit key cache
-    keys16_dtype = (
-        q_quant.dtype if q_quant.dtype in indexer_logits.KEYS16_DTYPES else None
-    )
+    key_cache = indexer_key_cache(q_quant.dtype)  # overlay: fp8 or 16-bit keys
 
     # assert isinstance(attn_metadata, dict)
     if not isinstance(attn_metadata, dict):
         # Reserve workspace for indexer during profiling run
-        values_spec, scales_spec = _gather_workspace_shapes(  # overlay: 16-bit keys
-            total_seq_lens, head_dim, fp8_dtype, use_fp4_cache, keys16_dtype
+        values_spec, scales_spec = key_cache.workspace_shapes(  # overlay: key cache's
+            total_seq_lens, head_dim, fp8_dtype, use_fp4_cache
         )
         current_workspace_manager().get_simultaneous(
             values_spec,
@@ -423,20 +420,16 @@ def sparse_attn_indexer(
             num_decode_tokens,
             use_pcp,
         )
-        if keys16_dtype is not None:
-            # overlay: the 16-bit key cache stores the keys as they are
-            indexer_logits.write_k_cache_16bit(k, kv_cache, slot_mapping_for_cache)
-        else:
-            # scale_fmt can be None, but the function expects str
-            assert scale_fmt is not None
-            assert not use_fp4_cache, "Unfused FP4 Insert is not supported yet"
-            ops.indexer_k_quant_and_cache(
-                k,
-                kv_cache,
-                slot_mapping_for_cache,
-                quant_block_size,
-                scale_fmt,
-            )
+        # scale_fmt can be None, but the function expects str
+        assert scale_fmt is not None
+        assert not use_fp4_cache, "Unfused FP4 Insert is not supported yet"
+        key_cache.write_keys(  # overlay: the key cache's write
+            k,
+            kv_cache,
+            slot_mapping_for_cache,
+            quant_block_size,
+            scale_fmt,
+        )
 
     # The buffer must be pre-filled with -1 (the "no token" sentinel) before the
     # top-k kernels scatter valid indices into it. On the fused deepseek_v32
@@ -454,8 +447,8 @@ def sparse_attn_indexer(
         # MXFP4 (head_dim/2 bytes packed + head_dim/MXFP4_BLOCK_SIZE ue8m0
         # scales) based on use_fp4_cache.
         workspace_manager = current_workspace_manager()
-        values_spec, scales_spec = _gather_workspace_shapes(  # overlay: 16-bit keys
-            total_seq_lens, head_dim, fp8_dtype, use_fp4_cache, keys16_dtype
+        values_spec, scales_spec = key_cache.workspace_shapes(  # overlay: key cache's
+            total_seq_lens, head_dim, fp8_dtype, use_fp4_cache
         )
         k_quant_full, k_scale_full = workspace_manager.get_simultaneous(
             values_spec,
@@ -467,14 +460,8 @@ def sparse_attn_indexer(
             assert chunk.local_cu_seq_lens is not None
             k_quant = k_quant_full[: chunk.max_local_total_seq_lens]
             k_scale = k_scale_full[: chunk.max_local_total_seq_lens]
-            if keys16_dtype is not None:
-                # overlay: the 16-bit key cache (no scales)
-                if not chunk.skip_kv_gather and chunk.local_total_seq_lens > 0:
-                    indexer_logits.gather_k_cache_16bit(
-                        kv_cache, k_quant, chunk.block_table, chunk.local_cu_seq_lens
-                    )
-            elif not chunk.skip_kv_gather and chunk.local_total_seq_lens > 0:
-                ops.cp_gather_indexer_k_quant_cache(
+            if not chunk.skip_kv_gather and chunk.local_total_seq_lens > 0:
+                key_cache.gather_keys(  # overlay: the key cache's gather
                     kv_cache,
                     k_quant,
                     k_scale,
@@ -502,12 +489,10 @@ def sparse_attn_indexer(
                     q_slice_cast = q_slice.view(torch.int8)
                     k_quant_cast = k_quant.view(torch.int8)
                     k_scale_cast = k_scale.view(torch.int32).squeeze(-1)
-                elif keys16_dtype is not None:  # overlay: 16-bit keys, no scales
-                    q_slice_cast, k_quant_cast, k_scale_cast = q_slice, k_quant, None
                 else:
                     q_slice_cast = q_slice
                     k_quant_cast = k_quant
-                    k_scale_cast = k_scale.view(torch.float32).squeeze(-1)
+                    k_scale_cast = key_cache.logits_key_scales(k_scale)  # overlay: or none
                 if current_platform.is_xpu():
                     if q_scale_slice is not None:
                         raise RuntimeError("XPU fp8_mqa_logits does not support FP4 Q")
@@ -581,22 +566,9 @@ def sparse_attn_indexer(
                 padded_q_scale = pack_seq_triton(
                     q_scale[:num_decode_tokens], decode_lens, pad_value=0
                 )
-            elif keys16_dtype is not None:
-                # overlay: 16-bit queries padded with 0 (-inf would give NaN dots)
-                padded_q_quant_decode_tokens = pack_seq_triton(
-                    q_quant[:num_decode_tokens], decode_lens, pad_value=0
-                )
-                padded_q_scale = None
-            elif indexer_logits.e4m3_as_bytes():
-                # overlay: e4m3 as bytes where Triton has no e4m3 type (SM80/86)
-                padded_q_quant_decode_tokens = pack_seq_triton(
-                    q_quant[:num_decode_tokens].view(torch.uint8),
-                    decode_lens,
-                    pad_value=0,
-                ).view(q_quant.dtype)
-                padded_q_scale = None
             else:
-                padded_q_quant_decode_tokens = pack_seq_triton(
+                # overlay: the key cache's padding (e4m3 bytes: 0 on SM80/86; 16-bit: 0)
+                padded_q_quant_decode_tokens = key_cache.pad_decode_q(
                     q_quant[:num_decode_tokens], decode_lens
                 )
                 padded_q_scale = None
@@ -808,38 +780,9 @@ class SparseAttnIndexer(CustomOp):
         self.dcp_rank = get_dcp_group().rank_in_group if self.dcp_world_size > 1 else 0
         self.cp_kv_cache_interleave_size = parallel_config.cp_kv_cache_interleave_size
         self.use_pcp = parallel_config.prefill_context_parallel_size > 1
-        # overlay: the 16-bit key cache (VLLM_SPARSE_INDEXER_CACHE) holds the model's
-        # dtype and is read by the Triton kernels of the CUDA path (ROCm's and XPU's
-        # read fp8 keys)
-        if k_cache.dtype not in (torch.uint8, *indexer_logits.KEYS16_DTYPES):
-            raise ValueError(
-                f"{indexer_logits.CACHE_ENV}=16bit needs a float16 or bfloat16 "
-                f"model; this one is {k_cache.dtype}"
-            )
-        if k_cache.dtype != torch.uint8 and (
-            current_platform.is_rocm() or current_platform.is_xpu()
-        ):
-            raise NotImplementedError(
-                f"{indexer_logits.CACHE_ENV}=16bit needs a CUDA GPU (the Triton "
-                "indexer kernels)"
-            )
-        # overlay: DeepGEMM is needed only where it computes the logits (not for
-        # 16-bit keys)
-        if current_platform.is_cuda() and k_cache.dtype != torch.uint8:
-            indexer_logits.check_triton_indexer_supported(keys16=True)
-        elif current_platform.is_cuda():
-            backend = indexer_logits.indexer_logits_backend()
-            if backend == "deepgemm" and not has_deep_gemm():
-                raise RuntimeError(
-                    "Sparse Attention Indexer CUDA op requires DeepGEMM support in "
-                    "the current vLLM environment."
-                )
-            if backend == "triton":
-                indexer_logits.check_triton_indexer_supported()
-                if use_fp4_cache:
-                    raise NotImplementedError(
-                        "The MXFP4 indexer cache needs DeepGEMM's logits kernels"
-                    )
+        # overlay: the key cache's platform checks: fp8 keys need DeepGEMM only where
+        # it computes the logits; 16-bit keys (VLLM_SPARSE_INDEXER_CACHE) need Triton's
+        indexer_key_cache(k_cache.dtype).check_supported(use_fp4_cache)
 
     def forward_native(
         self,
