@@ -26,7 +26,8 @@ and the server's host RSS (its process tree) are sampled all along; growth
 is the last sample, after the load drained, against the first one under load. After
 the load, the server's /metrics must show no request running or waiting.
 
-The exit status is 1 when the soak did not pass: a failure, a stall, memory growth
+With --json, the report so far is written at every memory sample ("partial": true), so that
+a soak cut short leaves one. The exit status is 1 when the soak did not pass: a failure, a stall, memory growth
 beyond --max-gpu-growth-mib / --max-rss-growth-mib, or requests left in the server.
 """
 
@@ -401,10 +402,14 @@ class Soak:
                 if now >= next_sample:
                     self.sample("load")
                     next_sample = now + a.sample_s
+                    if a.json:  # the report so far: a soak cut short still leaves one
+                        with self.lock:
+                            rep = self.report(prefix, now - load_start, partial=True)
+                        write_json(a.json, rep)
 
+        load_start = time.monotonic()
         w = threading.Thread(target=watchdog, daemon=True)
         w.start()
-        load_start = time.monotonic()
         with concurrent.futures.ThreadPoolExecutor(a.concurrency) as pool:
             for f in [pool.submit(self.client, c, until) for c in range(a.concurrency)]:
                 f.result()
@@ -415,7 +420,7 @@ class Soak:
         self.sample("drained")
         return self.report(prefix, load_s)
 
-    def report(self, prefix: list[dict], load_s: float) -> dict:
+    def report(self, prefix: list[dict], load_s: float, partial: bool = False) -> dict:
         a = self.args
         by_kind: dict[str, dict] = {}
         for k in MIX:
@@ -437,7 +442,8 @@ class Soak:
         gpu_growth, rss_growth = growth("gpu_used_mib"), growth("server_rss_mib")
         ttft_all = [r["ttft_s"] for r in self.results if r["ttft_s"] is not None]
         rep = {
-            "duration_s": round(load_s, 1), "concurrency": a.concurrency, "mix": MIX,
+            "partial": partial, "duration_s": round(load_s, 1), "concurrency": a.concurrency,
+            "mix": MIX,
             "requests_ok": len(self.results), "requests_failed": len(self.failures),
             "failure_samples": self.failures[:10], "by_kind": by_kind,
             "stalls": self.watch.stalls, "stream_stalls": len(self.stream_stalls),
@@ -460,6 +466,13 @@ class Soak:
                          and (rss_growth is None or rss_growth <= a.max_rss_growth_mib)
                          and not any(v for v in left.values()))
         return rep
+
+
+def write_json(path: str, report: dict) -> None:
+    tmp = f"{path}.partial"
+    with open(tmp, "w") as f:
+        json.dump(report, f, indent=1)
+    os.replace(tmp, path)
 
 
 def markdown(r: dict) -> str:
@@ -526,8 +539,7 @@ def main() -> None:
     text = markdown(rep)
     print(text)
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rep, f, indent=1)
+        write_json(args.json, rep)
     if args.md:
         with open(args.md, "w") as f:
             f.write(text)

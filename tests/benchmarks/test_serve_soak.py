@@ -124,6 +124,30 @@ def test_passes_a_server_that_answers_as_asked(server, tmp_path):
     assert rep["history_cached_share"] > 0
     assert rep["memory"]["first_under_load"]["server_rss_mib"] > 0
     assert rep["left_in_server"] == {"num_requests_running": 0.0, "num_requests_waiting": 0.0}
+    assert rep["partial"] is False
+
+
+def test_a_soak_cut_short_leaves_its_report_so_far(server, tmp_path):
+    """The report is written at every memory sample while the load runs."""
+    import subprocess
+    import sys
+    Handler.mode = "ok"
+    out = tmp_path / "soak.json"
+    proc = subprocess.Popen([sys.executable, "-m", "benchmarks.serve_soak", "--base-url", server,
+                             "--model", "m", "--duration-s", "60", "--concurrency", "2",
+                             "--long-tokens", "20", "40", "--history-tokens", "60",
+                             "--warmup-s", "0.2", "--sample-s", "0.3", "--json", str(out)],
+                            cwd=serve_soak.__file__.rsplit("/benchmarks/", 1)[0])
+    try:
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and not out.exists():
+            time.sleep(0.2)
+        time.sleep(1.0)
+    finally:
+        proc.kill()
+        proc.wait()
+    rep = json.loads(out.read_text())
+    assert rep["partial"] is True and rep["requests_ok"] > 0 and rep["duration_s"] > 0
 
 
 @pytest.mark.parametrize("mode", ["error", "stall", "nostop", "leak"])

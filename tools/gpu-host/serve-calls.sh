@@ -94,11 +94,11 @@ case "${1:?start|wait}" in
     mkdir -p $work /tmp/syn/cold; : > $work/progress
     python3 -c "import vllm_report_capability" 2> /dev/null || pip install -q --no-deps \
       --no-build-isolation --target /tmp/site tests/plugins/vllm_report_capability > /dev/null 2>&1
-    ( for l in 2 3; do
-        python3 -m vllm_gguf_plugin.gguf_model.synthetic /tmp/syn/glm5-synthetic-${l}L.gguf \
-          --layers $l >> $work/syn.log 2>&1; touch $work/syn-$l.done
+    setsid bash -c "for l in 2 3; do
+        python3 -m vllm_gguf_plugin.gguf_model.synthetic /tmp/syn/glm5-synthetic-\${l}L.gguf \
+          --layers \$l >> $work/syn.log 2>&1; touch $work/syn-\$l.done
       done; cp /tmp/syn/glm5-synthetic-2L.gguf /tmp/syn/cold/; touch $work/syn.done
-      ls -la /tmp/syn /tmp/syn/cold >> $work/syn.log; df -h /tmp >> $work/syn.log ) \
+      ls -la /tmp/syn /tmp/syn/cold >> $work/syn.log; df -h /tmp >> $work/syn.log" \
       > /dev/null 2>&1 < /dev/null &
     setsid bash -c "$(declare -f soak); $(declare -p keep work shaped as120); soak" \
       > /dev/null 2>&1 < /dev/null &
@@ -109,7 +109,7 @@ case "${1:?start|wait}" in
         for j in $lane; do job \$j; done; touch $work/lane-${lane%% *}.done" \
         > /dev/null 2>&1 < /dev/null &
     done
-    sleep 20; cat $work/progress; tail -2 $keep/llama/model.log $keep/llama/build.log ;;
+    sleep 20; cat $work/progress; tail -n 2 $keep/llama/build.log ;;
   wait)
     while [ $SECONDS -lt $((call_s - 15)) ]; do
       [ -f $work/soak.done ] && [ "$(ls $work/lane-*.done 2> /dev/null | wc -l)" = 2 ] && break
