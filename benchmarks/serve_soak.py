@@ -277,7 +277,7 @@ class Soak:
             ref = rng.choice(self.stop_refs)
             stop = ref["stop"]
             path, body = cp, self.body(ref["prompt"], a.stop_max_tokens, stop=[stop],
-                                       stream=True)
+                                       stream=True, skip_special_tokens=False)
         t0 = time.monotonic()
         try:
             s = self.send(kind, path, body, close_after)
@@ -355,12 +355,16 @@ class Soak:
         return rows
 
     def probe_stop(self) -> list[dict]:
-        refs = []
+        refs, self.stop_probe_chars = [], []
         for k in range(self.args.stop_probes):
             rng = random.Random(2000 + k)
             prompt = self.ids(rng, rng.randint(16, 256))
-            s = self.probe(self.body(prompt, self.args.stop_max_tokens, stream=True))
+            # special and padding tokens as text too: a random model's greedy text may be
+            # nothing else (the synthetic file's was, and no stop request ran)
+            s = self.probe(self.body(prompt, self.args.stop_max_tokens, stream=True,
+                                     skip_special_tokens=False))
             text = "" if s is None else s.texts.get(0, "")
+            self.stop_probe_chars.append(len(text))
             # a stop string from the middle of the text: 2-4 characters after some output
             cut = len(text) // 2
             stop = text[cut:cut + 3]
@@ -455,7 +459,8 @@ class Soak:
             "history_cached_share": (round(sum(r["cached_tokens"] or 0 for r in hist)
                                            / max(1, sum(r["prompt_tokens"] or 0 for r in hist)),
                                            3) if hist else None),
-            "stop": {"probes": len(self.stop_refs), "requests": len(stops), "stopped": sum(r["stop_hit"] for r in stops),
+            "stop": {"probes": len(self.stop_refs), "probe_text_chars": self.stop_probe_chars,
+                     "requests": len(stops), "stopped": sum(r["stop_hit"] for r in stops),
                      "text_equal": sum(r["stop_text_equal"] for r in stops)},
             "memory": {"first_under_load": first, "end": last,
                        "gpu_growth_mib": gpu_growth, "rss_growth_mib": rss_growth},

@@ -9,7 +9,7 @@
 #   start   starts, detached: the files; `vllm serve` of the 2-layer one as on SM120 (SOAK_UTIL of the GPU) and
 #           benchmarks/serve_soak.py against it for SOAK_S seconds; beside the soak, in two
 #           lanes (JOBS, default "bi cold", and JOBS2, default "selfcheck tiny tests", each one
-#           job after the other): serve-check.sh on the file
+#           job after the other; "none": no job): serve-check.sh on the file
 #           as on SM120 under VLLM_BATCH_INVARIANT=1; benchmarks/serve_cold_start.py on the
 #           synthetic files (vLLM as on SM120 at COLD_UTIL, llama-server); the self-check as
 #           itself and as on SM120, SM89 and SM80; the tiny GLM-5 of context 4096 stretched to
@@ -51,6 +51,7 @@ soak() {  # the server and the soak against it; the server's time to healthy in 
 job() {  # one job beside the soak
   echo "$(date +%T) $1 start" >> $work/progress
   case "$1" in
+    none) ;;  # JOBS=none JOBS2=none: the soak alone
     bi)
       SERVE_GGUF=$shaped SERVE_MEM=0.2 SERVE_KV_BYTES=8000000000 SERVE_MAX_LEN=4096 \
         env "${as120[@]}" timeout 900 bash tools/gpu-host/serve-check.sh $work/bi > $work/bi.log 2>&1 ;;
