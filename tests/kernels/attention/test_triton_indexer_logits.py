@@ -417,6 +417,45 @@ def test_dots_choice(monkeypatch, capability, dots):
     il.check_triton_indexer_supported()
 
 
+def test_dots_choice_opens_nvml_once(monkeypatch):
+    """The dots (and e4m3 as bytes) are asked per indexer layer and step (the Triton
+    logits, the decode queries' padding, the eager q quantization): vLLM's NVML platform
+    caches the capability but opens and shuts NVML at every `has_device_capability`
+    call, so the choice reads the cached capability. A counting NVML: one init for the
+    first query, none after (and the same answers as `has_device_capability`)."""
+    from types import SimpleNamespace
+
+    from tests.cuda_platform import import_cuda_platform
+
+    cuda = import_cuda_platform()
+    inits = []
+    fake_nvml = SimpleNamespace(
+        nvmlInit=lambda: inits.append(1),
+        nvmlShutdown=lambda: None,
+        nvmlDeviceGetHandleByIndex=lambda index: index,
+        nvmlDeviceGetCudaComputeCapability=lambda handle: (8, 6),
+    )
+    monkeypatch.setattr(cuda, "pynvml", fake_nvml)
+    monkeypatch.setattr(cuda.NvmlCudaPlatform, "visible_device_id_to_physical_device_id",
+                        classmethod(lambda cls, device_id: device_id), raising=False)
+    platform = cuda.NvmlCudaPlatform()
+    monkeypatch.setattr(il, "current_platform", platform)
+    cuda.NvmlCudaPlatform.get_device_capability.cache_clear()
+    try:
+        for _ in range(100):
+            assert il.triton_indexer_dots() == "16bit"
+            assert il.e4m3_as_bytes()
+        assert len(inits) == 1  # the capability's first, cached read
+        # (the mock is what the platform calls: has_device_capability opens NVML at
+        # every call, the capability read behind it cached)
+        opened = len(inits)
+        assert not platform.has_device_capability(89)
+        assert not platform.has_device_capability(89)
+        assert len(inits) >= opened + 2
+    finally:
+        cuda.NvmlCudaPlatform.get_device_capability.cache_clear()
+
+
 def test_e4m3_as_bytes_is_a_constant_to_torch_compile(monkeypatch):
     """The q quantization asks `e4m3_as_bytes` inside the compiled model, where the
     capability query (NVML) cannot be traced: torch.compile takes its result as a

@@ -366,3 +366,39 @@ def test_docs_table_is_the_modules():
     text = (Path(__file__).parents[3] / "docs" / "gguf.md").read_text()
     table = text.split("<!-- kernels: begin -->")[1].split("<!-- kernels: end -->")[0]
     assert [line.strip() for line in table.strip().splitlines()] == gguf_kernels.kernel_table()
+
+
+def test_records_are_chosen_once(monkeypatch):
+    """linear.py and fused_moe.py ask for their record at every call of a product
+    outside a CUDA graph (eager, token counts past the captured sizes): the rules run
+    once for each set of arguments, and the record is the uncached rules' over the grid."""
+    from vllm_gguf_plugin.quantization import gguf_kernels as gk
+
+    gk.dense_launch.cache_clear()
+    gk.moe_launch.cache_clear()
+    try:
+        for bi, cap, _ in SETTINGS:
+            for qtype, rows, tokens in itertools.product(DENSE_TYPES, ROWS, TOKENS):
+                assert gk.dense_launch(qtype, tokens, rows, batch_invariant=bi) == \
+                    gk.dense_launch.__wrapped__(qtype, tokens, rows, batch_invariant=bi)
+            for types, tokens in itertools.product(
+                    itertools.product(QUANT_TYPES, QUANT_TYPES), TOKENS):
+                marlin = gk.moe_marlin(*types, capability=cap, batch_invariant=bi)
+                assert gk.moe_launch(*types, tokens, batch_invariant=bi, marlin=marlin) == \
+                    gk.moe_launch.__wrapped__(*types, tokens, batch_invariant=bi,
+                                              marlin=marlin)
+        gk.dense_launch.cache_clear()
+        gk.moe_launch.cache_clear()
+        asked = []
+        for name in ("mmvq_max_tokens", "triton_tile"):
+            rule = getattr(gk, name)
+            monkeypatch.setattr(gk, name, lambda *a, rule=rule, name=name: (
+                asked.append(name), rule(*a))[1])
+        q4k = int(T.Q4_K)
+        for _ in range(50):  # a decode step's products, step after step
+            gk.dense_launch(q4k, 1, 6144, batch_invariant=False)
+            gk.moe_launch(q4k, int(T.Q6_K), 1, batch_invariant=False)
+        assert asked == ["mmvq_max_tokens", "triton_tile", "triton_tile"]
+    finally:
+        gk.dense_launch.cache_clear()
+        gk.moe_launch.cache_clear()

@@ -190,3 +190,33 @@ def test_launch_matches_the_reference(monkeypatch, batch_invariant):
         tiles.add(want["tile"])
     # the grid reaches every tile
     assert tiles == {"triton", "triton_v_reload", "gluon_warp_specialized", "gluon_fp8_rows"}
+
+
+def test_launch_is_chosen_once_per_shape(monkeypatch):
+    """`sparse_mla_attention` asks for its launch per layer and step outside CUDA graphs
+    (eager, piecewise graphs: attention splits the graph): the rules run once for each
+    set of arguments and batch-invariant mode, and give what they give uncached."""
+    from vllm.v1.attention.ops import sparse_mla_launch as sml
+
+    ruled = []
+    rules = sml._launch
+
+    def counted(*args):
+        ruled.append(args)
+        return rules(*args)
+
+    monkeypatch.setattr(sml, "_launch", counted)
+    sml._cached_launch.cache_clear()
+    hopper = sml.SparseMLADevice(90, sml.HOPPER_SHARED_MEM, 132)
+    args = (hopper, 1, 64, KV_LORA + ROPE, KV_LORA, 2048, torch.bfloat16, torch.bfloat16)
+    try:
+        for batch_invariant in (False, True):
+            monkeypatch.setenv("VLLM_BATCH_INVARIANT", "1" if batch_invariant else "0")
+            ruled.clear()
+            launches = {sml.sparse_mla_launch(*args) for _ in range(50)}
+            assert len(ruled) == 1 and len(launches) == 1
+            uncached = sml._cached_launch.__wrapped__(*args, batch_invariant)
+            assert launches == {uncached}
+            assert (uncached.splits == 1) == batch_invariant  # the mode is in the key
+    finally:
+        sml._cached_launch.cache_clear()

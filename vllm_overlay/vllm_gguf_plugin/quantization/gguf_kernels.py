@@ -16,6 +16,7 @@ test_gguf_kernels.py.
 
 import dataclasses
 import enum
+import functools
 import os
 from collections.abc import Mapping
 from types import MappingProxyType
@@ -207,10 +208,14 @@ def moe_marlin(qweight_type: int, qweight_type2: int, *, capability: int | None,
     return gate_up and (down or qweight_type2 in MMVQ_QUANT_TYPES), down
 
 
+# dense_launch and moe_launch run at every call of a GGUF product outside a CUDA graph
+# (eager, token counts past the captured sizes): a choice is made once for each set of
+# arguments, which are all it reads (TABLE is a constant).
+@functools.lru_cache(maxsize=4096)
 def dense_launch(qweight_type: int, tokens: int, rows: int, *,
                  batch_invariant: bool) -> GGUFLaunch:
     """The kernel of a linear product of `tokens` tokens with a weight of this type and
-    `rows` outputs."""
+    `rows` outputs (chosen once for each set of arguments)."""
     if qweight_type in UNQUANTIZED_TYPES:
         return GGUFLaunch(GGUFKernel.PLAIN)
     if batch_invariant:
@@ -237,11 +242,13 @@ def marlin_gguf_down(qweight_type: int, tokens: int) -> GGUFLaunch:
     return moe_launch(qweight_type, qweight_type, tokens, batch_invariant=False).down
 
 
+@functools.lru_cache(maxsize=4096)
 def moe_launch(qweight_type: int, qweight_type2: int, tokens: int, *,
                batch_invariant: bool, marlin: tuple[bool, bool] = (False, False)
                ) -> GGUFMoELaunch:
     """The kernels of a layer's routed products (gate_up of `qweight_type`, down of
     `qweight_type2`) over `tokens` tokens; `marlin`: its products converted (moe_marlin).
+    Chosen once for each set of arguments (as `dense_launch`).
 
     A DEQUANT gate_up runs both products (moe_prefill.dequant_fused_moe); under Marlin
     a DEQUANT down product runs alone (dequant_moe_product)."""

@@ -227,7 +227,22 @@ def sparse_mla_launch(device: SparseMLADevice, num_tokens: int, num_heads: int,
     """The launch for `num_tokens` queries of `num_heads` x `head_dim` (the latent
     `kv_lora_rank` columns, then the rope ones) over `topk` slots each, on `device`.
     A Gluon tile that does not take these dtypes or shapes gives way to the table's
-    Triton tile."""
+    Triton tile.
+
+    Chosen once for each set of arguments (and batch-invariant mode, which the rules
+    read): `sparse_mla_attention` asks per layer and step where attention runs outside
+    a CUDA graph (eager, piecewise graphs, token counts past the captured sizes), and
+    the answer is a function of these alone."""
+    return _cached_launch(device, num_tokens, num_heads, head_dim, kv_lora_rank, topk,
+                          q_dtype, kv_dtype, bool(envs.VLLM_BATCH_INVARIANT))
+
+
+@functools.lru_cache(maxsize=4096)
+def _cached_launch(device: SparseMLADevice, num_tokens: int, num_heads: int,
+                   head_dim: int, kv_lora_rank: int, topk: int, q_dtype: torch.dtype,
+                   kv_dtype: torch.dtype, batch_invariant: bool) -> SparseMLALaunch:
+    # batch_invariant: only a key (the rules read envs.VLLM_BATCH_INVARIANT, equal to it)
+    del batch_invariant
     kv_fp8 = kv_dtype in FP8_DTYPES
     launch = _launch(device, num_tokens, num_heads, topk, kv_lora_rank, kv_fp8, device.gluon)
     module = GLUON_TILES.get(launch.tile)
