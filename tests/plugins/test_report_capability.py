@@ -28,7 +28,10 @@ def cuda_platform(monkeypatch):
     # (the hook registers its variables with vLLM's: restored after each test)
     from vllm import envs
 
-    monkeypatch.setattr(envs, "environment_variables", dict(envs.environment_variables))
+    # (an earlier test of the session may have registered them: each test starts without)
+    monkeypatch.setattr(envs, "environment_variables",
+                        {k: v for k, v in envs.environment_variables.items()
+                         if k not in hook.VARIABLES})
     for name in hook.VARIABLES:
         monkeypatch.delenv(name, raising=False)
     return platform

@@ -93,6 +93,8 @@ def test_capability_hook_changes_the_report(monkeypatch, selfcheck_gguf):
         for name in ("DISABLE_MMA_V3", "DISABLE_MMA_V5"):
             monkeypatch.setenv(name, "")
             monkeypatch.delenv(name)
+        from vllm import envs  # the hook registers its variables: restored after the test
+        monkeypatch.setattr(envs, "environment_variables", dict(envs.environment_variables))
         hook.register()
         gpu = {k: v for k, v in selfcheck.gpu_report().items() if k not in ("name", "platform")}
         sm120 = selfcheck.selection(config)
