@@ -57,6 +57,12 @@ HINTS = (
       "unsupported toolchain", "no kernel image"),
      "the NVIDIA driver is older than this build's CUDA, or this GPU is not among the "
      "wheel's targets: update the driver (nvidia-smi shows its CUDA version)"),
+    (("error in memory profiling",),
+     "another process on this GPU freed or took memory while vLLM measured its own: run the "
+     "self-check with the GPU otherwise idle"),
+    (("no available memory for the cache blocks",),
+     "nothing was left for the KV cache: raise --gpu-memory-utilization or stop other "
+     "processes on the GPU"),
     (("out of memory", "outofmemory"),
      "GPU memory: lower --gpu-memory-utilization or stop other processes on the GPU"),
     (("outofresources", "out of resource", "shared memory"),

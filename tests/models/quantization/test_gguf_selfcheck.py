@@ -143,6 +143,13 @@ class FakeLLM:
      "VLLM_SPARSE_INDEXER_CACHE=16bit"),
     (RuntimeError("CUDA error: the provided PTX was compiled with an unsupported toolchain"),
      "update the driver"),
+    # vLLM's own words when a neighbour on the GPU changed its memory during profiling
+    (AssertionError("Error in memory profiling. Initial free memory 40.52 GiB, current free "
+                    "memory 48.27 GiB. This happens when other processes sharing the same "
+                    "container release GPU memory while vLLM is profiling"), "otherwise idle"),
+    (ValueError("No available memory for the cache blocks. Try increasing "
+                "`gpu_memory_utilization` when initializing the engine."),
+     "raise --gpu-memory-utilization"),
     (KeyError("something else"), "traceback in the report"),
 ])
 def test_verdict_and_exit_code(monkeypatch, capsys, tmp_path, fail, stage_hint):
