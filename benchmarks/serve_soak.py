@@ -243,12 +243,17 @@ class Soak:
             b["stream_options"] = {"include_usage": True}
         return b
 
-    def send(self, kind: str, path: str, body: dict, close_after: int | None = None) -> Stream:
+    def send(self, kind: str, path: str, body: dict,
+             close_after: int | None = None) -> Stream | None:
+        """One request, read as it streams; None where it raised (counted as a failure)."""
         s = Stream(kind)
         self.watch.enter()
         try:
             return request(self.args.base_url, path, body, self.args.timeout, self.watch, s,
                            close_after)
+        except (urllib.error.URLError, OSError, ValueError, KeyError, TypeError) as e:
+            self.fail(kind, f"{type(e).__name__}: {e}", s.t0)
+            return None
         finally:
             self.watch.leave()
 
@@ -279,10 +284,8 @@ class Soak:
             path, body = cp, self.body(ref["prompt"], a.stop_max_tokens, stop=[stop],
                                        stream=True, skip_special_tokens=False)
         t0 = time.monotonic()
-        try:
-            s = self.send(kind, path, body, close_after)
-        except (urllib.error.URLError, OSError, ValueError, KeyError, TypeError) as e:
-            self.fail(kind, f"{type(e).__name__}: {e}", t0)
+        s = self.send(kind, path, body, close_after)
+        if s is None:
             return
         why = None
         if close_after is None and not s.done:
@@ -323,14 +326,9 @@ class Soak:
     # -- probes ----------------------------------------------------------------
     def probe(self, body: dict) -> Stream | None:
         """One probe request on the idle server; a failure is counted as any other."""
-        t0 = time.monotonic()
-        try:
-            s = self.send("probe", "/v1/completions", body)
-        except (urllib.error.URLError, OSError, ValueError, KeyError, TypeError) as e:
-            self.fail("probe", f"{type(e).__name__}: {e}", t0)
-            return None
-        if not s.done:
-            self.fail("probe", "the stream ended without [DONE]", t0)
+        s = self.send("probe", "/v1/completions", body)
+        if s is not None and not s.done:
+            self.fail("probe", "the stream ended without [DONE]", s.t0)
             return None
         return s
 
