@@ -227,6 +227,7 @@ class Soak:
         self.stream_stalls: list[dict] = []
         self.samples: list[dict] = []
         self.t_start = time.monotonic()
+        self.stop_extra: dict = {}  # what the stop probes needed to have a text
         lo, hi = args.vocab_range
         self.ids = lambda rng, n: [rng.randrange(lo, hi) for _ in range(n)]
         self.histories = [self.ids(self.rng, args.history_tokens) for _ in range(args.histories)]
@@ -282,7 +283,8 @@ class Soak:
             ref = rng.choice(self.stop_refs)
             stop = ref["stop"]
             path, body = cp, self.body(ref["prompt"], a.stop_max_tokens, stop=[stop],
-                                       stream=True, skip_special_tokens=False)
+                                       stream=True, skip_special_tokens=False,
+                                       **self.stop_extra)
         t0 = time.monotonic()
         s = self.send(kind, path, body, close_after)
         if s is None:
@@ -353,14 +355,24 @@ class Soak:
         return rows
 
     def probe_stop(self) -> list[dict]:
+        refs = self.stop_probes_with({})
+        if not refs:
+            # a random model's greedy ids may all be placeholders with no text (a
+            # synthetic file's [PAD<i>]): then the probes and the stop requests choose
+            # among the ids of a tokenized sentence (vLLM's allowed_token_ids)
+            ids = self.text_token_ids()
+            if ids:
+                self.stop_extra = {"allowed_token_ids": ids}
+                refs = self.stop_probes_with(self.stop_extra)
+        return refs
+
+    def stop_probes_with(self, extra: dict) -> list[dict]:
         refs, self.stop_probe_chars = [], []
         for k in range(self.args.stop_probes):
             rng = random.Random(2000 + k)
             prompt = self.ids(rng, rng.randint(16, 256))
-            # special and padding tokens as text too: a random model's greedy text may be
-            # nothing else (the synthetic file's was, and no stop request ran)
             s = self.probe(self.body(prompt, self.args.stop_max_tokens, stream=True,
-                                     skip_special_tokens=False))
+                                     skip_special_tokens=False, **extra))
             text = "" if s is None else s.texts.get(0, "")
             self.stop_probe_chars.append(len(text))
             # a stop string from the middle of the text: 2-4 characters after some output
@@ -369,6 +381,19 @@ class Soak:
             if len(stop) == 3 and text.index(stop) > 0:
                 refs.append({"prompt": prompt, "text": text, "stop": stop})
         return refs
+
+    def text_token_ids(self) -> list[int]:
+        """The distinct ids of WORDS as the server's /tokenize gives them; [] where it fails."""
+        req = urllib.request.Request(
+            self.args.base_url.rstrip("/") + "/tokenize",
+            data=json.dumps({"model": self.args.model, "prompt": " ".join(WORDS),
+                             "add_special_tokens": False}).encode(),
+            headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=self.args.timeout) as resp:
+                return sorted(set(json.loads(resp.read())["tokens"]))
+        except (urllib.error.URLError, OSError, ValueError, KeyError, TypeError):
+            return []
 
     # -- the load --------------------------------------------------------------
     def client(self, c: int, until: float) -> None:
@@ -458,6 +483,7 @@ class Soak:
                                            / max(1, sum(r["prompt_tokens"] or 0 for r in hist)),
                                            3) if hist else None),
             "stop": {"probes": len(self.stop_refs), "probe_text_chars": self.stop_probe_chars,
+                     "allowed_token_ids": len(self.stop_extra.get("allowed_token_ids", [])),
                      "requests": len(stops), "stopped": sum(r["stop_hit"] for r in stops),
                      "text_equal": sum(r["stop_text_equal"] for r in stops)},
             "memory": {"first_under_load": first, "end": last,

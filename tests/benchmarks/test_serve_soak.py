@@ -56,6 +56,14 @@ class Handler(BaseHTTPRequestHandler):
             self.send_header("Content-Length", "0")
             self.end_headers()
             return
+        if self.path == "/tokenize":  # an id for each distinct word
+            words = sorted(set(body["prompt"].split()))
+            out = json.dumps({"tokens": [100 + words.index(w) for w in body["prompt"].split()]})
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(out)))
+            self.end_headers()
+            self.wfile.write(out.encode())
+            return
         chat = self.path.endswith("chat/completions")
         prompt = body.get("prompt") or []
         with self.lock:  # a prefix cache: the longest prefix of an earlier prompt
@@ -63,6 +71,8 @@ class Handler(BaseHTTPRequestHandler):
                                min(len(p), len(prompt))) for p in self.seen), default=0)
             self.seen.append(prompt)
         text, finish = text_of(body), "length"
+        if self.mode == "placeholders" and not body.get("allowed_token_ids"):
+            text = ""  # a random model's greedy ids with no text
         stop = (body.get("stop") or [None])[0]
         if stop and stop in text and self.mode != "nostop":
             text, finish = text[:text.index(stop)], "stop"
@@ -125,6 +135,15 @@ def test_passes_a_server_that_answers_as_asked(server, tmp_path):
     assert rep["memory"]["first_under_load"]["server_rss_mib"] > 0
     assert rep["left_in_server"] == {"num_requests_running": 0.0, "num_requests_waiting": 0.0}
     assert rep["partial"] is False
+
+
+def test_stop_requests_where_greedy_text_is_placeholders(server, tmp_path):
+    # no probe text without a constraint: the probes and the stop requests then choose
+    # among /tokenize's ids of a sentence, and the stop strings are still checked
+    rep = soak(server, tmp_path, "placeholders")
+    assert rep["passed"], rep["failure_samples"]
+    assert rep["stop"]["allowed_token_ids"] == len(set(serve_soak.WORDS))
+    assert rep["stop"]["requests"] == rep["stop"]["stopped"] == rep["stop"]["text_equal"] > 0
 
 
 def test_a_soak_cut_short_leaves_its_report_so_far(server, tmp_path):

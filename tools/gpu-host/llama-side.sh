@@ -19,7 +19,7 @@
 #    the 3-layer intermediate, in /dev/shm. An importance matrix (IQ2_M) waits for the build's
 #    llama-imatrix (KEEP/llama-imatrix). SETS=2L: the 2-layer file alone, so that the
 #    comparison on it runs with the CPUs free (the 3-layer conversion loads every core);
-#    SETS=none: no file (serve-calls.sh writes its own).
+#    SETS=none: no file (serve-calls.sh writes its own). BUILD=0: no build either.
 # Each ends its log with "rc=N": KEEP/build.log, KEEP/model.log (after every set, its
 # "set K rc=N" line). The .llama-cpp/ tree (the
 # converter and a llama-quantize) comes from VLLM_OVERLAY_LLAMA_CPP and
@@ -55,9 +55,13 @@ exec "$out/bin/llama-imatrix" "\$@"
 EOF
 chmod +x "$keep/llama-imatrix"
 
+if [ "${BUILD:-1}" = 0 ]; then  # no build: a device session that runs no llama.cpp binary
+  echo "no build (BUILD=0)"$'\n'"rc=skipped" > "$keep/build.log"
+else
 ( SHARED=ON TARGETS="llama-bench llama-batched-bench llama-imatrix llama-server" \
     bash "$tree/tools/gpu-host/build-llama-cpp-cuda.sh" "$src" "$out" > "$keep/build.log" 2>&1
   echo "rc=$?" >> "$keep/build.log" ) &
+fi
 models() {  # each set of model args in turn; rc: the first failure's
   local rc=0 k=0 one=()
   for a in "$@" --; do

@@ -5,15 +5,18 @@
 # The files are GLM-5-shaped 2- and 3-layer Q4_K_M GGUFs written by
 # vllm_gguf_plugin.gguf_model.synthetic (llama.cpp's tensor types, random valid blocks: in a
 # minute, where llama.cpp's converter takes several), the 2-layer one twice: the soak's server
-# maps one, and a mapped page cannot be evicted for a cold start. One device call each:
+# maps one, and a mapped page cannot be evicted for a cold start (SYN=2: the 2-layer file
+# alone, for a soak with no cold start). One device call each:
 #   start   starts, detached: the files; `vllm serve` of the 2-layer one as on SM120 (SOAK_UTIL of the GPU) and
 #           benchmarks/serve_soak.py against it for SOAK_S seconds; beside the soak, in two
 #           lanes (JOBS, default "bi cold", and JOBS2, default "selfcheck tiny tests", each one
 #           job after the other; "none": no job): serve-check.sh on the file
 #           as on SM120 under VLLM_BATCH_INVARIANT=1; benchmarks/serve_cold_start.py on the
 #           synthetic files (vLLM as on SM120 at COLD_UTIL, llama-server); the self-check as
-#           itself and as on SM120, SM89 and SM80; the tiny GLM-5 of context 4096 stretched to
-#           131136 (the rope tables' fix); gpu-checks.sh's tests and gguftests stages
+#           itself and as on SM120, SM89 and SM80 (SELFCHECK_AS); the tiny GLM-5 of context
+#           4096 stretched to 131136 (TINY_PATHS; the rope tables' fix); gpu-checks.sh's tests
+#           and gguftests stages; AFTER (default none): jobs run one after the other once the
+#           soak has ended, with the GPU to themselves
 #   wait    one line of progress every 30 s until everything ended or the call's time is up
 #           (CALL_S, default 585 s), then the reports to the device tool's $OUT
 set -uo pipefail
@@ -67,7 +70,7 @@ job() {  # one job beside the soak
         /tmp/syn/glm5-synthetic-3L.gguf "${server[@]}" --as-capability 12.0:101376 --work $work/cold --json $work/cold.json --md $work/cold.md \
         --vllm-args --gpu-memory-utilization "${COLD_UTIL:-0.3}" > $work/cold.log 2>&1 ;;
     selfcheck)
-      for as_ in native:0 12.0:101376 8.9:101376 8.0:166912; do
+      for as_ in ${SELFCHECK_AS:-native:0 12.0:101376 8.9:101376 8.0:166912}; do
         IFS=: read -r cap smem <<< "$as_"
         ( [ "$cap" = native ] || export VLLM_TEST_REPORT_CAPABILITY=$cap VLLM_TEST_REPORT_SHARED_MEM=$smem
           timeout 400 python3 -m vllm_gguf_plugin.selfcheck --gpu-memory-utilization 0.1 \
@@ -76,7 +79,7 @@ job() {  # one job beside the soak
       done ;;
     tiny)
       python3 -m benchmarks.glm5_long_context --make-tiny $work/tiny > $work/tiny-make.log 2>&1
-      for path in sm120 upstream sm80; do
+      for path in ${TINY_PATHS:-sm120 upstream sm80}; do
         VLLM_ALLOW_LONG_MAX_MODEL_LEN=1 timeout 400 python3 -m benchmarks.glm5_long_context \
           --gguf $work/tiny/tiny-glm5-4096-Q4_K_M.gguf --paths $path --prompts 16384 65536 131072 \
           --batch 0 --gen 4 --max-model-len 131136 --max-num-batched-tokens 16384 \
@@ -95,25 +98,28 @@ case "${1:?start|wait}" in
     mkdir -p $work /tmp/syn/cold; : > $work/progress
     python3 -c "import vllm_report_capability" 2> /dev/null || pip install -q --no-deps \
       --no-build-isolation --target /tmp/site tests/plugins/vllm_report_capability > /dev/null 2>&1
-    setsid bash -c "for l in 2 3; do
+    setsid bash -c "for l in ${SYN:-2 3}; do
         python3 -m vllm_gguf_plugin.gguf_model.synthetic /tmp/syn/glm5-synthetic-\${l}L.gguf \
           --layers \$l >> $work/syn.log 2>&1; touch $work/syn-\$l.done
-      done; cp /tmp/syn/glm5-synthetic-2L.gguf /tmp/syn/cold/; touch $work/syn.done
+      done; [ '${SYN:-2 3}' = 2 ] || cp /tmp/syn/glm5-synthetic-2L.gguf /tmp/syn/cold/
+      touch $work/syn.done
       ls -la /tmp/syn /tmp/syn/cold >> $work/syn.log; df -h /tmp >> $work/syn.log" \
       > /dev/null 2>&1 < /dev/null &
     setsid bash -c "$(declare -f soak); $(declare -p keep work shaped as120); soak" \
       > /dev/null 2>&1 < /dev/null &
-    for lane in "${JOBS:-bi cold}" "${JOBS2:-selfcheck tiny tests}"; do
+    n=0
+    for lane in "${JOBS:-bi cold}" "${JOBS2:-selfcheck tiny tests}" "after ${AFTER:-none}"; do
+      n=$((n + 1)); ready="grep -q 'soak server healthy' $work/progress"  # beside the soak, or after it
+      [ "${lane%% *}" = after ] && ready=false lane=${lane#after }
       setsid bash -c "cd $here; $(declare -f job); $(declare -p keep work shaped as120);
-        while ! grep -q 'soak server healthy' $work/progress; do
-          [ -f $work/soak.done ] && break; sleep 5; done
-        for j in $lane; do job \$j; done; touch $work/lane-${lane%% *}.done" \
+        while ! $ready; do [ -f $work/soak.done ] && break; sleep 5; done
+        for j in $lane; do job \$j; done; touch $work/lane-$n.done" \
         > /dev/null 2>&1 < /dev/null &
     done
     sleep 20; cat $work/progress; tail -n 2 $keep/llama/build.log ;;
   wait)
     while [ $SECONDS -lt $((call_s - 15)) ]; do
-      [ -f $work/soak.done ] && [ "$(ls $work/lane-*.done 2> /dev/null | wc -l)" = 2 ] && break
+      [ -f $work/soak.done ] && [ "$(ls $work/lane-*.done 2> /dev/null | wc -l)" = 3 ] && break
       echo "$(date +%T) $(tail -1 $work/progress) | soak: $(grep -c '' $work/soak.log 2>/dev/null) lines" \
         "| gpu $(nvidia-smi --query-gpu=memory.used,utilization.gpu --format=csv,noheader)"
       sleep 30
