@@ -402,3 +402,128 @@ def test_records_are_chosen_once(monkeypatch):
     finally:
         gk.dense_launch.cache_clear()
         gk.moe_launch.cache_clear()
+
+
+# -- the warm-up: the token counts that compile every kernel variant ----------------
+# GLM-5's routed experts: 256 of 2048 rows of gate and of up, 6144 inputs; top 8
+GLM5_EXPERTS, GLM5_INTER, GLM5_HIDDEN, GLM5_TOP_K = 256, 2048, 6144, 8
+
+
+def _stack(qtype, rows, cols):
+    import gguf
+
+    block, size = gguf.GGML_QUANT_SIZES[qtype]
+    return (GLM5_EXPERTS, rows, cols // block * size)
+
+
+def _covers(counts, first, last, key):
+    """Every count in [first, last] has a warmed one of the same key, and no two warmed
+    counts share a key (the fewest runs)."""
+    warmed = {key(n): n for n in counts}
+    assert len(warmed) == len(counts) and all(first <= n <= last for n in counts)
+    missing = [n for n in range(first, last + 1) if key(n) not in warmed]
+    assert not missing, missing[:5]
+
+
+def test_specialization_is_tritons_variant():
+    """Two counts of one specialization give every integer argument n * 2^j (j = 0..4)
+    the same divisibility by 16 and equality to 1, Triton's specializations."""
+    from vllm_gguf_plugin.quantization.gguf_kernels import specialization
+
+    def variant(n):
+        return tuple((n << j) % 16 == 0 for j in range(5)) + (n == 1,)
+
+    by_class = {}
+    for n in range(1, 4097):
+        by_class.setdefault(specialization(n), set()).add(variant(n))
+    assert all(len(v) == 1 for v in by_class.values()), by_class
+    assert len({next(iter(v)) for v in by_class.values()}) == len(by_class)
+
+
+@pytest.mark.parametrize("first,last", [(1, 2048), (513, 8192), (513, 16384)])
+def test_dense_warmup_counts_cover_every_choice(first, last):
+    from vllm_gguf_plugin.quantization import gguf_kernels as gk
+
+    for qtype, rows, bi in itertools.product(DENSE_TYPES, ROWS, (False, True)):
+        counts = gk.dense_warmup_counts(qtype, rows, first, last, batch_invariant=bi)
+        _covers(counts, first, last, lambda n: (
+            expected_dense(qtype, n, rows, bi), gk.specialization(n)))
+
+
+def _fused_experts_calls(w1_shape, w2_shape, types, dtype):
+    """What dequant_fused_moe gives vLLM's fused_experts: its calls recorded (the experts
+    dequantized to meta tensors) as the arguments of vLLM's tile choice but the count."""
+    from vllm.model_executor.layers.fused_moe.config import _get_config_dtype_str
+
+    from vllm_gguf_plugin.quantization import moe_prefill
+
+    calls = set()
+
+    def dequantize(w, qtype, first, end, dt):
+        return torch.empty(moe_prefill.dequantized_shape((end - first, *w.shape[1:]), qtype),
+                           dtype=dt, device="meta")
+
+    def fused_experts(x, w1, w2, topk_weights, topk_ids, **kwargs):
+        calls.add((tuple(w1.shape), tuple(w2.shape), topk_ids.shape[1],
+                   _get_config_dtype_str(dtype=x.dtype)))
+        return torch.empty_like(x)
+
+    x = torch.empty(1024, GLM5_HIDDEN, dtype=dtype, device="meta")
+    ids = torch.empty(1024, GLM5_TOP_K, dtype=torch.int32, device="meta")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(moe_prefill, "dequantize_experts", dequantize)
+        mp.setattr(moe_prefill, "fused_experts", fused_experts)
+        mp.setattr(torch, "full", lambda size, v, **kw: torch.empty(size, device="meta"))
+        mp.setattr(torch, "arange", lambda n, **kw: torch.empty(n, device="meta"))
+        moe_prefill.dequant_fused_moe(x, torch.empty(w1_shape, dtype=torch.uint8, device="meta"),
+                                      torch.empty(w2_shape, dtype=torch.uint8, device="meta"),
+                                      ids.float(), ids, *types, None)
+    return sorted(calls)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_moe_warmup_counts_cover_every_choice(monkeypatch, dtype):
+    """Over GLM-5's expert shapes, every MoE pair listed, with Marlin and without, and
+    batch invariant: a warmed count for each (launch, fused-MoE tile where dequantized,
+    specialization) that any count past the CUDA graphs' sizes takes; the tiles are
+    vLLM's for the calls a recorded run of dequant_fused_moe makes."""
+    from vllm.model_executor.layers.fused_moe.fused_moe import try_get_optimal_moe_config
+    from vllm.platforms import current_platform
+
+    from vllm_gguf_plugin.quantization import gguf_kernels as gk
+
+    monkeypatch.setattr("vllm.envs.VLLM_BATCH_INVARIANT", False, raising=False)
+    # vLLM's tuned fused-MoE tiles are files by device name (an H100's, where it has one)
+    monkeypatch.setattr(current_platform, "get_device_name",
+                        lambda device_id=0: "NVIDIA H100 80GB HBM3", raising=False)
+    first, last = 513, 8192
+    for (gate_up, down), bi in itertools.product(EXPECTED_MOE, (False, True)):
+        gate_up, down = int(gate_up), int(down)
+        w1 = _stack(gate_up, 2 * GLM5_INTER, GLM5_HIDDEN)
+        w2 = _stack(down, GLM5_HIDDEN, GLM5_INTER)
+        for marlin in {(False, False), gk.moe_marlin(gate_up, down, capability=90,
+                                                     batch_invariant=bi)}:
+            calls = _fused_experts_calls(w1, w2, (gate_up, down), dtype)
+
+            def key(n):
+                launch = gk.moe_launch(gate_up, down, n, batch_invariant=bi, marlin=marlin)
+                tile = None
+                if launch.gate_up.kernel is gk.GGUFKernel.DEQUANT:
+                    tile = frozenset(tuple(sorted(try_get_optimal_moe_config(
+                        *call[:3], call[3], n).items())) for call in calls)
+                elif launch.down.kernel is gk.GGUFKernel.DEQUANT:
+                    tile = tuple(sorted(try_get_optimal_moe_config(
+                        (GLM5_EXPERTS, 2 * GLM5_INTER, GLM5_HIDDEN), w2, GLM5_TOP_K, None,
+                        n).items()))
+                return launch, tile, gk.specialization(n)
+
+            counts = gk.moe_warmup_counts(gate_up, down, first, last, batch_invariant=bi,
+                                          marlin=marlin, w1_shape=w1, w2_shape=w2,
+                                          top_k=GLM5_TOP_K, dtype=dtype)
+            if (gate_up, down, marlin, bi) == (int(T.Q4_K), int(T.Q6_K), (False, False),
+                                               False):
+                # GLM-5's Q4_K_M layer off Marlin: two Triton tiles, then dequantized,
+                # each at five specializations
+                assert counts == (513, 514, 516, 520, 528, 768, 769, 770, 772, 776,
+                                  3072, 3073, 3074, 3076, 3080)
+            _covers(counts, first, last, key)

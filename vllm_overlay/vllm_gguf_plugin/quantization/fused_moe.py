@@ -327,6 +327,18 @@ class GGUFMoEMethod(FusedMoEMethodBase):
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
         layer.gguf_marlin_experts = moe_marlin.convert_layer(layer, self.moe.in_dtype)
 
+    # overlay: the token counts that compile every variant of the layer's kernels, for
+    # vLLM's warm-up (token_count_warmup.py): the kernels follow the count past the graphs
+    def warmup_token_counts(self, layer: torch.nn.Module, first: int,
+                            last: int) -> tuple[int, ...]:
+        marlin = getattr(layer, "gguf_marlin_experts", None)
+        return gguf_kernels.moe_warmup_counts(
+            layer.w13_qweight_type.weight_type, layer.w2_qweight_type.weight_type,
+            first, last, batch_invariant=envs.VLLM_BATCH_INVARIANT,
+            marlin=(marlin is not None, marlin is not None and marlin[1] is not None),
+            w1_shape=tuple(layer.w13_qweight.shape), w2_shape=tuple(layer.w2_qweight.shape),
+            top_k=self.moe.experts_per_token, dtype=self.moe.in_dtype)
+
     def get_fused_moe_quant_config(
         self, layer: torch.nn.Module
     ) -> FusedMoEQuantConfig | None:

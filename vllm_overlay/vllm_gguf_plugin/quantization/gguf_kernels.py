@@ -18,7 +18,7 @@ import dataclasses
 import enum
 import functools
 import os
-from collections.abc import Mapping
+from collections.abc import Hashable, Iterable, Mapping
 from types import MappingProxyType
 
 from gguf import GGMLQuantizationType as T
@@ -272,6 +272,62 @@ def moe_launch(qweight_type: int, qweight_type2: int, tokens: int, *,
     if all(t in MMVQ_QUANT_TYPES for t in types):
         return both(GGUFKernel.MMVQ)
     return both(GGUFKernel.PER_TOKEN)
+
+
+# -- the warm-up: the token counts that compile every kernel variant ----------------
+def specialization(tokens: int) -> int:
+    """Which variant of a Triton kernel a product of `tokens` tokens compiles: Triton
+    compiles anew for an integer argument equal to 1 or divisible by 16, and a product's
+    integer arguments are the token count times powers of two (a row per token and
+    expert, top_k 8), so the variant follows the count's factors of two, up to 16 (0 to
+    4), and 1 has its own (-1)."""
+    return -1 if tokens == 1 else min((tokens & -tokens).bit_length() - 1, 4)
+
+
+def warmup_counts(choices: Iterable[tuple[int, Hashable]]) -> tuple[int, ...]:
+    """The first count of each (choice, specialization) among `choices`, pairs of a
+    token count and what its products run, in rising counts: a model run at each
+    compiles every kernel variant that any of the counts runs."""
+    first: dict[tuple[Hashable, int], int] = {}
+    for tokens, choice in choices:
+        first.setdefault((choice, specialization(tokens)), tokens)
+    return tuple(sorted(first.values()))
+
+
+@functools.lru_cache(maxsize=256)
+def dense_warmup_counts(qweight_type: int, rows: int, first: int, last: int, *,
+                        batch_invariant: bool) -> tuple[int, ...]:
+    """The token counts in [first, last] that compile every kernel variant of a linear
+    product of this type and `rows` outputs (`warmup_counts`)."""
+    return warmup_counts((tokens, dense_launch(qweight_type, tokens, rows,
+                                               batch_invariant=batch_invariant))
+                         for tokens in range(first, last + 1))
+
+
+@functools.lru_cache(maxsize=256)
+def moe_warmup_counts(qweight_type: int, qweight_type2: int, first: int, last: int, *,
+                      batch_invariant: bool, marlin: tuple[bool, bool],
+                      w1_shape: tuple[int, ...], w2_shape: tuple[int, ...], top_k: int,
+                      dtype) -> tuple[int, ...]:
+    """The token counts in [first, last] that compile every kernel variant of a layer's
+    routed products (`warmup_counts`): their launch, and where the experts are
+    dequantized, the tile vLLM's fused MoE takes (it follows the count too). The shapes
+    are the GGUF stacks' [experts, rows, bytes]; `dtype` the activations'."""
+    from . import moe_prefill
+
+    def choice(tokens: int) -> Hashable:
+        launch = moe_launch(qweight_type, qweight_type2, tokens,
+                            batch_invariant=batch_invariant, marlin=marlin)
+        if launch.gate_up.kernel is GGUFKernel.DEQUANT:
+            return launch, moe_prefill.dequant_fused_moe_configs(
+                w1_shape, w2_shape, qweight_type, qweight_type2, top_k, dtype, tokens)
+        if launch.down.kernel is GGUFKernel.DEQUANT:  # the down product alone (Marlin)
+            k = moe_prefill.dequantized_shape(w2_shape, qweight_type2)[2]
+            return launch, tuple(sorted(moe_prefill.dequant_moe_product_config(
+                w2_shape, k, top_k, tokens).items()))
+        return launch
+
+    return warmup_counts((tokens, choice(tokens)) for tokens in range(first, last + 1))
 
 
 # -- docs/gguf.md's kernel table -----------------------------------------------------

@@ -217,6 +217,28 @@ class GGUFLinearMethod(LinearMethodBase):
                 )
             layer.register_parameter("qweight", padded_param)
 
+    # overlay: the token counts that compile every variant of the layer's kernels, for
+    # vLLM's warm-up (token_count_warmup.py): its products as `apply` runs them
+    def warmup_token_counts(self, layer: torch.nn.Module, first: int,
+                            last: int) -> tuple[int, ...]:
+        qweight, fallback_wtype = layer.qweight, layer.qweight_type.weight_type
+        products = [(fallback_wtype, qweight.shape[0])]
+        if shard_id := qweight.shard_id:
+            shard_id = ["q", "k", "v"] if "q" in shard_id else shard_id
+            types = [layer.qweight_type.shard_weight_type.get(idx, fallback_wtype)
+                     for idx in shard_id]
+            if len(set(types)) > 1:  # a product per shard, of its rows
+                offsets = qweight.shard_offset_map
+                products = [(t, offsets[idx][1] - offsets[idx][0])
+                            for idx, t in zip(shard_id, types)]
+            else:
+                products = [(types[0], qweight.shape[0])]
+        counts = set()
+        for qweight_type, rows in products:
+            counts.update(gguf_kernels.dense_warmup_counts(
+                qweight_type, rows, first, last, batch_invariant=envs.VLLM_BATCH_INVARIANT))
+        return tuple(sorted(counts))
+
     def apply(
         self,
         layer: torch.nn.Module,

@@ -69,9 +69,7 @@ def dequant_moe_product(x: torch.Tensor, w: torch.Tensor, qweight_type: int,
     pairs zeros, so the groups' outputs add up to the whole."""
     (tokens, top_k), (experts, n, _) = topk_ids.shape, w.shape
     size = max(1, DEQUANT_MOE_GROUP_VALUES // (n * x.shape[1]))
-    # the tile fused_experts takes for a layer of these shapes (gate_up [E, 2k, n])
-    config = try_get_optimal_moe_config((experts, 2 * x.shape[1], n), tuple(w.shape), top_k,
-                                        None, tokens)
+    config = dequant_moe_product_config(tuple(w.shape), x.shape[1], top_k, tokens)
     out = None
     for first in range(0, experts, size):
         end = min(first + size, experts)
@@ -83,3 +81,34 @@ def dequant_moe_product(x: torch.Tensor, w: torch.Tensor, qweight_type: int,
                            assignment, 1, config=config)
         out = y if out is None else out.add_(y)
     return out
+
+
+def dequant_moe_product_config(w_shape: tuple[int, ...], k: int, top_k: int,
+                               tokens: int) -> dict[str, int]:
+    """The tile of `dequant_moe_product` over `tokens` tokens: the one fused_experts takes
+    for a layer of these shapes (gate_up [E, 2k, n])."""
+    experts, n = w_shape[0], w_shape[1]
+    return try_get_optimal_moe_config((experts, 2 * k, n), w_shape, top_k, None, tokens)
+
+
+def dequantized_shape(w_shape: tuple[int, ...], qweight_type: int) -> tuple[int, int, int]:
+    """A GGUF stack's [experts, rows, bytes] as its dequantized [experts, rows, cols]."""
+    block, size = gguf.GGML_QUANT_SIZES[qweight_type]
+    return w_shape[0], w_shape[1], w_shape[2] // size * block
+
+
+def dequant_fused_moe_configs(w1_shape: tuple[int, ...], w2_shape: tuple[int, ...],
+                              qweight_type: int, qweight_type2: int, top_k: int,
+                              dtype: torch.dtype, tokens: int) -> tuple[tuple, ...]:
+    """The tiles fused_experts takes in `dequant_fused_moe` over `tokens` tokens, one per
+    size of its expert groups (its own choice, from the dequantized group's shapes)."""
+    from vllm.model_executor.layers.fused_moe.config import _get_config_dtype_str
+
+    (experts, rows, cols), (_, rows2, cols2) = (dequantized_shape(w1_shape, qweight_type),
+                                                dequantized_shape(w2_shape, qweight_type2))
+    size = min(experts, max(1, DEQUANT_MOE_GROUP_VALUES // (rows * cols)))
+    sizes = {size} | ({experts % size} if experts % size else set())
+    config_dtype = _get_config_dtype_str(dtype=dtype)
+    return tuple(tuple(sorted(try_get_optimal_moe_config(
+        (n, rows, cols), (n, rows2, cols2), top_k, config_dtype, tokens).items()))
+        for n in sorted(sizes))
