@@ -36,7 +36,7 @@ soak() {  # the server and the soak against it; the server's time to healthy in 
   local t0=$SECONDS
   env "${as120[@]}" vllm serve "$shaped" --port 8100 --served-model-name glm5 \
     --gpu-memory-utilization "${SOAK_UTIL:-0.35}" --enable-prompt-tokens-details \
-    > $work/soak-server.log 2>&1 < /dev/null &
+    --jit-monitor-verbose --disable-uvicorn-access-log > $work/soak-server.log 2>&1 < /dev/null &
   local pid=$!
   until python3 -c 'import urllib.request as u; u.urlopen("http://127.0.0.1:8100/health", timeout=2)' 2> /dev/null; do
     kill -0 $pid 2> /dev/null || { echo "soak server exited" > $work/soak.done; return; }
@@ -125,8 +125,11 @@ case "${1:?start|wait}" in
       sleep 30
     done
     cat $work/progress; cat $work/soak.md $work/cold.md 2>/dev/null
+    # kernels compiled while serving (every one: --jit-monitor-verbose) and 10-s spans with no token
+    grep -E "jit_monitor.py.*during inference|generation throughput: 0.0 " $work/soak-server.log \
+      2>/dev/null | cut -c1-220 | tail -40
     mkdir -p "$out/serve"
-    cp $work/*.json $work/*.md $work/progress "$out/serve/" 2>/dev/null
+    cp $work/*.json $work/*.md $work/progress $work/soak-server.log "$out/serve/" 2>/dev/null
     for f in $work/*.log $work/tiny-*.out $work/bi/*.log; do [ -f "$f" ] && tail -c 20000 "$f" > "$out/serve/$(basename "$f").tail"; done
     cp $work/bi/*.json $work/checks/*.log "$out/serve/" 2>/dev/null; ls "$out/serve" | head -50 ;;
   *) echo "start or wait" >&2; exit 2 ;;
