@@ -38,16 +38,21 @@ def dequantize_experts(w: torch.Tensor, qweight_type: int, first: int, end: int,
     return flat.view(n, rows, cols)
 
 
+def expert_groups(experts: int, values_per_expert: int) -> list[tuple[int, int]]:
+    """[first, end) of each group of experts dequantized at once: at most
+    `DEQUANT_MOE_GROUP_VALUES` 16-bit values (at least one expert)."""
+    size = max(1, DEQUANT_MOE_GROUP_VALUES // values_per_expert)
+    return [(first, min(first + size, experts)) for first in range(0, experts, size)]
+
+
 def dequant_fused_moe(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
                       topk_weights: torch.Tensor, topk_ids: torch.Tensor,
                       qweight_type: int, qweight_type2: int,
                       activation: MoEActivation) -> torch.Tensor:
     """The routed experts on dequantized weights, `DEQUANT_MOE_GROUP_VALUES` at a time."""
     experts, rows = w1.shape[0], w1.shape[1]
-    size = max(1, DEQUANT_MOE_GROUP_VALUES // (rows * x.shape[1]))
     out = None
-    for first in range(0, experts, size):
-        end = min(first + size, experts)
+    for first, end in expert_groups(experts, rows * x.shape[1]):
         expert_map = None
         if end - first < experts:
             expert_map = torch.full((experts,), -1, dtype=torch.int32, device=x.device)
@@ -68,11 +73,9 @@ def dequant_moe_product(x: torch.Tensor, w: torch.Tensor, qweight_type: int,
     time, each group's pairs on vLLM's Triton fused-MoE kernel, which gives the other
     pairs zeros, so the groups' outputs add up to the whole."""
     (tokens, top_k), (experts, n, _) = topk_ids.shape, w.shape
-    size = max(1, DEQUANT_MOE_GROUP_VALUES // (n * x.shape[1]))
     config = dequant_moe_product_config(tuple(w.shape), x.shape[1], top_k, tokens)
     out = None
-    for first in range(0, experts, size):
-        end = min(first + size, experts)
+    for first, end in expert_groups(experts, n * x.shape[1]):
         expert_map = torch.full((experts,), -1, dtype=torch.int32, device=x.device)
         expert_map[first:end] = torch.arange(end - first, dtype=torch.int32, device=x.device)
         assignment = moe_align_block_size(topk_ids, config["BLOCK_SIZE_M"], experts,
@@ -106,8 +109,7 @@ def dequant_fused_moe_configs(w1_shape: tuple[int, ...], w2_shape: tuple[int, ..
 
     (experts, rows, cols), (_, rows2, cols2) = (dequantized_shape(w1_shape, qweight_type),
                                                 dequantized_shape(w2_shape, qweight_type2))
-    size = min(experts, max(1, DEQUANT_MOE_GROUP_VALUES // (rows * cols)))
-    sizes = {size} | ({experts % size} if experts % size else set())
+    sizes = {end - first for first, end in expert_groups(experts, rows * cols)}
     config_dtype = _get_config_dtype_str(dtype=dtype)
     return tuple(tuple(sorted(try_get_optimal_moe_config(
         (n, rows, cols), (n, rows2, cols2), top_k, config_dtype, tokens).items()))
