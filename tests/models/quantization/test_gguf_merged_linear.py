@@ -8,7 +8,9 @@ concatenated in load order and swapped q and kv (found on the H200: a tiny GLM-5
 whose q_a/kv_a alone were q8_0 was 4.5 nats off; every other group ~0.1-0.4; the
 overlay fixed it there). vllm-gguf-plugin orders the shards itself (0.0.3); this
 checks its GGUFLinearMethod on shards loaded in both orders. Runs on CPU with F16
-shards (the kernel is then a plain matmul on the padded stack).
+shards (the kernel is then a plain matmul on the padded stack); with a second type
+declared for one shard, the layer runs a product per shard (its slice of the padded
+stack) and concatenates them.
 """
 
 from unittest.mock import patch
@@ -20,8 +22,9 @@ from gguf import GGMLQuantizationType as T
 from vllm_gguf_plugin.quantization import GGUFConfig, GGUFLinearMethod
 
 
+@pytest.mark.parametrize("types", [(T.F16, T.F16), (T.F16, T.F32)])
 @pytest.mark.parametrize("load_order", [(0, 1), (1, 0)])
-def test_merged_shards_in_output_order(load_order):
+def test_merged_shards_in_output_order(load_order, types):
     torch.manual_seed(0)
     sizes, in_features = (4, 6), 8
     weights = [torch.randn(n, in_features, dtype=torch.float16) for n in sizes]
@@ -40,7 +43,7 @@ def test_merged_shards_in_output_order(load_order):
     qweight, qtype = layer.qweight, layer.qweight_type
     for shard in load_order:
         qweight.weight_loader(qweight, weights[shard], shard)
-        qtype.weight_loader(qtype, torch.tensor(int(T.F16)), shard)
+        qtype.weight_loader(qtype, torch.tensor(int(types[shard])), shard)
     with (patch("vllm.model_executor.parameter.get_tensor_model_parallel_rank", lambda: 0),
           patch("vllm.model_executor.parameter.get_tensor_model_parallel_world_size",
                 lambda: 1)):  # a single process, no distributed groups

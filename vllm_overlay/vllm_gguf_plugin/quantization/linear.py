@@ -217,24 +217,30 @@ class GGUFLinearMethod(LinearMethodBase):
                 )
             layer.register_parameter("qweight", padded_param)
 
+    # overlay: the products `apply` runs, for it and the warm-up: each as (the weight's
+    # type, the shard's (start, end, offset) in the padded weight, or None: the whole)
+    def _products(self, layer: torch.nn.Module) -> list[tuple[int, tuple | None]]:
+        qweight, fallback_wtype = layer.qweight, layer.qweight_type.weight_type
+        shard_id = qweight.shard_id
+        if not shard_id:
+            return [(fallback_wtype, None)]
+        shard_id = ["q", "k", "v"] if "q" in shard_id else shard_id
+        shard_weight_types = [
+            layer.qweight_type.shard_weight_type.get(idx, fallback_wtype)
+            for idx in shard_id
+        ]
+        if len(set(shard_weight_types)) == 1:
+            return [(shard_weight_types[0], None)]
+        return [(qweight_type, qweight.shard_offset_map[idx])
+                for idx, qweight_type in zip(shard_id, shard_weight_types)]
+
     # overlay: the token counts that compile every variant of the layer's kernels, for
-    # vLLM's warm-up (token_count_warmup.py): its products as `apply` runs them
+    # vLLM's warm-up (token_count_warmup.py)
     def warmup_token_counts(self, layer: torch.nn.Module, first: int,
                             last: int) -> tuple[int, ...]:
-        qweight, fallback_wtype = layer.qweight, layer.qweight_type.weight_type
-        products = [(fallback_wtype, qweight.shape[0])]
-        if shard_id := qweight.shard_id:
-            shard_id = ["q", "k", "v"] if "q" in shard_id else shard_id
-            types = [layer.qweight_type.shard_weight_type.get(idx, fallback_wtype)
-                     for idx in shard_id]
-            if len(set(types)) > 1:  # a product per shard, of its rows
-                offsets = qweight.shard_offset_map
-                products = [(t, offsets[idx][1] - offsets[idx][0])
-                            for idx, t in zip(shard_id, types)]
-            else:
-                products = [(types[0], qweight.shape[0])]
         counts = set()
-        for qweight_type, rows in products:
+        for qweight_type, shard in self._products(layer):
+            rows = layer.qweight.shape[0] if shard is None else shard[1] - shard[0]
             counts.update(gguf_kernels.dense_warmup_counts(
                 qweight_type, rows, first, last, batch_invariant=envs.VLLM_BATCH_INVARIANT))
         return tuple(sorted(counts))
@@ -247,36 +253,18 @@ class GGUFLinearMethod(LinearMethodBase):
     ) -> torch.Tensor:
         from . import fused_mul_mat_gguf as fused_mul_mat_gguf_op
 
-        shard_id = layer.qweight.shard_id
-        if shard_id:
-            shard_id = ["q", "k", "v"] if "q" in shard_id else shard_id
-            qweight = layer.qweight
-            fallback_wtype = layer.qweight_type.weight_type
-            shard_weight_types = [
-                layer.qweight_type.shard_weight_type.get(idx, fallback_wtype)
-                for idx in shard_id
-            ]
-            if len(set(shard_weight_types)) == 1:
-                out = fused_mul_mat_gguf_op(x, qweight, shard_weight_types[0])
-                if bias is not None:
-                    out.add_(bias)
-                return out
-            result = []
-            for idx in shard_id:
-                start, end, offset = layer.qweight.shard_offset_map[idx]
-                qweight_type = layer.qweight_type.shard_weight_type.get(
-                    idx, fallback_wtype
-                )
-                result.append(
-                    fused_mul_mat_gguf_op(
-                        x, qweight[start:end, :offset].contiguous(), qweight_type
-                    )
-                )
-            out = torch.cat(result, axis=1)
-        else:
-            qweight = layer.qweight
-            qweight_type = layer.qweight_type.weight_type
-            out = fused_mul_mat_gguf_op(x, qweight, qweight_type)
+        qweight = layer.qweight
+        # overlay: the products from _products (one statement of them, with the warm-up)
+        result = [
+            fused_mul_mat_gguf_op(
+                x,
+                qweight if shard is None
+                else qweight[shard[0]:shard[1], :shard[2]].contiguous(),
+                qweight_type,
+            )
+            for qweight_type, shard in self._products(layer)
+        ]
+        out = result[0] if len(result) == 1 else torch.cat(result, axis=1)
         if bias is not None:
             out.add_(bias)
         return out
