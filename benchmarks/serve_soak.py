@@ -44,6 +44,9 @@ import urllib.request
 
 WORDS = ("sparse attention indexer latent cache expert router token layer head prefill "
          "decode graph kernel block slot query key value norm").split()
+# what a request that did not complete raises (a connection, HTTP or timeout error, a
+# malformed event)
+REQUEST_ERRORS = (urllib.error.URLError, OSError, ValueError, KeyError, TypeError)
 # relative weights of the request kinds in the mixed load
 MIX = {"chat": 30, "long": 12, "history": 20, "disconnect": 10, "n": 10, "stop": 18}
 
@@ -252,7 +255,7 @@ class Soak:
         try:
             return request(self.args.base_url, path, body, self.args.timeout, self.watch, s,
                            close_after)
-        except (urllib.error.URLError, OSError, ValueError, KeyError, TypeError) as e:
+        except REQUEST_ERRORS as e:
             self.fail(kind, f"{type(e).__name__}: {e}", s.t0)
             return None
         finally:
@@ -392,7 +395,7 @@ class Soak:
         try:
             with urllib.request.urlopen(req, timeout=self.args.timeout) as resp:
                 return sorted(set(json.loads(resp.read())["tokens"]))
-        except (urllib.error.URLError, OSError, ValueError, KeyError, TypeError):
+        except REQUEST_ERRORS:
             return []
 
     # -- the load --------------------------------------------------------------
