@@ -16,7 +16,8 @@
 #           itself and as on SM120, SM89 and SM80 (SELFCHECK_AS); the tiny GLM-5 of context
 #           4096 stretched to 131136 (TINY_PATHS; the rope tables' fix); gpu-checks.sh's tests
 #           and gguftests stages; AFTER (default none): jobs run one after the other once the
-#           soak has ended, with the GPU to themselves
+#           soak has ended, with the GPU to themselves; BEFORE (default none): the same before
+#           the soak's server starts (beside the files' writing)
 #   wait    one line of progress every 30 s until everything ended or the call's time is up
 #           (CALL_S, default 585 s), then the reports to the device tool's $OUT
 set -uo pipefail
@@ -32,7 +33,7 @@ as120=(VLLM_TEST_REPORT_CAPABILITY=12.0 VLLM_TEST_REPORT_SHARED_MEM=101376)
 shaped=/tmp/syn/glm5-synthetic-2L.gguf
 
 soak() {  # the server and the soak against it; the server's time to healthy in its log
-  while [ ! -f $work/syn-2.done ]; do sleep 2; done
+  while [ ! -f $work/syn-2.done ] || [ ! -f $work/lane-1.done ]; do sleep 2; done
   local t0=$SECONDS
   env "${as120[@]}" vllm serve "$shaped" --port 8100 --served-model-name glm5 \
     --gpu-memory-utilization "${SOAK_UTIL:-0.35}" --enable-prompt-tokens-details \
@@ -108,8 +109,9 @@ case "${1:?start|wait}" in
     setsid bash -c "$(declare -f soak); $(declare -p keep work shaped as120); soak" \
       > /dev/null 2>&1 < /dev/null &
     n=0
-    for lane in "${JOBS:-bi cold}" "${JOBS2:-selfcheck tiny tests}" "after ${AFTER:-none}"; do
-      n=$((n + 1)); ready="grep -q 'soak server healthy' $work/progress"  # beside the soak, or after it
+    for lane in "before ${BEFORE:-none}" "${JOBS:-bi cold}" "${JOBS2:-selfcheck tiny tests}" "after ${AFTER:-none}"; do
+      n=$((n + 1)); ready="grep -q 'soak server healthy' $work/progress"  # beside the soak, before or after it
+      [ "${lane%% *}" = before ] && ready=true lane=${lane#before }
       [ "${lane%% *}" = after ] && ready=false lane=${lane#after }
       setsid bash -c "cd $here; $(declare -f job); $(declare -p keep work shaped as120);
         while ! $ready; do [ -f $work/soak.done ] && break; sleep 5; done
@@ -119,7 +121,7 @@ case "${1:?start|wait}" in
     sleep 20; cat $work/progress; tail -n 2 $keep/llama/build.log ;;
   wait)
     while [ $SECONDS -lt $((call_s - 15)) ]; do
-      [ -f $work/soak.done ] && [ "$(ls $work/lane-*.done 2> /dev/null | wc -l)" = 3 ] && break
+      [ -f $work/soak.done ] && [ "$(ls $work/lane-*.done 2> /dev/null | wc -l)" = 4 ] && break
       echo "$(date +%T) $(tail -1 $work/progress) | soak: $(grep -c '' $work/soak.log 2>/dev/null) lines" \
         "| gpu $(nvidia-smi --query-gpu=memory.used,utilization.gpu --format=csv,noheader)"
       sleep 30
