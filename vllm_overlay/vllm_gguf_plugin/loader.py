@@ -16,6 +16,8 @@ from vllm.model_executor.model_loader.utils import (
 )
 from vllm.utils.torch_utils import set_default_torch_dtype
 
+# overlay: the memory check before the weights load
+from .memory_check import check_memory_before_loading
 from .quantization import GGUFConfig
 from .weight_utils import download_gguf, resolve_local_gguf
 from .weights_adapter import get_weights_adapter
@@ -106,6 +108,11 @@ class GGUFModelLoader(BaseModelLoader):
                 model = initialize_model(
                     vllm_config=vllm_config, model_config=model_config, prefix=prefix
                 )
+            # overlay: a context or weights that cannot fit fail here, not after the load
+            rank_bytes = getattr(adapter, "rank_weight_bytes", None)
+            if model_config.runner_type != "draft" and rank_bytes is not None:
+                if (weight_bytes := rank_bytes()) is not None:
+                    check_memory_before_loading(vllm_config, weight_bytes, target_device)
             # overlay: keep what load_weights reports loaded, for the adapter's check
             loaded = model.load_weights(
                 adapter.prepare_weights(model_config),

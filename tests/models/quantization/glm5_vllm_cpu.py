@@ -195,13 +195,14 @@ def loader_of(model_path):
     return gguf_loader, gguf_loader.GGUFModelLoader, "gguf"
 
 
-def build(model_path: str, dtype: str = "bfloat16", max_model_len: int = 2048):
+def build(model_path: str, dtype: str = "bfloat16", max_model_len: int = 2048, **extra):
     """(config, the vLLM model of `model_path` filled by its loader (loader_of): a GGUF
-    file (nothing but the file), or a checkpoint directory)."""
+    file (nothing but the file), or a checkpoint directory); `extra`: VllmConfig's
+    other keywords (cache_config, ...)."""
     from vllm.config import set_current_vllm_config
 
     loader_module, loader_cls, load_format = loader_of(model_path)
-    config = cpu_config(model_config(model_path, dtype, max_model_len), load_format)
+    config = cpu_config(model_config(model_path, dtype, max_model_len), load_format, **extra)
     prepare_kernels = loader_module.process_weights_after_loading
     loader_module.process_weights_after_loading = lambda *args, **kwargs: None
     try:

@@ -102,6 +102,10 @@ def test_each_rank_reads_its_own_bytes(q8_0, tp, tmp_path):
         else:
             assert counts == [size] * tp and all(m.all() for m in masks), what
     assert quantized >= 7 * L  # the file's split tensors are q8_0
+    # the loader's memory check counts each rank's weights as the bytes it reads
+    model = GlmDsaGGUF([q8_0], config, tp_size=tp)
+    for rank, r in enumerate(ranks):
+        assert model.rank_bytes(rank) == sum(v[0] for v in r.values()), rank
 
 
 # llama.cpp's llama-quantize types (src/llama-quant.cpp, llama_tensor_get_type) of

@@ -300,8 +300,9 @@ class GlmDsaGGUF:
         if first is not None:
             self._check_schedule(indexer_schedule(*first))
         self.gguf_to_hf = self._map()
-        self._check_tensor_parallel(
-            tp_size, tp_size if experts_tp_size is None else experts_tp_size)
+        self.tp_size = tp_size
+        self.experts_tp_size = tp_size if experts_tp_size is None else experts_tp_size
+        self._check_tensor_parallel(tp_size, self.experts_tp_size)
 
     def _check_schedule(self, full: list[bool]) -> None:
         """The file's indexer schedule is the one vLLM builds from the config: a
@@ -460,6 +461,32 @@ class GlmDsaGGUF:
             {g: (self.tensors[g].tensor_type, _shape(self.tensors[g]))
              for g in self.gguf_to_hf if self._quantized(g)},
             self.gguf_to_hf, tp_size, experts_tp_size)
+
+    def rank_bytes(self, rank: int, experts_ranks: int = 1) -> int:
+        """The bytes of the file tensor-parallel rank `rank` copies: its share of
+        each split tensor (`tensor_parallel_shards`), each replicated one whole, and
+        under expert parallelism its `experts_ranks`-th of the routed experts. Each
+        is kept in at least as many bytes on the GPU (dequantized ones, and Marlin's
+        experts, in more): a lower bound of the rank's weights."""
+        sources = list(self._sources())
+        shards = tensor_parallel_shards(
+            {g: (self.tensors[g].tensor_type, _shape(self.tensors[g])) for g, _ in sources},
+            dict(sources), self.tp_size, self.experts_tp_size)
+        total = 0
+        for g, hf in sources:
+            t = self.tensors[g]
+            size, shape, shard = int(t.n_bytes), _shape(t), shards[g]
+            if shard is not None:
+                dim, _, length = shard[rank]
+                block, type_size = gguf.GGML_QUANT_SIZES[t.tensor_type]
+                # a row-parallel split is in bytes of a row, the others in rows
+                extent = (shape[-1] // block * type_size if hf.endswith(_ROW_PARALLEL)
+                          else shape[dim])
+                size = size * length // extent
+            elif _EXPERTS_RE.search(hf):
+                size //= experts_ranks
+            total += size
+        return total
 
     def _type(self, name: str) -> str:
         return self.tensors[name].tensor_type.name
@@ -743,6 +770,18 @@ class GlmDsaGGUFAdapter(BaseGGUFWeightsAdapter):
     def prepare_weights(self, model_config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
         del model_config
         yield from self.gguf.weights()
+
+    def rank_weight_bytes(self) -> int | None:
+        """This rank's bytes of the file (`GlmDsaGGUF.rank_bytes`); None under
+        pipeline parallelism, where a rank holds some layers only."""
+        from vllm.config import get_current_vllm_config
+
+        parallel = get_current_vllm_config().parallel_config
+        if parallel.pipeline_parallel_size > 1:
+            return None
+        experts_ranks = (parallel.tensor_parallel_size * parallel.data_parallel_size
+                         if parallel.enable_expert_parallel else 1)
+        return self.gguf.rank_bytes(_tp_rank_and_size()[0], experts_ranks)
 
     def check_loaded(self, model: torch.nn.Module, loaded: Iterable[str]) -> None:
         check_all_loaded(model, loaded)
