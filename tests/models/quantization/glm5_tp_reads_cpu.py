@@ -16,9 +16,11 @@ Views (narrow, reshape, select) read nothing. The count is deterministic: it is 
 the loaders ask to copy, not what the kernel pages in.
 
 Writes to --out {GGUF tensor name: (bytes counted, the tensor's bytes read as
-np.packbits of a bool mask, the tensor's size)}, and "__copies__": [the names of
+np.packbits of a bool mask, the tensor's size)}, "__copies__": [the names of
 the data tensors the adapter yielded as copies, not views of the file] (of the
-tensors it does not dequantize).
+tensors it does not dequantize), and "__resident__": the bytes of the file's
+mappings resident in this process (/proc/self/smaps) before the first data tensor,
+after each one was loaded, and at the end of the load.
 """
 
 import argparse
@@ -69,6 +71,21 @@ class FileReads:
         np.lib.stride_tricks.as_strided(
             mask, (*t.shape, e), (*(s * e for s in t.stride()), 1), writeable=True)[...] = True
         self.counts[name] += t.numel() * e
+
+
+def resident_bytes(paths) -> int:
+    """The bytes of the files `paths` mapped into this process that are resident
+    (the Rss of their mappings in /proc/self/smaps)."""
+    names = {str(p.resolve()) for p in paths}
+    total, inside = 0, False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            fields = line.split()
+            if "-" in fields[0] and len(fields) >= 5:  # a mapping's header line
+                inside = len(fields) >= 6 and fields[5] in names
+            elif inside and fields[0] == "Rss:":
+                total += int(fields[1]) * 1024
+    return total
 
 
 class CountReads(TorchDispatchMode):
@@ -123,26 +140,32 @@ def main():
         reads.read(torch.from_numpy(np.asarray(data)))
         return dequantize(data, qtype)
 
-    copies = []
+    copies, resident = [], {"before": None, "loaded": [], "end": None}
     weights = glm_dsa.GlmDsaGGUF.weights
+    paths = split_files(args.gguf)
 
     def checked_weights(self):
         made = {hf for hf, _, _ in self.defaults.values()}  # optional tensors' fills
         for name, t in weights(self):
+            data = not name.endswith(".qweight_type")
+            if data and resident["before"] is None:
+                resident["before"] = resident_bytes(paths)
             stored = name.endswith(".qweight") or not (
-                name.endswith(".qweight_type") or name in made
-                or self._dequantized_target(name))
+                not data or name in made or self._dequantized_target(name))
             if stored and reads.find(t) is None:
                 copies.append(name)
             yield name, t
+            if data:
+                resident["loaded"].append(resident_bytes(paths))
 
     gguf.quants.dequantize = counted_dequantize
     glm_dsa.GlmDsaGGUF.weights = checked_weights
     with CountReads(reads):
         cpu.build(args.gguf)
+    resident["end"] = resident_bytes(paths)
     torch.save({**{n: (reads.counts[n], np.packbits(reads.masks[n]), reads.masks[n].size)
                    for n in reads.counts},
-                "__copies__": copies}, args.out)
+                "__copies__": copies, "__resident__": resident}, args.out)
 
 
 if __name__ == "__main__":

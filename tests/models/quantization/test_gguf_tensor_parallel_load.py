@@ -9,6 +9,9 @@
   is read whole by each rank; no byte is read twice by a rank; the MTP block the
   main model does not load is not read. The reference: the layers vLLM's
   DeepseekV2 builds (which are parallel, which replicated), not the loader's table.
+  A rank's resident memory (the kernel's count for the file's mappings) holds one
+  tensor's pages at a time, and none once loaded; the loader's memory check counts
+  the bytes each rank reads.
 - Every GLM-5-shaped tensor splits into whole quant blocks at TP 2, 4 and 8 under
   llama.cpp's Q4_K_M and IQ2_M types (tensor_parallel_shards, the function the
   glm-dsa adapter checks a file with), and a size that cuts a block is an error
@@ -32,6 +35,7 @@ from vllm_gguf_plugin.weights_adapter import glm_dsa
 from vllm_gguf_plugin.weights_adapter.glm_dsa import GlmDsaGGUF, tensor_parallel_shards
 
 ROOT = Path(__file__).resolve().parents[3]
+FAULT_AROUND = 64 << 10
 
 # vLLM's DeepseekV2 layers (models/deepseek_v2.py) by GGUF tensor: split along
 # their input (RowParallelLinear, the experts' w2), their output
@@ -74,8 +78,10 @@ def load_ranks(gguf_file: Path, tp: int, out: Path) -> list[dict]:
 @pytest.mark.parametrize("tp", [2, 4])
 def test_each_rank_reads_its_own_bytes(q8_0, tp, tmp_path):
     ranks = load_ranks(q8_0, tp, tmp_path)
+    resident = []
     for r in ranks:
         assert r.pop("__copies__") == [], "tensors yielded as copies, not views of the file"
+        resident.append(r.pop("__resident__"))
     reader = gg.open_gguf(q8_0)
     config = gg.config_from_gguf(q8_0)
     L = config.num_hidden_layers
@@ -102,6 +108,16 @@ def test_each_rank_reads_its_own_bytes(q8_0, tp, tmp_path):
         else:
             assert counts == [size] * tp and all(m.all() for m in masks), what
     assert quantized >= 7 * L  # the file's split tensors are q8_0
+    # a rank's resident memory holds the file's pages of one tensor at a time: each
+    # is unmapped once loaded (a row-parallel tensor's rank reads every page of it)
+    # (plus the neighbours' pages Linux maps around each fault: 64 KiB by default)
+    largest = max(int(t.n_bytes) for t in reader.tensors)
+    for rank, res in enumerate(resident):
+        for n, loaded in enumerate(res["loaded"]):
+            assert loaded - res["before"] <= largest + (n + 1) * FAULT_AROUND, (rank, n, res)
+        assert res["end"] <= res["before"], (rank, res)
+    # far below what a rank reads: the bound holds only where the pages are dropped
+    assert largest + len(res["loaded"]) * FAULT_AROUND < Path(q8_0).stat().st_size / 4
     # the loader's memory check counts each rank's weights as the bytes it reads
     model = GlmDsaGGUF([q8_0], config, tp_size=tp)
     for rank, r in enumerate(ranks):

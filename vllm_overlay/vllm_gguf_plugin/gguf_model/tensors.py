@@ -8,12 +8,15 @@
   and the file's pages stay the page cache's (shared between the ranks,
   reclaimable), not each rank's memory. The view is read-only memory: a consumer
   that keeps it beyond its copy, or writes to it, must copy it (its slice) first.
+- `release`: a tensor's pages unmapped from the process once its loaders copied
+  it, so that a rank's resident memory holds its copies, not every page it read.
 - `LoadProgress`: the load's progress (tensors, bytes, rate) on the first rank,
   as vLLM shows the shards of a safetensors checkpoint.
 """
 
 from __future__ import annotations
 
+import mmap
 import warnings
 from collections.abc import Iterable
 
@@ -37,6 +40,23 @@ def bf16_view(data: np.ndarray, byteswap: bool = False) -> torch.Tensor:
     if byteswap:
         return torch.from_numpy(words.byteswap()).view(torch.bfloat16)
     return file_view(words).view(torch.bfloat16)
+
+
+def release(mapping: np.memmap, tensor=None) -> None:
+    """Drop the pages of `tensor` (a reader `Tensor` of the file `mapping` maps; None:
+    the whole file) from this process's mapping, once the loaders copied what they
+    take of it. A rank of a row-parallel tensor reads a slice of every row, so every
+    page of it: kept mapped, a tensor-parallel rank's resident memory would hold
+    most of the file. The pages stay in the page cache (shared, reclaimable); a
+    later read maps them again."""
+    mapped = getattr(mapping, "_mmap", None)
+    if mapped is None or not hasattr(mapped, "madvise"):
+        return
+    start, end = 0, len(mapped)
+    if tensor is not None:
+        start = int(tensor.data_offset) // mmap.PAGESIZE * mmap.PAGESIZE
+        end = min(end, int(tensor.data_offset) + int(tensor.n_bytes))
+    mapped.madvise(mmap.MADV_DONTNEED, start, end - start)
 
 
 def _use_tqdm() -> bool:

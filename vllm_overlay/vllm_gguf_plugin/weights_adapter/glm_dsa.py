@@ -58,7 +58,7 @@ from vllm.logger import init_logger
 
 from ..gguf_model import GGUFError, field, open_gguf, split_files
 from ..gguf_model.config import indexer_schedule
-from ..gguf_model.tensors import LoadProgress, bf16_view, file_view
+from ..gguf_model.tensors import LoadProgress, bf16_view, file_view, release
 from ..quantization.utils import DEQUANT_TYPES
 from ..spec_decode import patch_mtp_sharing
 from .base import BaseGGUFWeightsAdapter, GGUFLoadSpec
@@ -288,6 +288,7 @@ class GlmDsaGGUF:
         self.config = config
         self.tensors = {}
         self.file_of = {}
+        self.mapping_of = {}  # the file's mapping the tensor's data views
         first = None
         for f in files:
             reader = open_gguf(f)
@@ -296,6 +297,7 @@ class GlmDsaGGUF:
             for t in reader.tensors:
                 self.tensors[t.name] = t
                 self.file_of[t.name] = Path(f)
+                self.mapping_of[t.name] = reader.data
         self.path = first[1] if first is not None else Path(files[0])
         if first is not None:
             self._check_schedule(indexer_schedule(*first))
@@ -621,7 +623,8 @@ class GlmDsaGGUF:
         first (packed layers need them before any data), then the data, as views
         of the file that each rank's loader narrows to its shard, or dequantized
         (of the rank's rows where the module splits them); the load's progress
-        on rank 0 (gguf_model/tensors.py)."""
+        on rank 0, and each tensor's pages unmapped once it is loaded
+        (gguf_model/tensors.py)."""
         for g, hf in self._sources():
             if self._quantized(g) and not self._dequantized_target(hf):
                 yield (hf.removesuffix("weight") + "qweight_type",
@@ -644,7 +647,11 @@ class GlmDsaGGUF:
             else:
                 yield hf, self._raw(g)
             progress.update(self.tensors[g])
+            release(self.mapping_of[g], self.tensors[g])
         progress.close()
+        # and the neighbours' pages the kernel mapped around each read (fault-around)
+        for mapping in {id(m): m for m in self.mapping_of.values()}.values():
+            release(mapping)
         for hf, shape, fill in self.defaults.values():
             yield hf, torch.full(shape, fill, dtype=torch.float32)
 
