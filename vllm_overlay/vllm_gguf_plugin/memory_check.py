@@ -18,6 +18,7 @@ promise that vLLM's own check after profiling passes.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -86,14 +87,13 @@ def device_memory_bytes(device: torch.device) -> int | None:
     return torch.cuda.mem_get_info(device)[1]
 
 
-def kv_cache_need(vllm_config: VllmConfig) -> tuple[int, callable]:
+def kv_cache_need(vllm_config: VllmConfig) -> tuple[int, Callable[[int], int]]:
     """(bytes of one sequence of max_model_len tokens, the longest sequence that fits
     in a given number of bytes) for the attention layers the model registered, as
     vLLM's check after profiling sizes them (`check_enough_kv_cache_memory`)."""
+    from vllm.config import get_layers_from_vllm_config
     from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
     from vllm.v1.core.kv_cache_utils import estimate_max_model_len, max_memory_usage_bytes
-
-    from vllm.config import get_layers_from_vllm_config
 
     specs = {}
     for name, layer in get_layers_from_vllm_config(vllm_config, AttentionLayerBase).items():
