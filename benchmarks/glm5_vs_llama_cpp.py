@@ -8,6 +8,8 @@
         [--prompts 512 8192] [--depths 0 8192] [--batches 1 8 32] [--gen 128] [--profile]
         [--profile-batch 1] [--llama-profile NCU]
     python -m benchmarks.glm5_vs_llama_cpp --per-layer SHALLOW.json DEEP.json [--md out.md]
+    python -m benchmarks.glm5_vs_llama_cpp --depth-model A.json B.json [C.json ...]
+        [--project 78] [--md out.md]
 
 FILE is a GLM-5-shaped GGUF from benchmarks/glm5_llama_cpp_model.py; BIN is
 llama-bench from tools/gpu-host/build-llama-cpp-cuda.sh (CUDA, the pinned sdist).
@@ -52,6 +54,10 @@ warm-up pass, the B 1-token prompts' pass and 8 decoded: 10 steps) and a pp run 
 shortest prompt.
 `--llama-from REPORT` takes llama.cpp's figures from an earlier report of the same file
 (more paths in another call, against the same llama.cpp run).
+
+The whole model (`--depth-model 2L.json 3L.json 10L.json [--project 78]`): each engine's
+step time of each case fitted as a fixed cost plus a cost per layer over files of several
+depths, projected to GLM-5's 78 layers, with each file's distance from the line.
 
 Per layer (`--per-layer SHALLOW.json DEEP.json`): llama.cpp runs the last layer's FFN
 only for the tokens whose logits are asked for (src/models/glm-dsa.cpp, `inp_out_ids`),
@@ -613,6 +619,78 @@ def per_layer_markdown(result: dict) -> str:
     return "\n".join(lines)
 
 
+# ---------------------------------------------------------------------------------------------
+# the whole model: reports of files of several depths
+# ---------------------------------------------------------------------------------------------
+def linear_fit(points: dict[int, float]) -> tuple[float, float]:
+    """(fixed, per layer) of the least-squares line ms = fixed + per layer x layers."""
+    n = len(points)
+    mean_x = sum(points) / n
+    mean_y = sum(points.values()) / n
+    sxx = sum((x - mean_x) ** 2 for x in points)
+    slope = sum((x - mean_x) * (y - mean_y) for x, y in points.items()) / sxx
+    return mean_y - slope * mean_x, slope
+
+
+def _depth_line(points: dict[int, float], project: int) -> dict:
+    fixed, per_layer = linear_fit(points)
+    return {"fixed": fixed, "per_layer": per_layer, "projected": fixed + per_layer * project,
+            "residuals": {layers: ms / (fixed + per_layer * layers) - 1
+                          for layers, ms in points.items()}}
+
+
+def depth_model(reports: list[dict], project: int = 78) -> dict:
+    """Each engine's ms of every case as fixed + per layer x layers, fitted by least
+    squares over reports of GLM-5-shaped files of different depths (a case where every
+    report measured it), projected to `project` layers; each file's residual (measured
+    over fitted, less 1) says how well a line holds; ratio = llama.cpp's projected ms
+    over the overlay's (> 1: the overlay is faster). The layers are taken as alike:
+    GLM-5's mix of dense and MoE layers, Q4_K and Q6_K down projections, is the files'
+    own."""
+    for r in reports:
+        if "layers" not in r or "llama_cpp" not in r:
+            raise ValueError("--depth-model needs reports with layers and llama.cpp's figures")
+    depths = [r["layers"] for r in reports]
+    if len(set(depths)) < 2 or len(set(depths)) < len(depths):
+        raise ValueError(f"--depth-model needs reports of different depths, got {depths}")
+
+    def fitted(per_report: list[dict]) -> dict:
+        cases = set.intersection(*(set(ms) for ms in per_report))
+        return {c: _depth_line({L: ms[c] for L, ms in zip(depths, per_report)}, project)
+                for c in sorted(cases)}
+
+    theirs = fitted([case_ms(r["llama_cpp"]["figures"], r["llama_cpp"]["figures"].get("aggregate"))
+                     for r in reports])
+    out = {"layers": depths, "project": project, "llama_cpp": theirs, "paths": {}}
+    for path in reports[-1]["paths"]:
+        if not all("figures" in r["paths"].get(path, {}) for r in reports):
+            continue
+        ours = fitted([case_ms(r["paths"][path]["figures"]) for r in reports])
+        out["paths"][path] = {c: {**line, "ratio": theirs[c]["projected"] / line["projected"]}
+                              for c, line in ours.items() if c in theirs}
+    return out
+
+
+def depth_model_markdown(result: dict) -> str:
+    n = result["project"]
+    lines = [f"ms = fixed + per layer x layers, fitted over files of {result['layers']} layers; "
+             f"at {n} layers; residual: the largest of a file's measured over fitted, less 1",
+             ""]
+    for path, cases in result["paths"].items():
+        lines += [f"**{path}**", "",
+                  "| case | llama.cpp fixed + per layer | overlay fixed + per layer | "
+                  f"llama.cpp at {n} | overlay at {n} | x | residual |",
+                  "|---|---:|---:|---:|---:|---:|---:|"]
+        for c, v in cases.items():
+            t = result["llama_cpp"][c]
+            worst = max([*v["residuals"].values(), *t["residuals"].values()], key=abs)
+            lines.append(f"| {c} | {t['fixed']:.3f} + {t['per_layer']:.3f} | "
+                         f"{v['fixed']:.3f} + {v['per_layer']:.3f} | {t['projected']:.2f} | "
+                         f"{v['projected']:.2f} | {v['ratio']:.2f} | {worst:+.1%} |")
+        lines.append("")
+    return "\n".join(lines)
+
+
 def llama_from(report_path: str, gguf: str) -> tuple[dict, dict]:
     """(the llama_cpp part, its figures with integer keys) of an earlier report of the
     same file: more paths in another call against the same llama.cpp run."""
@@ -642,6 +720,10 @@ def main(argv=None):
     p.add_argument("--gguf")
     p.add_argument("--per-layer", nargs=2, metavar=("SHALLOW", "DEEP"),
                    help="two reports of files that differ by MoE layers: per-layer figures")
+    p.add_argument("--depth-model", nargs="+", metavar="REPORT",
+                   help="reports of files of different depths: fixed and per-layer cost, "
+                        "projected to --project layers")
+    p.add_argument("--project", type=int, default=78)
     p.add_argument("--llama-bench", default=None, help="llama-bench (omit: overlay only)")
     p.add_argument("--llama-batched-bench", default=None,
                    help="llama-batched-bench (omit: no aggregate decode of llama.cpp)")
@@ -669,9 +751,14 @@ def main(argv=None):
     args = p.parse_args(argv)
     if args.path:
         return worker(args)
-    if args.per_layer:
-        result = per_layer(*(json.loads(Path(f).read_text()) for f in args.per_layer))
-        text = per_layer_markdown(result)
+    if args.per_layer or args.depth_model:
+        if args.per_layer:
+            result = per_layer(*(json.loads(Path(f).read_text()) for f in args.per_layer))
+            text = per_layer_markdown(result)
+        else:
+            result = depth_model([json.loads(Path(f).read_text()) for f in args.depth_model],
+                                 args.project)
+            text = depth_model_markdown(result)
         print(text)
         if args.json:
             Path(args.json).write_text(json.dumps(result, indent=1) + "\n")

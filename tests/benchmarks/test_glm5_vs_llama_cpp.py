@@ -582,3 +582,43 @@ def test_only_reports_need_the_test_plugin(monkeypatch):
                                                    "VLLM_GGUF_MOE_MARLIN": "0"}
     monkeypatch.setattr(hook.importlib.util, "find_spec", lambda name: object())
     assert not any(bench.capability_plugin_missing(p) for p in bench.PATHS)
+
+
+def test_depth_model():
+    """Fixed plus per-layer cost fitted over three depths and projected to 78 layers:
+    exact where the step times lie on a line, with each file's distance from it where
+    one does not."""
+    def line(fixed, per_layer, layers, off=0.0):
+        return fixed + per_layer * layers + off
+
+    reports = [_report(n, {"prefill 512": line(5.0, 2.0, n), "decode batch 1 at depth 0":
+                           line(0.5, 0.3, n), "decode batch 32 at depth 0": line(2.0, 1.0, n)},
+                       {"prefill 512": line(10.0, 1.0, n), "decode batch 1 at depth 0":
+                        line(2.0, 0.2, n, 0.05 if n == 3 else 0.0),
+                        "decode batch 32 at depth 0": line(4.0, 0.5, n)})
+               for n in (2, 3, 10)]
+    got = bench.depth_model(reports)
+    assert got["layers"] == [2, 3, 10] and got["project"] == 78
+    theirs = got["llama_cpp"]["prefill 512"]
+    assert (theirs["fixed"], theirs["per_layer"]) == pytest.approx((5.0, 2.0))
+    assert theirs["projected"] == pytest.approx(5.0 + 2.0 * 78)
+    assert set(got["paths"]) == {"portable"}  # the failed path has no figures
+    ours = got["paths"]["portable"]
+    assert ours["prefill 512"]["projected"] == pytest.approx(88.0)
+    assert ours["prefill 512"]["ratio"] == pytest.approx(161.0 / 88.0)
+    assert ours["decode batch 32 at depth 0"]["ratio"] == pytest.approx(80.0 / 43.0)
+    assert all(r == pytest.approx(0.0, abs=1e-12)
+               for r in ours["prefill 512"]["residuals"].values())
+    # the 3-layer file's step lies 0.05 ms above the others' line: the fit's residuals
+    # sum to zero and the 3-layer file's is the positive one
+    res = ours["decode batch 1 at depth 0"]["residuals"]
+    assert res[3] > 0 and res[2] < 0 and res[10] < 0
+    fixed, per = bench.linear_fit({2: 2.4, 3: 2.65, 10: 4.0})
+    assert sum(2.4 - fixed - per * 2 + 2.65 - fixed - per * 3 + 4.0 - fixed - per * 10
+               for _ in [0]) == pytest.approx(0.0, abs=1e-12)
+    md = bench.depth_model_markdown(got)
+    assert "| prefill 512 | 5.000 + 2.000 | 10.000 + 1.000 | 161.00 | 88.00 | 1.83 | +0.0% |" in md
+    with pytest.raises(ValueError, match="different depths"):
+        bench.depth_model(reports[:1])
+    with pytest.raises(ValueError, match="different depths"):
+        bench.depth_model([reports[0], reports[0]])
