@@ -277,3 +277,27 @@ def test_fp8_key_cache_is_upstreams_calls(monkeypatch):
     keys16.pad_decode_q(q.to(torch.bfloat16), torch.tensor([3]))
     assert packed == [(torch.float8_e4m3fn, {}), (torch.uint8, {"pad_value": 0}),
                       (torch.bfloat16, {"pad_value": 0})]
+
+
+@pytest.mark.parametrize("keys", ["fp8", "16bit"])
+def test_prefill_workspace_is_no_larger_than_upstreams(monkeypatch, keys):
+    """At GLM-5's whole context the indexer's prefill workspace, the prefill buffer's
+    tokens times the key cache's bytes a token, is at most upstream's: 40 x
+    max_model_len tokens of 128 fp8 bytes and a 4-byte scale (vLLM 0.26's
+    get_max_prefill_buffer_size, sized to fit FlashMLA's sparse workspace). The
+    logits a prefill chunk computes are [tokens, keys] float32 on DeepGEMM's and
+    the Triton kernels alike."""
+    from vllm.v1.attention.backends.mla.indexer import get_max_prefill_buffer_size
+
+    monkeypatch.setenv("VLLM_SPARSE_INDEXER_CACHE", keys)
+    max_len, head_dim = 202752, 128
+    config = SimpleNamespace(model_config=SimpleNamespace(max_model_len=max_len))
+    tokens = get_max_prefill_buffer_size(config)
+    dtype = torch.uint8 if keys == "fp8" else torch.bfloat16
+    shapes = kc.indexer_key_cache(dtype).workspace_shapes(
+        tokens, head_dim, torch.float8_e4m3fn, False)
+    got = sum(torch.Size(shape).numel() * torch.empty(0, dtype=t).element_size()
+              for shape, t in shapes)
+    upstream = 40 * max_len * (head_dim + 4)
+    assert got <= upstream
+    assert got == upstream if keys == "fp8" else got > 0.9 * upstream
