@@ -14,7 +14,9 @@
 #           as on SM120 under VLLM_BATCH_INVARIANT=1; benchmarks/serve_cold_start.py on the
 #           synthetic files (vLLM as on SM120 at COLD_UTIL, llama-server); the self-check as
 #           itself and as on SM120, SM89 and SM80 (SELFCHECK_AS); the tiny GLM-5 of context
-#           4096 stretched to 131136 (TINY_PATHS; the rope tables' fix); gpu-checks.sh's tests
+#           4096 stretched to 131136 (TINY_PATHS; the rope tables' fix); memcheck: `vllm
+#           serve` refused before loading (weights at 80% of the utilization's share, then a
+#           100 MB KV cache for the file's whole context); gpu-checks.sh's tests
 #           and gguftests stages; AFTER (default none): jobs run one after the other once the
 #           soak has ended, with the GPU to themselves; BEFORE (default none): the same before
 #           the soak's server starts (beside the files' writing)
@@ -77,6 +79,20 @@ job() {  # one job beside the soak
           timeout 400 python3 -m vllm_gguf_plugin.selfcheck --gpu-memory-utilization 0.1 \
             --dir $work/selfcheck-$cap --json $work/selfcheck-$cap.json > $work/selfcheck-$cap.log 2>&1
           echo "selfcheck $cap rc=$?" >> $work/progress )
+      done ;;
+    memcheck)  # the memory check refusing before the load: weights, then the context
+      while [ ! -f $work/syn-2.done ]; do sleep 2; done
+      local total bytes case name t0
+      total=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)
+      bytes=$(stat -c %s "$shaped")
+      for case in "weights --gpu-memory-utilization $(python3 -c "print(round(0.8 * $bytes / ($total * 2**20), 4))")" \
+                  "context --kv-cache-memory-bytes 100000000"; do
+        name=${case%% *}; t0=$SECONDS
+        # shellcheck disable=SC2086
+        timeout 300 vllm serve "$shaped" --port 8101 ${case#* } > $work/memcheck-$name.log 2>&1 < /dev/null
+        echo "memcheck $name (${case#* }) rc=$? in $((SECONDS - t0)) s, tensors loaded:" \
+          "$(grep -c 'Loading GGUF tensors' $work/memcheck-$name.log)" >> $work/progress
+        grep -m1 -o "cannot fit this GPU's memory.*" $work/memcheck-$name.log >> $work/progress
       done ;;
     tiny)
       python3 -m benchmarks.glm5_long_context --make-tiny $work/tiny > $work/tiny-make.log 2>&1
