@@ -613,9 +613,9 @@ def test_depth_model():
     # sum to zero and the 3-layer file's is the positive one
     res = ours["decode batch 1 at depth 0"]["residuals"]
     assert res[3] > 0 and res[2] < 0 and res[10] < 0
-    fixed, per = bench.linear_fit({2: 2.4, 3: 2.65, 10: 4.0})
-    assert sum(2.4 - fixed - per * 2 + 2.65 - fixed - per * 3 + 4.0 - fixed - per * 10
-               for _ in [0]) == pytest.approx(0.0, abs=1e-12)
+    points = {2: 2.4, 3: 2.65, 10: 4.0}
+    fixed, per = bench.linear_fit(points)
+    assert sum(ms - fixed - per * n for n, ms in points.items()) == pytest.approx(0.0, abs=1e-12)
     md = bench.depth_model_markdown(got)
     assert "| prefill 512 | 5.000 + 2.000 | 10.000 + 1.000 | 161.00 | 88.00 | 1.83 | +0.0% |" in md
     with pytest.raises(ValueError, match="different depths"):

@@ -45,10 +45,9 @@ def main():
         checked.append(check(*a, **kw))
         return checked[-1]
 
-    memory_check.check_memory_before_loading = check_and_keep
     import vllm_gguf_plugin.loader as loader
 
-    loader.check_memory_before_loading = check_and_keep
+    loader.check_memory_before_loading = check_and_keep  # the name the loader calls
     weights = GlmDsaGGUF.weights
 
     def counted(self):

@@ -288,16 +288,16 @@ class GlmDsaGGUF:
         self.config = config
         self.tensors = {}
         self.file_of = {}
-        self.mapping_of = {}  # the file's mapping the tensor's data views
+        self.mappings = {}  # {file: its mapping, which the tensors' data view}
         first = None
         for f in files:
             reader = open_gguf(f)
             if field(reader, "split.no", 0, required=False) == 0:
                 first = (reader, Path(f))  # the part holding the metadata
+            self.mappings[Path(f)] = reader.data
             for t in reader.tensors:
                 self.tensors[t.name] = t
                 self.file_of[t.name] = Path(f)
-                self.mapping_of[t.name] = reader.data
         self.path = first[1] if first is not None else Path(files[0])
         if first is not None:
             self._check_schedule(indexer_schedule(*first))
@@ -476,15 +476,9 @@ class GlmDsaGGUF:
             dict(sources), self.tp_size, self.experts_tp_size)
         total = 0
         for g, hf in sources:
-            t = self.tensors[g]
-            size, shape, shard = int(t.n_bytes), _shape(t), shards[g]
-            if shard is not None:
-                dim, _, length = shard[rank]
-                block, type_size = gguf.GGML_QUANT_SIZES[t.tensor_type]
-                # a row-parallel split is in bytes of a row, the others in rows
-                extent = (shape[-1] // block * type_size if hf.endswith(_ROW_PARALLEL)
-                          else shape[dim])
-                size = size * length // extent
+            size, shard = int(self.tensors[g].n_bytes), shards[g]
+            if shard is not None:  # the ranks' lengths partition the split dimension
+                size = size * shard[rank][2] // sum(length for _, _, length in shard)
             elif _EXPERTS_RE.search(hf):
                 size //= experts_ranks
             total += size
@@ -647,10 +641,10 @@ class GlmDsaGGUF:
             else:
                 yield hf, self._raw(g)
             progress.update(self.tensors[g])
-            release(self.mapping_of[g], self.tensors[g])
+            release(self.mappings[self.file_of[g]], self.tensors[g])
         progress.close()
         # and the neighbours' pages the kernel mapped around each read (fault-around)
-        for mapping in {id(m): m for m in self.mapping_of.values()}.values():
+        for mapping in self.mappings.values():
             release(mapping)
         for hf, shape, fill in self.defaults.values():
             yield hf, torch.full(shape, fill, dtype=torch.float32)
