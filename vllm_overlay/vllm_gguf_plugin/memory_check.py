@@ -19,7 +19,7 @@ promise that vLLM's own check after profiling passes.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from vllm.config import VllmConfig
@@ -117,14 +117,15 @@ def check_memory_before_loading(vllm_config: VllmConfig, weight_bytes: int,
     cache = vllm_config.cache_config
     model = vllm_config.model_config
     kv_bytes, fitting = kv_cache_need(vllm_config)
-    requested = (cache.kv_cache_memory_bytes if cache.kv_cache_memory_bytes is not None
-                 else int(gpu_bytes * cache.gpu_memory_utilization) - weight_bytes)
     auto_fit = getattr(model, "original_max_model_len", None) == -1
     need = MemoryNeed(
         gpu_bytes=gpu_bytes, utilization=cache.gpu_memory_utilization,
         kv_cache_memory_bytes=cache.kv_cache_memory_bytes, weight_bytes=weight_bytes,
         max_model_len=None if auto_fit else model.max_model_len, kv_bytes=kv_bytes,
-        fitting_len=fitting(requested) if requested > 0 else 0)
+        fitting_len=0)
+    available = (cache.kv_cache_memory_bytes if cache.kv_cache_memory_bytes is not None
+                 else need.requested_bytes - weight_bytes)
+    need = replace(need, fitting_len=fitting(available) if available > 0 else 0)
     if (problem := need.problem()) is not None:
         raise ValueError(f"{model.model}: the model cannot fit this GPU's memory, checked "
                          f"before loading its weights: {problem}.")
