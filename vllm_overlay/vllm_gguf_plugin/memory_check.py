@@ -127,8 +127,9 @@ def check_memory_before_loading(vllm_config: VllmConfig, weight_bytes: int,
                  else need.requested_bytes - weight_bytes)
     need = replace(need, fitting_len=fitting(available) if available > 0 else 0)
     if (problem := need.problem()) is not None:
-        raise ValueError(f"{model.model}: the model cannot fit this GPU's memory, checked "
-                         f"before loading its weights: {problem}.")
+        # the file the user named (vLLM's `model` is its folder for a GGUF file)
+        raise ValueError(f"{model.model_weights or model.model}: the model cannot fit this "
+                         f"GPU's memory, checked before loading its weights: {problem}.")
     logger.info("Before loading: this rank's GGUF weights take %s GiB at the least; a "
                 "%s-token sequence's KV cache %s GiB; vLLM may use %s GiB of this GPU.",
                 format_gib(weight_bytes), model.max_model_len, format_gib(kv_bytes),

@@ -61,12 +61,13 @@ def test_a_model_that_fits_loads(fits, q4_k_m):
     assert need["max_model_len"] == MAX_LEN and need["fitting_len"] >= MAX_LEN
 
 
-def test_a_context_that_cannot_fit_stops_before_loading(fits, check):
+def test_a_context_that_cannot_fit_stops_before_loading(fits, check, q4_k_m):
     weights, cache = fits["need"]["weight_bytes"], fits["need"]["kv_bytes"]
     # what vLLM may use leaves the weights half of one MAX_LEN sequence's cache
     out = check(int((weights + cache // 2) / UTIL) + 1)
     assert out["tensors_read"] == 0 and out["need"] is None
     message = out["error"]
+    assert message.startswith(f"{q4_k_m}: ")  # the file named, not its folder
     assert "checked before loading its weights" in message
     assert f"max_model_len {MAX_LEN} tokens" in message
     for setting in ("--max-model-len", "--gpu-memory-utilization", "--tensor-parallel-size"):
