@@ -137,4 +137,5 @@ def test_benchmark_moe_paths_at_glm5_shapes(qtype):
     for row in rows:
         for path, res in row["paths"].items():
             assert "error" not in res, (row["M"], path, res)
-            assert res["rel"] <= bench.WRONG, (row["M"], path, res["rel"])
+            if path not in bench.REQUANTIZED:  # other codes than the file's
+                assert res["rel"] <= bench.WRONG, (row["M"], path, res["rel"])

@@ -289,7 +289,7 @@ def test_expert_groups_add_up_to_all_experts(monkeypatch, group_values, groups):
 def test_long_prefill_matches_float32(monkeypatch, types):
     """The plugin's MoE op at dequant_moe_min_tokens tokens, in 3 expert groups, against
     float32 products of gguf-py's dequantization."""
-    from vllm_gguf_plugin.quantization import moe_prefill
+    from vllm_gguf_plugin.quantization import gguf_kernels, moe_prefill
     from vllm_gguf_plugin.quantization.fused_moe import _fused_moe_gguf
 
     e, h, i, top_k = 12, 512, 256, 4
