@@ -78,6 +78,7 @@ flags=(
     -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_BORINGSSL=OFF -DLLAMA_BUILD_LIBRESSL=OFF
     -DGGML_CUDA_CUB_3DOT2=OFF
     -DFETCHCONTENT_FULLY_DISCONNECTED=ON
+    -DCMAKE_BUILD_RPATH_USE_ORIGIN=ON  # bin/ finds its libraries wherever it is copied
 )
 [ "$GGML_CUDA" = ON ] && flags+=(-DCMAKE_CUDA_ARCHITECTURES="$CUDA_ARCHS")
 # A toolkit without cuBLAS (some images carry nvcc and the runtime only): the cuBLAS of
@@ -91,11 +92,14 @@ print(os.path.dirname(sorted(glob.glob(os.path.join(nvidia.__path__[0], "*", "li
                                                     "libcublas.so.*")))[0]))' 2>/dev/null)" \
             || { echo "no cuBLAS in $tk nor in the nvidia pip wheels" >&2; exit 2; }
         mkdir -p "$OUT/cublas/include"
-        cp "${lib%/lib}"/include/cublas*.h "$OUT/cublas/include/"
+        cp -p "${lib%/lib}"/include/cublas*.h "$OUT/cublas/include/"  # -p: no rebuild on a rerun
         ln -sf "$lib"/libcublas.so.* "$OUT/cublas/libcublas.so"
         ln -sf "$lib"/libcublasLt.so.* "$OUT/cublas/libcublasLt.so"
+        # and under their sonames, for the tools' link (ld finds ggml-cuda's needs there)
+        ln -sf "$lib"/libcublas.so.* "$lib"/libcublasLt.so.* "$OUT/cublas/"
         flags+=(-DCUDA_cublas_LIBRARY="$OUT/cublas/libcublas.so"
                 -DCUDA_cublasLt_LIBRARY="$OUT/cublas/libcublasLt.so"
+                -DCMAKE_EXE_LINKER_FLAGS="-Wl,-rpath-link,$OUT/cublas"
                 -DCMAKE_CUDA_FLAGS="-I$OUT/cublas/include" -DCMAKE_CXX_FLAGS="-I$OUT/cublas/include")
         echo "cuBLAS from $lib (run with LD_LIBRARY_PATH=$lib)"
     fi
@@ -103,7 +107,19 @@ print(os.path.dirname(sorted(glob.glob(os.path.join(nvidia.__path__[0], "*", "li
             && ! compgen -G "$tk/targets/*/lib/stubs/libcuda.so" >/dev/null; then
         drv="$(ldconfig -p | awk '/libcuda\.so\.1 /{print $NF; exit}')"
         [ -n "$drv" ] || drv="$(compgen -G "/usr/local/nvidia/lib*/libcuda.so.1" | head -1 || true)"
-        [ -n "$drv" ] && flags+=(-DCUDA_cuda_driver_LIBRARY="$drv")
+        if [ -z "$drv" ]; then  # no driver (a machine without a GPU): a link stub of the
+            # driver functions ggml-cuda calls; the GPU host's libcuda.so.1 is loaded at run time
+            mkdir -p "$OUT/cuda-stub"
+            grep -rhoE '\bcu[A-Z][a-z][A-Za-z0-9_]*\s*\(' "$SRC/ggml/src/ggml-cuda" \
+                | sed -E 's/\s*\($//' | sort -u | sed 's/.*/int &(void) { return 999; }/' \
+                > "$OUT/cuda-stub/stub.c"
+            cc -shared -fPIC -Wl,-soname,libcuda.so.1 -o "$OUT/cuda-stub/libcuda.so" \
+                "$OUT/cuda-stub/stub.c"
+            ln -sf libcuda.so "$OUT/cuda-stub/libcuda.so.1"  # the name the tools' link looks for
+            drv="$OUT/cuda-stub/libcuda.so"
+            echo "libcuda: a link stub of $(grep -c '' "$OUT/cuda-stub/stub.c") driver functions"
+        fi
+        flags+=(-DCUDA_cuda_driver_LIBRARY="$drv")
     fi
 fi
 # shellcheck disable=SC2206

@@ -6,8 +6,13 @@
 #   bash tools/gpu-host/llama-compare-calls.sh prepare
 #     .llama-src/llama-cpp-src.tar.xz (llama-cpp-source.sh) and .llama-bin/llama-cpp.tar.xz (the
 #     converter tree and a CPU llama-quantize with its libraries, from gguf_reference.py).
+#   bash tools/gpu-host/llama-compare-calls.sh prepare-cuda   (optional; needs nvcc here)
+#     .llama-cuda/llama-cpp-cuda.tar.xz: llama.cpp's CUDA tools (CUDA_ARCHS, default 90),
+#     built here for /tmp/llama-cpp-cuda; carried by `first`, it replaces the host's build.
 # Then one device call each, back to back (the machine goes 30 s after a call returns):
-#   first       carry .bundle/part-05 .bundle/SHA256SUMS .bundle/install.sh .llama-src .llama-bin:
+#   first       carry .bundle/part-05 .bundle/SHA256SUMS .bundle/install.sh .llama-src .llama-bin
+#               (.llama-cuda in place of .llama-src, if made: 41 MiB, the call's 64 MiB allow
+#               only one of the two beside part-05):
 #               unpacks them outside the checkout, starts llama-side.sh (CUDA build; the 2- and
 #               3-layer Q4_K_M files; SETS=2L: the 2-layer one alone)
 #   part N      carry .bundle/part-0N, for N in 0 1 2 3 4
@@ -66,7 +71,7 @@ need_side() {  # a machine given back between calls comes back bare: stop, do no
 out="${OUT:-/tmp/out}"
 call_s="${CALL_S:-585}"
 
-case "${1:?prepare|first|part N|stages|compare 2L|3L|3Lq6}" in
+case "${1:?prepare|prepare-cuda|first|part N|stages|compare 2L|3L|3Lq6}" in
   prepare)
     mkdir -p .llama-src .llama-bin
     bash tools/gpu-host/llama-cpp-source.sh .llama-src/llama-cpp-src.tar.xz || exit 1
@@ -86,15 +91,29 @@ EOF
       && mv .llama-bin/llama-cpp.tar.xz.partial .llama-bin/llama-cpp.tar.xz
     rm -rf "$tree"
     ls -la .llama-src .llama-bin ;;
+  prepare-cuda)  # where nvcc is: the CUDA build that `first` would start, done here
+    o=/tmp/llama-cpp-cuda  # where the host runs it: the binaries' RUNPATH names its cublas/
+    SHARED=ON TARGETS="llama-bench llama-batched-bench llama-imatrix llama-server" \
+      bash tools/gpu-host/build-llama-cpp-cuda.sh .llama-src/llama-cpp-src.tar.xz $o || exit 1
+    mkdir -p .llama-cuda
+    tar -cJf .llama-cuda/llama-cpp-cuda.tar.xz.partial -C $o bin src/include src/ggml/include \
+      && mv .llama-cuda/llama-cpp-cuda.tar.xz.partial .llama-cuda/llama-cpp-cuda.tar.xz
+    ls -la .llama-cuda ;;
   first)
     mkdir -p /tmp/parts $keep/llama /tmp/llama-cpp
     cp .bundle/part-05 .bundle/SHA256SUMS .bundle/install.sh /tmp/parts/ || exit 1
     tar -xJf .llama-bin/llama-cpp.tar.xz -C /tmp/llama-cpp || exit 1
-    cp .llama-src/llama-cpp-src.tar.xz $keep/ || exit 1
+    built=()  # prepare-cuda's binaries, carried: no build on the host, no source needed
+    if [ -f .llama-cuda/llama-cpp-cuda.tar.xz ]; then
+      cp .llama-cuda/llama-cpp-cuda.tar.xz $keep/ || exit 1
+      built=(BUILT=$keep/llama-cpp-cuda.tar.xz)
+    else
+      cp .llama-src/llama-cpp-src.tar.xz $keep/ || exit 1
+    fi
     env_
     nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
     /tmp/llama-cpp/bin/llama-quantize --help 2>&1 | head -1
-    setsid bash tools/gpu-host/llama-side.sh $keep/llama $keep/llama-cpp-src.tar.xz \
+    setsid env "${built[@]}" bash tools/gpu-host/llama-side.sh $keep/llama $keep/llama-cpp-src.tar.xz \
       > /dev/null 2>&1 < /dev/null &
     sleep 10; where ;;
   part)

@@ -20,6 +20,8 @@
 #    llama-imatrix (KEEP/llama-imatrix). SETS=2L: the 2-layer file alone, so that the
 #    comparison on it runs with the CPUs free (the 3-layer conversion loads every core);
 #    SETS=none: no file (serve-calls.sh writes its own). BUILD=0: no build either.
+#    BUILT=ARCHIVE: no build, the binaries of `llama-compare-calls.sh prepare-cuda` instead
+#    (llama-cpp-unpack.sh: seconds, where the build takes 364-426 s of the call's CPUs).
 # Each ends its log with "rc=N": KEEP/build.log, KEEP/model.log (after every set, its
 # "set K rc=N" line). The .llama-cpp/ tree (the
 # converter and a llama-quantize) comes from VLLM_OVERLAY_LLAMA_CPP and
@@ -57,6 +59,9 @@ chmod +x "$keep/llama-imatrix"
 
 if [ "${BUILD:-1}" = 0 ]; then  # no build: a device session that runs no llama.cpp binary
   echo "no build (BUILD=0)"$'\n'"rc=skipped" > "$keep/build.log"
+elif [ -n "${BUILT:-}" ]; then  # built where nvcc is (llama-compare-calls.sh prepare-cuda)
+( bash "$tree/tools/gpu-host/llama-cpp-unpack.sh" "$BUILT" "$out" > "$keep/build.log" 2>&1
+  echo "rc=$?" >> "$keep/build.log" )
 else
 ( SHARED=ON TARGETS="llama-bench llama-batched-bench llama-imatrix llama-server" \
     bash "$tree/tools/gpu-host/build-llama-cpp-cuda.sh" "$src" "$out" > "$keep/build.log" 2>&1
