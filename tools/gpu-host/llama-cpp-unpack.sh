@@ -6,9 +6,10 @@
 # ARCHIVE: .llama-cuda/llama-cpp-cuda.tar.xz (bin/: the tools and their shared libraries,
 #   RUNPATH $ORIGIN and OUT_DIR/cublas; src/include, src/ggml/include: the C runner's headers).
 # OUT_DIR: default /tmp/llama-cpp-cuda, the path they were built for.
-# cuBLAS and the CUDA runtime are the host's own (its toolkit's, else the nvidia pip wheels beside torch), linked
-# into OUT_DIR/cublas under the names the binaries ask for. Fails, naming the library, when
-# one cannot be found, so that no benchmark starts on a binary that cannot load.
+# cuBLAS and the CUDA runtime are the host's own (its toolkit's, else the nvidia pip wheels
+# beside torch), linked into OUT_DIR/cublas under the names the binaries ask for. Fails,
+# naming the library, when one cannot be found: no benchmark starts on a binary that cannot
+# load.
 set -euo pipefail
 archive="$(readlink -f "${1:?ARCHIVE}")"
 out="${2:-/tmp/llama-cpp-cuda}"
