@@ -65,8 +65,9 @@ for stage in $stages; do
   case "$stage" in
     install) ;;
     tests)
-      # TESTS_TIMEOUT: 376 s alone on the H200, 419 s beside two MTP runs
-      timeout "${TESTS_TIMEOUT:-540}" python3 -m pytest tests -m gpu -q -s -p no:cacheprovider -p no:warnings \
+      # TESTS_TIMEOUT: 376 s alone on the H200, 419 s beside two MTP runs; -v: a run cut by
+      # the call's time still names each test's result (2026-12-06: -q kept only characters)
+      timeout "${TESTS_TIMEOUT:-540}" python3 -m pytest tests -m gpu -v -s -p no:cacheprovider -p no:warnings \
         --ignore=tests/v1/attention/test_upstream_sparse_mla_backends.py \
         --ignore=tests/kernels/attention/test_attention_selector_sparse.py --ignore=tests/overlay \
         --ignore=tests/models/quantization/test_glm5_gguf_engine.py \
@@ -220,7 +221,7 @@ for stage in $stages; do
       cat "$out/gguf-ops.md" 2>/dev/null || tail -20 "$out/gguf-ops.log" ;;
     gguftests)
       timeout 400 python3 -m pytest tests/models/quantization/test_gguf_batch_invariant.py \
-        tests/benchmarks/test_benchmark_gguf_ops.py -m gpu -q -p no:cacheprovider \
+        tests/benchmarks/test_benchmark_gguf_ops.py -m gpu -v -p no:cacheprovider \
         -p no:warnings 2>&1 | tee "$out/gguf-tests.log" | grep -E "passed|failed|Error" || rc=1 ;;
     llamaacc)
       timeout "${LLAMAACC_TIMEOUT:-540}" python3 -m benchmarks.glm5_gguf_accuracy \
