@@ -14,6 +14,11 @@ and `--batch` sequences decoding at `--depth`. A process that dies keeps the row
 wrote and its error lines; `--launch-blocking` runs it with CUDA_LAUNCH_BLOCKING=1 so
 that a CUDA error names the kernel that faulted.
 
+`--llama-bench FILE` adds llama.cpp's decode at the same depths, from `llama-bench -m
+FILE -p 0 -n 16 -d 131072,200000 -o json` run on the same machine, and each prompt
+row's ratio to it (ours over llama.cpp's tokens/s); with `--from REPORT` it adds them
+to a report already written, running no engine.
+
 `--make-tiny DIR` writes the tiny GLM-5 (tests/models/glm5_tiny.py, GLM-5's top-k of
 2048) as llama.cpp's Q4_K_M GGUF, once with the tiny model's context (4096) and once
 with GLM-5's (202752): the long-context matrix's files (needs llama.cpp's converter and
@@ -185,11 +190,37 @@ def run_path(args, path: str, workdir: Path) -> dict:
     return result
 
 
+def llama_bench_decode(path: str) -> dict[int, float]:
+    """llama.cpp's decode tokens/s by depth from a `llama-bench -o json` report: its rows
+    of generated tokens alone (`-p 0 -n N -d DEPTHS`)."""
+    records = json.loads(Path(path).read_text())
+    rows = {int(r["n_depth"]): float(r["avg_ts"]) for r in records
+            if r.get("n_prompt") == 0 and r.get("n_gen", 0) > 0 and "n_depth" in r}
+    if not rows:
+        raise ValueError(f"{path}: no decode rows (llama-bench -p 0 -n N -d DEPTHS -o json)")
+    return rows
+
+
+def add_llama_cpp(report: dict, path: str) -> dict:
+    """llama.cpp's decode at each depth, and each prompt row's ratio at its own depth."""
+    decode = llama_bench_decode(path)
+    report["llama_cpp"] = {"llama_bench": str(path),
+                           "decode_tok_s_by_depth": {str(d): v for d, v in decode.items()}}
+    for r in report["paths"].values():
+        for row in r["rows"]:
+            if row["kind"] == "prompt" and "decode_tok_s" in row and row["prompt"] in decode:
+                row["llama_cpp_decode_tok_s"] = decode[row["prompt"]]
+                row["x_llama_cpp"] = row["decode_tok_s"] / decode[row["prompt"]]
+    return report
+
+
 def markdown(report: dict) -> str:
+    llama = "llama_cpp" in report
     lines = [f"GGUF `{Path(report['gguf']).name}`; rows per path (vLLM's defaults except "
              f"{report['overrides'] or 'nothing'})", "",
              "| path | rc | max_model_len | chunk | KV tokens | KV GiB | GPU MiB (start/end) "
-             "| row | TTFT s | decode tok/s |", "|---|---|---|---|---|---|---|---|---|---|"]
+             "| row | TTFT s | decode tok/s |" + (" llama.cpp tok/s | x |" if llama else ""),
+             "|---|---|---|---|---|---|---|---|---|---|" + ("---|---|" if llama else "")]
     for r in report["paths"].values():
         head = (f"| {r['path']} | {r['rc']} | {r.get('max_model_len', '-')} | "
                 f"{r.get('max_num_batched_tokens', '-')} | {r.get('kv_cache_tokens', '-')} | "
@@ -204,9 +235,13 @@ def markdown(report: dict) -> str:
             else:
                 what, ttft = row.get("skipped", "no row"), "-"
             tok_s = f"{row['decode_tok_s']:.1f}" if "decode_tok_s" in row else "-"
-            lines.append(f"{head} | {what} | {ttft} | {tok_s} |")
+            line = f"{head} | {what} | {ttft} | {tok_s} |"
+            if llama:
+                line += (f" {row['llama_cpp_decode_tok_s']:.1f} | {row['x_llama_cpp']:.2f} |"
+                         if "x_llama_cpp" in row else " - | - |")
+            lines.append(line)
         for err in r.get("error_lines", [])[-3:]:
-            lines.append(f"| | | | | | | | `{err[:150]}` | | |")
+            lines.append(f"| | | | | | | | `{err[:150]}` | | |" + (" | |" if llama else ""))
     return "\n".join(lines)
 
 
@@ -243,6 +278,10 @@ def main(argv=None):
     p.add_argument("--timeout", type=int, default=1200, help="seconds a path may take")
     p.add_argument("--workdir", default=None, help="logs and partial reports (default: "
                    "beside --json)")
+    p.add_argument("--llama-bench", default=None, metavar="FILE",
+                   help="llama-bench's -o json report at the prompts' depths (-p 0 -n N -d ...)")
+    p.add_argument("--from", dest="from_report", default=None, metavar="REPORT",
+                   help="add --llama-bench to this report (no engine run)")
     p.add_argument("--json", default=None)
     p.add_argument("--md", default=None)
     p.add_argument("--make-tiny", default=None, metavar="DIR",
@@ -254,6 +293,11 @@ def main(argv=None):
         for f in make_tiny(Path(args.make_tiny)):
             print(f)
         return None
+    if args.from_report:
+        if not args.llama_bench:
+            p.error("--from needs --llama-bench")
+        report = add_llama_cpp(json.loads(Path(args.from_report).read_text()), args.llama_bench)
+        return write(report, args)
     if not args.gguf:
         p.error("--gguf is required")
     if args.path:
@@ -268,6 +312,14 @@ def main(argv=None):
         report["paths"][path] = run_path(args, path, workdir)
         if args.json:
             Path(args.json).write_text(json.dumps(report, indent=1) + "\n")
+    if args.llama_bench:
+        add_llama_cpp(report, args.llama_bench)
+    return write(report, args)
+
+
+def write(report: dict, args) -> dict:
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=1) + "\n")
     text = markdown(report)
     print(text)
     if args.md:

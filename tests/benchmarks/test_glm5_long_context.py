@@ -7,6 +7,8 @@ import json
 import sys
 from pathlib import Path
 
+import pytest
+
 from benchmarks import glm5_long_context as bench
 
 # lines as vLLM 0.26's worker and engine core write them
@@ -101,3 +103,43 @@ def test_a_path_that_dies_keeps_its_rows(tmp_path, monkeypatch):
                                    "enforce_eager": True}
     text = bench.markdown(report)
     assert "| upstream | 1 | 131136 | 16384 |" in text and "prompt 16384 | 1.50 | 250.0" in text
+
+
+def llama_bench_record(depth, gen, prompt, tok_s):
+    """One row of `llama-bench -o json` (the fields read, as llama.cpp writes them)."""
+    return {"model_filename": "m.gguf", "n_prompt": prompt, "n_gen": gen, "n_depth": depth,
+            "avg_ns": int(gen / tok_s * 1e9), "avg_ts": tok_s, "samples_ts": [tok_s]}
+
+
+def test_llama_cpp_at_the_prompts_depths(tmp_path):
+    """llama-bench's decode rows go beside the prompt rows of the same depth, as ratios;
+    its prompt-processing rows and depths no prompt ran are left out of the ratios."""
+    bench_file = tmp_path / "llama-bench.json"
+    bench_file.write_text(json.dumps([
+        llama_bench_record(131072, 16, 0, 400.0), llama_bench_record(200000, 16, 0, 250.0),
+        llama_bench_record(0, 0, 512, 9000.0), llama_bench_record(65536, 16, 0, 600.0)]))
+    report = {"gguf": "/x/m.gguf", "overrides": {}, "paths": {"sm80": {
+        "path": "sm80", "rc": 0, "rows": [
+            {"kind": "prompt", "prompt": 131072, "ttft_s": 4.5, "decode_tok_s": 500.0},
+            {"kind": "prompt", "prompt": 200000, "ttft_s": 4.9, "decode_tok_s": 200.0},
+            {"kind": "prompt", "prompt": 16384, "skipped": "longer than max_model_len"},
+            {"kind": "batch", "batch": 8, "depth": 32768, "decode_tok_s": 1900.0}]}}}
+    (tmp_path / "r.json").write_text(json.dumps(report))
+    merged = bench.main(["--from", str(tmp_path / "r.json"), "--llama-bench", str(bench_file),
+                         "--json", str(tmp_path / "m.json")])
+    rows = merged["paths"]["sm80"]["rows"]
+    assert rows[0]["x_llama_cpp"] == 500.0 / 400.0 and rows[1]["x_llama_cpp"] == 200.0 / 250.0
+    assert "x_llama_cpp" not in rows[2] and "x_llama_cpp" not in rows[3]
+    assert merged["llama_cpp"]["decode_tok_s_by_depth"] == {
+        "131072": 400.0, "200000": 250.0, "65536": 600.0}
+    assert json.loads((tmp_path / "m.json").read_text()) == merged
+    text = bench.markdown(merged)
+    assert "prompt 131072 | 4.50 | 500.0 | 400.0 | 1.25 |" in text
+    assert "8 x 32768 | - | 1900.0 | - | - |" in text
+
+
+def test_llama_bench_without_decode_rows_is_refused(tmp_path):
+    bench_file = tmp_path / "llama-bench.json"
+    bench_file.write_text(json.dumps([llama_bench_record(0, 0, 512, 9000.0)]))
+    with pytest.raises(ValueError, match="no decode rows"):
+        bench.llama_bench_decode(str(bench_file))

@@ -192,7 +192,7 @@ EOF
     # GLM-5's 202752) with CUDA_LAUNCH_BLOCKING, engines side by side (LONG_UTIL each);
     # `long selfcheck`, vllm_gguf_plugin.selfcheck as itself and as on SM120, SM89, SM80;
     # `long whole`, the 2-layer file with vLLM's defaults (LONG_PATHS), then llama-bench at
-    # the same depths (LONG_LLAMA_S seconds; 0 skips it)
+    # the same depths (LONG_LLAMA_S seconds; 0 skips it), added to the report as ratios
     which="${2:?tiny|whole}"; env_; report_plugin; mkdir -p $keep/long "$out/long"
     case "$which" in
       tiny)
@@ -239,6 +239,8 @@ EOF
             -fa on -p 0 -n 16 -d ${LONG_DEPTHS:-131072,200000} -r 1 -o json \
             > "$out/long/llama-bench-depths.json" 2> $keep/long/llama.err
           echo "llama-bench rc=$?"; tail -3 $keep/long/llama.err
+          python3 -m benchmarks.glm5_long_context --from $keep/long/whole.json \
+            --llama-bench "$out/long/llama-bench-depths.json" --json "$out/long/whole.json"
         fi ;;
       *) echo "long tiny, long selfcheck or long whole" >&2; exit 2 ;;
     esac ;;
