@@ -65,9 +65,11 @@ for stage in $stages; do
   case "$stage" in
     install) ;;
     tests)
-      # TESTS_TIMEOUT: 376 s alone on the H200, 419 s beside two MTP runs; -v: a run cut by
-      # the call's time still names each test's result (2026-12-06: -q kept only characters)
-      timeout "${TESTS_TIMEOUT:-540}" python3 -m pytest tests -m gpu -v -s -p no:cacheprovider -p no:warnings \
+      # TESTS_TIMEOUT: 184 tests, 104 of them in 540 s alone on the H200 (2026-12-06): detached,
+      # give it 1500; TESTS_PATHS: test files or ids instead of all of tests/; -v: a run cut by
+      # the call's time still names each test's result (-q kept only characters)
+      # shellcheck disable=SC2086
+      timeout "${TESTS_TIMEOUT:-540}" python3 -m pytest ${TESTS_PATHS:-tests} -m gpu -v -s -p no:cacheprovider -p no:warnings \
         --ignore=tests/v1/attention/test_upstream_sparse_mla_backends.py \
         --ignore=tests/kernels/attention/test_attention_selector_sparse.py --ignore=tests/overlay \
         --ignore=tests/models/quantization/test_glm5_gguf_engine.py \
