@@ -16,10 +16,12 @@ greedy, 8 corpus prompts of 40-320 tokens, 64 new tokens) with N = 0 (no MTP) or
 N = 1..3 draft tokens; TRITON_MLA_SPARSE named for target and draft, the portable
 indexer, float16, eager; plus CUDA graphs for the GLM-5's bf16 and Q4_K_M at N = 0
 and 3, Q4_K_M as on SM120 (capability 12.0 and its shared memory reported, nothing forced,
-dtype auto) at N = 0 and 3, and mode `bi`: the quantized files under VLLM_BATCH_INVARIANT=1
+dtype auto) at N = 0 and 3, mode `bi`: the quantized files under VLLM_BATCH_INVARIANT=1
 (eager), where every token count runs the same GGUF kernels, so that a verification step
-of N + 1 tokens computes what a decode step computes. Rows run as parallel processes on
-one GPU; `--modes` and `--sources` take a subset.
+of N + 1 tokens computes what a decode step computes, and mode `upstream`: the GLM-5's
+safetensors, bf16 and Q4_K_M at N = 0..3 on vLLM's own choice of backend and indexer
+(bfloat16, eager; nothing named). Rows run as parallel processes on one GPU; `--modes`
+and `--sources` take a subset.
 
 Checks (exit status 1 when one fails or a row did not run):
 - greedy output with MTP is the output without it (same model, source, mode),
@@ -28,7 +30,8 @@ Checks (exit status 1 when one fails or a row did not run):
   its gap; under batch invariance (mode `bi`) with no parting at all;
 - the acceptance length of each GGUF row within 10% of the bf16 file's at the same
   N and mode (eager where bf16 has no row in that mode), safetensors' reported beside;
-- target and draft ran TRITON_MLA_SPARSE.
+  in mode `upstream` the bf16 file's, the same weights, within 5% of safetensors';
+- target and draft ran TRITON_MLA_SPARSE; in mode `upstream`, one backend not ours.
 """
 
 import argparse
@@ -44,12 +47,15 @@ ACCEPTANCE_TOLERANCE = 0.10  # relative to the bf16 file's
 MODELS = ("glm5", "glm52")
 SOURCES = ("safetensors", "bf16", "f16", "q8_0", "Q4_K_M", "Q2_K", "IQ2_M")
 CONVERTED = ("bf16", "f16", "q8_0")  # llama.cpp's converter writes these
-MODES = ("eager", "graphs", "sm120", "bi")
+MODES = ("eager", "graphs", "sm120", "bi", "upstream")
 DRAFT_TOKENS = (1, 2, 3)
 FORCED = {"attention_backend": "TRITON_MLA_SPARSE", "indexer": "triton", "dtype": "float16"}
 SM120_ENV = {"VLLM_TEST_REPORT_CAPABILITY": "12.0", "VLLM_TEST_REPORT_SHARED_MEM": "101376"}
 BI_ENV = {"VLLM_BATCH_INVARIANT": "1"}
 BI_SOURCES = ("bf16", "q8_0", "Q4_K_M", "Q2_K", "IQ2_M")
+UPSTREAM_SOURCES = ("safetensors", "bf16", "Q4_K_M")
+SAME_WEIGHTS_TOLERANCE = 0.05  # upstream mode: the bf16 file's against safetensors'
+OURS = "TRITON_MLA_SPARSE"
 
 
 def rows(models=MODELS, modes=MODES, sources=SOURCES) -> list[dict]:
@@ -66,6 +72,9 @@ def rows(models=MODELS, modes=MODES, sources=SOURCES) -> list[dict]:
     if "bi" in modes:
         out += [dict(model=m, source=s, mode="bi", n=n) for m in models
                 for s in BI_SOURCES if s in sources for n in (0, *DRAFT_TOKENS)]
+    if "upstream" in modes and "glm5" in models:
+        out += [dict(model="glm5", source=s, mode="upstream", n=n)
+                for s in UPSTREAM_SOURCES if s in sources for n in (0, *DRAFT_TOKENS)]
     return out
 
 
@@ -96,8 +105,10 @@ def check(results: dict) -> list[dict]:
         if "error" in res:
             problems.append("did not run")
         else:
-            if {res.get("target_attention_backend"), res.get("draft_attention_backend")
-                    if n else "TRITON_MLA_SPARSE"} != {"TRITON_MLA_SPARSE"}:
+            target = res.get("target_attention_backend")
+            backends = {target, res.get("draft_attention_backend") if n else target}
+            if (backends != {OURS} if mode != "upstream"
+                    else len(backends) != 1 or backends & {OURS, None}):
                 problems.append("backend")
             base = results.get((model, source, mode, 0))
             if n and base is not None and "error" not in base:
@@ -114,6 +125,12 @@ def check(results: dict) -> list[dict]:
                 row["acceptance_vs_bf16"] = None if not ref_al else al / ref_al
                 if ref_al is None or abs(al / ref_al - 1) > ACCEPTANCE_TOLERANCE:
                     problems.append("acceptance")
+            if n and mode == "upstream" and source == "bf16":
+                st = results.get((model, "safetensors", mode, n)) or {}
+                st_al = st.get("acceptance", {}).get("acceptance_length")
+                row["acceptance_vs_safetensors"] = None if not st_al else al / st_al
+                if st_al is None or abs(al / st_al - 1) > SAME_WEIGHTS_TOLERANCE:
+                    problems.append("acceptance against safetensors")
         row["status"] = "pass" if not problems else "FAIL: " + ", ".join(problems)
         table.append(row)
     return table
@@ -155,6 +172,8 @@ def run_row(row: dict, model: Path, out: Path) -> dict:
     if row["mode"] == "sm120":
         env = {**os.environ, **SM120_ENV}
         args += ["--dtype", "auto", "--eager"]
+    elif row["mode"] == "upstream":  # vLLM's own backend and indexer
+        args += ["--dtype", "bfloat16", "--eager"]
     else:
         for k, v in FORCED.items():
             args += [f"--{k.replace('_', '-')}", v]
@@ -218,19 +237,21 @@ def main():
 
 def report(table: list[dict], json_path: str | None, out: Path) -> None:
     """The table (markdown) and its JSON; exits 1 when a row fails."""
-    print("| model | source | mode | N | acceptance length | vs bf16 | first parting (gap) "
-          "| draft backend | status |")
-    print("|---|---|---|---:|---:|---:|---|---|---|")
+    print("| model | source | mode | N | acceptance length | vs bf16 | vs safetensors "
+          "| first parting (gap) | draft backend | status |")
+    print("|---|---|---|---:|---:|---:|---:|---|---|---|")
     for r in table:
         al = r.get("acceptance", {}).get("acceptance_length")
         vs = r.get("acceptance_vs_bf16")
+        vs_st = r.get("acceptance_vs_safetensors")
         part = r.get("parting")
         part = "-" if not r["n"] or "error" in r else ("none" if part is None else
                                        f"prompt {part['prompt']} step {part['step']} "
                                        f"({part['gap']:.3f})")
         print(f"| {r['model']} | {r['source']} | {r['mode']} | {r['n']} | "
               f"{'-' if al is None else f'{al:.2f}'} | {'-' if vs is None else f'{vs:.3f}'} | "
-              f"{part} | {r.get('draft_attention_backend') or '-'} | {r['status']} |")
+              f"{'-' if vs_st is None else f'{vs_st:.3f}'} | {part} | "
+              f"{r.get('draft_attention_backend') or '-'} | {r['status']} |")
     summary = [{k: v for k, v in r.items() if k != "outputs"} for r in table]
     (Path(json_path) if json_path else out / "mtp-matrix.json").write_text(
         json.dumps(summary, indent=1))

@@ -106,3 +106,43 @@ def test_saved_rows(tmp_path):
     table = matrix.check({matrix.key(r): matrix.saved_row(r, tmp_path) for r in rows})
     assert [r["status"] for r in table] == ["pass", "pass", "FAIL: did not run"]
     assert table[1]["acceptance"]["acceptance_length"] == 2.0
+
+
+def test_upstream_rows():
+    """Mode upstream: the GLM-5's safetensors, bf16 and Q4_K_M, each N with its N = 0 run."""
+    up = {(r["model"], r["source"], r["n"]) for r in matrix.rows() if r["mode"] == "upstream"}
+    assert up == {("glm5", s, n) for s in ("safetensors", "bf16", "Q4_K_M")
+                  for n in (0, 1, 2, 3)}
+    assert not [r for r in matrix.rows(("glm52",)) if r["mode"] == "upstream"]
+
+
+def test_upstream_checks():
+    """On upstream's path the bf16 file's acceptance is held to 5% of safetensors' (the
+    same weights), a quantized file's to 10% of the bf16 file's, and the backend must be
+    one, and not ours."""
+    flash = "FLASH_ATTN_MLA_SPARSE"
+    clear = [{"5": -0.1, "9": -2.0}, {"6": -0.1, "8": -2.0}, {"7": -0.1, "9": -2.0}]
+
+    def results(bf16_al, q4_al=2.0, q4_backend=flash):
+        return {
+            ("glm5", "safetensors", "upstream", 0): run([5, 6, 7], clear, backend=flash),
+            ("glm5", "safetensors", "upstream", 1): run([5, 6, 7], al=2.0, backend=flash),
+            ("glm5", "bf16", "upstream", 0): run([5, 6, 7], clear, backend=flash),
+            ("glm5", "bf16", "upstream", 1): run([5, 6, 7], al=bf16_al, backend=flash),
+            ("glm5", "Q4_K_M", "upstream", 0): run([5, 6, 7], clear, backend=flash),
+            ("glm5", "Q4_K_M", "upstream", 1): run([5, 6, 7], al=q4_al, backend=q4_backend),
+        }
+
+    def status(res):
+        return {(r["source"], r["n"]): r["status"] for r in matrix.check(res)}
+
+    ok = status(results(bf16_al=1.95))
+    assert set(ok.values()) == {"pass"}
+    row = next(r for r in matrix.check(results(bf16_al=1.95))
+               if (r["source"], r["n"]) == ("bf16", 1))
+    assert row["acceptance_vs_safetensors"] == pytest.approx(0.975)
+    # 7% below safetensors: within the quantized files' 10%, not the same weights' 5%
+    assert status(results(bf16_al=1.86))[("bf16", 1)] == "FAIL: acceptance against safetensors"
+    assert status(results(bf16_al=2.0, q4_al=1.7))[("Q4_K_M", 1)] == "FAIL: acceptance"
+    assert status(results(bf16_al=2.0, q4_backend="TRITON_MLA_SPARSE"))[("Q4_K_M", 1)] \
+        == "FAIL: backend"
