@@ -36,6 +36,11 @@
 #               with them (each row's load average is in the report)
 #   long tiny   (then long selfcheck, long whole) the crash matrix on the tiny GLM-5's
 #               files, the 2-layer file with vLLM's defaults (see the case below)
+#   deep        (issue 69) starts writing synthetic GLM-5-shaped Q4_K_M files of DEEP_LAYERS
+#               layers (default "2 10"; 10: 51 GiB, vllm_gguf_plugin.gguf_model.synthetic)
+#               (syn_file), detached; then `compare syn2`, `compare syn10` (as 2L above,
+#               once every file is written), and after the last one --depth-model over
+#               every synN report (the whole GLM-5 projected from them)
 # Reports go to the device tool's $OUT; CALL_S bounds a call (default 585 s).
 set -uo pipefail
 here="$(cd "$(dirname "$0")/../.." && pwd)"
@@ -68,10 +73,13 @@ need_side() {  # a machine given back between calls comes back bare: stop, do no
     "start again from \`first\` and the parts" >&2
   exit 3
 }
+syn_file() {  # `deep`'s file of $1 layers: the disk (64 GB) holds the 10-layer one (55 GB) alone
+  if [ "$1" -le 3 ]; then echo /dev/shm/syn/glm5-synthetic-$1L.gguf; else echo /tmp/syn/glm5-synthetic-$1L.gguf; fi
+}
 out="${OUT:-/tmp/out}"
 call_s="${CALL_S:-585}"
 
-case "${1:?prepare|prepare-cuda|first|part N|stages|compare 2L|3L|3Lq6}" in
+case "${1:?prepare|prepare-cuda|first|part N|stages|compare 2L|3L|3Lq6|synN|long tiny|whole|deep}" in
   prepare)
     mkdir -p .llama-src .llama-bin
     bash tools/gpu-host/llama-cpp-source.sh .llama-src/llama-cpp-src.tar.xz || exit 1
@@ -148,7 +156,7 @@ EOF
     cat $keep/acc/done 2>/dev/null; grep -E '^\|' $keep/acc/log
     mkdir -p "$out/acc"; cp $keep/acc/* "$out/acc/" 2>/dev/null; where ;;
   compare)
-    which="${2:?2L|3L}"; need_side; env_; report_plugin; where
+    which="${2:?2L|3L|3Lq6|synN}"; need_side; env_; report_plugin; where
     if [ -d $keep/acc ]; then  # benchmarks run alone on the GPU
       while [ ! -f $keep/acc/done ]; do sleep 5; done
       mkdir -p "$out/acc"; cp $keep/acc/* "$out/acc/"; grep -E '^\|' $keep/acc/log
@@ -156,8 +164,18 @@ EOF
     case "$which" in 2L) f=/tmp/shaped/glm5-shaped-2L-Q4_K_M.gguf n=1 ;;
       3L) f=/tmp/shaped3/glm5-shaped-3L-Q4_K_M.gguf n=2 ;;
       3Lq6) f=/tmp/shaped3/glm5-shaped-3L-Q4_K_M-q6down.gguf n=2 ;;
-      *) echo "compare 2L, 3L or 3Lq6" >&2; exit 2 ;; esac
-    while ! grep -q "^set $n rc=" $keep/llama/model.log; do
+      syn[0-9]*) f=$(syn_file ${which#syn}) n=syn
+        [ -f $keep/deep/files ] || { echo "no \`deep\` call on this machine" >&2; exit 3; }
+        # every file written first: the writer takes the CPUs that vLLM's host work needs
+        until [ "$(wc -l < $keep/deep/progress)" = "$(wc -l < $keep/deep/files)" ]; do
+          [ $SECONDS -lt "$call_s" ] || { echo "the synthetic files are still being written" >&2; exit 3; }
+          sleep 5
+        done
+        grep -q "^syn ${which#syn} rc=0" $keep/deep/progress || { echo "no $which file:" \
+          "$(grep "^syn ${which#syn} " $keep/deep/progress || echo "not in DEEP_LAYERS")" >&2
+          tail -5 $keep/deep/syn-${which#syn}.log 2> /dev/null >&2; exit 3; } ;;
+      *) echo "compare 2L, 3L, 3Lq6 or synN (after \`deep\`)" >&2; exit 2 ;; esac
+    while [ $n != syn ] && ! grep -q "^set $n rc=" $keep/llama/model.log; do
       grep -q "^rc=" $keep/llama/model.log && { echo "no $which file on this machine" \
         "(\`first\` made $(grep -c '^set ' $keep/llama/model.log) set(s): SETS)" >&2; exit 3; }
       sleep 5
@@ -186,7 +204,21 @@ EOF
       python3 -m benchmarks.glm5_vs_llama_cpp --per-layer $keep/vs/2L.json $keep/vs/$deep.json \
         --json "$out/vs/per-layer-$deep.json" --md $keep/vs/per-layer-$deep.md \
         && cat $keep/vs/per-layer-$deep.md
-    done ;;
+    done
+    syn=($(ls $keep/vs/syn[0-9]*.json 2> /dev/null | grep -v more))
+    if [ "${#syn[@]}" -ge 2 ]; then
+      python3 -m benchmarks.glm5_vs_llama_cpp --depth-model "${syn[@]}" --project 78 \
+        --json "$out/vs/depth-model.json" --md $keep/vs/depth-model.md && cat $keep/vs/depth-model.md
+    fi ;;
+  deep)
+    env_; mkdir -p /tmp/syn /dev/shm/syn $keep/deep; : > $keep/deep/progress
+    for l in ${DEEP_LAYERS:-2 10}; do echo "$l $(syn_file $l)"; done > $keep/deep/files
+    # shellcheck disable=SC2016
+    setsid bash -c 'while read -r l f; do
+        python3 -m vllm_gguf_plugin.gguf_model.synthetic $f --layers $l > $2/syn-$l.log 2>&1
+        echo "syn $l rc=$?" >> $2/progress
+      done < $1' _ $keep/deep/files $keep/deep > /dev/null 2>&1 < /dev/null &
+    sleep 5; cat $keep/deep/progress; df -h /tmp | tail -1 ;;
   long)  # GLM-5's whole context (benchmarks/glm5_long_context.py): `long tiny`, the crash
     # matrix on the tiny GLM-5 (its context 4096, with VLLM_ALLOW_LONG_MAX_MODEL_LEN, and
     # GLM-5's 202752) with CUDA_LAUNCH_BLOCKING, engines side by side (LONG_UTIL each);
