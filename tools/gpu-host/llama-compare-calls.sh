@@ -37,8 +37,8 @@
 #   long tiny   (then long selfcheck, long whole) the crash matrix on the tiny GLM-5's
 #               files, the 2-layer file with vLLM's defaults (see the case below)
 #   deep        (issue 69) starts writing synthetic GLM-5-shaped Q4_K_M files of DEEP_LAYERS
-#               layers (default "2 10"; 10: 51 GiB, vllm_gguf_plugin.gguf_model.synthetic)
-#               (syn_file), detached; then `compare syn2`, `compare syn10` (as 2L above,
+#               layers (default "2 10"; 10: 51 GiB; vllm_gguf_plugin.gguf_model.synthetic)
+#               where syn_file puts them, detached; then `compare syn2`, `compare syn10` (as 2L,
 #               once every file is written), and after the last one --depth-model over
 #               every synN report (the whole GLM-5 projected from them)
 # Reports go to the device tool's $OUT; CALL_S bounds a call (default 585 s).
