@@ -13,7 +13,7 @@ all D tokens and the MLA latents of the top-k it selects. The tensors and their 
 are llama.cpp's Q4_K_M of a GLM-5-shaped file of `--layers` layers
 (`gguf_model.synthetic.plan`: the GLM-5-shaped files' own, one dense layer then MoE
 ones); the cache's bytes a token are the overlay's defaults on a 16-bit model (MLA
-latents in 16 bits, the indexer's keys in fp8 with a float32 scale: `--cache-bytes`).
+latents in 16 bits, the indexer's keys in fp8 with a float32 scale).
 `--bandwidth-from` takes the bandwidth torch.mm reaches reading 16-bit weights from the
 dense rows of `benchmarks/kernels/benchmark_gguf_ops.py` (its `mm16` path) run on the
 same GPU: bytes over that is the fastest a step can be there. `--report` sets each
