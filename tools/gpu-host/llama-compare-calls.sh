@@ -245,7 +245,12 @@ EOF
               --md $keep/long/$name.md > $keep/long/$name.out 2>&1 &
           done
         done
-        wait; cat $keep/long/*-ctx*.md; cp $keep/long/*-ctx*.json "$out/long/" ;;
+        wait; cat $keep/long/*-ctx*.md; cp $keep/long/*-ctx*.json "$out/long/"
+        for runs in $keep/long/*-ctx*.runs; do  # a case cut by its timeout: the rows it wrote
+          [ -d "$runs" ] && [ ! -f "${runs%.runs}.json" ] || continue
+          cp "$runs"/*.json "$out/long/$(basename "${runs%.runs}")-partial.json"
+          tail -5 "$runs"/*.log
+        done ;;
       selfcheck)  # the self-check as itself and as on SM120, SM89 and SM80, side by side
         for as_ in ${LONG_AS:-native 12.0:101376 8.9:101376 8.0:166912}; do
           IFS=: read -r cap smem <<< "$as_"
