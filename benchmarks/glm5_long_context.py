@@ -35,6 +35,7 @@ import time
 from pathlib import Path
 
 from benchmarks.glm5_vs_llama_cpp import PATHS as VS_PATHS
+from benchmarks.glm5_vs_llama_cpp import write_report
 from tests.plugins.vllm_report_capability import vllm_report_capability as hook
 
 PATHS = {
@@ -297,7 +298,8 @@ def main(argv=None):
         if not args.llama_bench:
             p.error("--from needs --llama-bench")
         report = add_llama_cpp(json.loads(Path(args.from_report).read_text()), args.llama_bench)
-        return write(report, args)
+        write_report(report, markdown(report), args.json, args.md)
+        return report
     if not args.gguf:
         p.error("--gguf is required")
     if args.path:
@@ -314,16 +316,7 @@ def main(argv=None):
             Path(args.json).write_text(json.dumps(report, indent=1) + "\n")
     if args.llama_bench:
         add_llama_cpp(report, args.llama_bench)
-    return write(report, args)
-
-
-def write(report: dict, args) -> dict:
-    if args.json:
-        Path(args.json).write_text(json.dumps(report, indent=1) + "\n")
-    text = markdown(report)
-    print(text)
-    if args.md:
-        Path(args.md).write_text(text + "\n")
+    write_report(report, markdown(report), args.json, args.md)
     return report
 
 

@@ -28,6 +28,8 @@ import json
 import math
 from pathlib import Path
 
+from benchmarks.glm5_vs_llama_cpp import write_report
+
 MLA_BYTES = (512 + 64) * 2  # kv_lora_rank + rope dims, 16-bit
 INDEX_KEY_BYTES = 128 + 4  # index_head_dim in fp8 and its float32 scale
 EXPERTS = ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")
@@ -175,12 +177,7 @@ def main(argv=None):
     report = json.loads(Path(args.report).read_text()) if args.report else None
     result = bound(args.layers, args.batches, args.depths, bandwidth, args.project, report)
     result["bandwidth_from"] = source
-    text = markdown(result)
-    print(text)
-    if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
-    if args.md:
-        Path(args.md).write_text(text + "\n")
+    write_report(result, markdown(result), args.json, args.md)
     return result
 
 

@@ -671,6 +671,15 @@ def depth_model(reports: list[dict], project: int = 78) -> dict:
     return out
 
 
+def write_report(result: dict, text: str, json_path: str | None, md_path: str | None) -> None:
+    """Print a report's markdown and write it and the report's JSON where asked."""
+    print(text)
+    if json_path:
+        Path(json_path).write_text(json.dumps(result, indent=1) + "\n")
+    if md_path:
+        Path(md_path).write_text(text + "\n")
+
+
 def depth_model_markdown(result: dict) -> str:
     n = result["project"]
     lines = [f"ms = fixed + per layer x layers, fitted over files of {result['layers']} layers; "
@@ -759,11 +768,7 @@ def main(argv=None):
             result = depth_model([json.loads(Path(f).read_text()) for f in args.depth_model],
                                  args.project)
             text = depth_model_markdown(result)
-        print(text)
-        if args.json:
-            Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
-        if args.md:
-            Path(args.md).write_text(text + "\n")
+        write_report(result, text, args.json, args.md)
         return result
     if not args.gguf:
         p.error("--gguf is required")
