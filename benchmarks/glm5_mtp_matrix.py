@@ -26,8 +26,8 @@ and `--sources` take a subset.
 Checks (exit status 1 when one fails or a row did not run):
 - greedy output with MTP is the output without it (same model, source, mode),
   except at near-ties: at the first token where they part, the top-2 logprob gap
-  of the run without MTP is under NEAR_TIE nats; every parting is reported with
-  its gap; under batch invariance (mode `bi`) with no parting at all;
+  of the run without MTP is under NEAR_TIE nats; the first parting is reported
+  with its gap, and the prompts that part by length; under batch invariance (mode `bi`) with no parting at all;
 - the acceptance length of each GGUF row within 10% of the bf16 file's at the same
   N and mode (eager where bf16 has no row in that mode), safetensors' reported beside;
   in mode `upstream` the bf16 file's, the same weights, within 5% of safetensors';
@@ -94,6 +94,14 @@ def parting(base: dict, spec: dict) -> dict | None:
     return None
 
 
+def prompts_parted(base: dict, spec: dict) -> list[int]:
+    """The prompt lengths (the index where a run names none) of every prompt whose
+    greedy output with MTP parts from the output without it."""
+    return [oa.get("prompt_len", i)
+            for i, (oa, ob) in enumerate(zip(base["outputs"], spec["outputs"]))
+            if oa["tokens"] != ob["tokens"]]
+
+
 def check(results: dict) -> list[dict]:
     """The rows with their checks: lossless (or a near-tie parting), acceptance
     against the bf16 file's, the backends."""
@@ -113,6 +121,7 @@ def check(results: dict) -> list[dict]:
             base = results.get((model, source, mode, 0))
             if n and base is not None and "error" not in base:
                 row["parting"] = p = parting(base, res)
+                row["prompts_parted"] = prompts_parted(base, res)
                 if p is not None and (mode == "bi" or not p["gap"] < NEAR_TIE):
                     problems.append(f"parts at a gap of {p['gap']:.3f}")
             elif n:
@@ -238,8 +247,8 @@ def main():
 def report(table: list[dict], json_path: str | None, out: Path) -> None:
     """The table (markdown) and its JSON; exits 1 when a row fails."""
     print("| model | source | mode | N | acceptance length | vs bf16 | vs safetensors "
-          "| first parting (gap) | draft backend | status |")
-    print("|---|---|---|---:|---:|---:|---:|---|---|---|")
+          "| first parting (gap) | prompts parted | draft backend | status |")
+    print("|---|---|---|---:|---:|---:|---:|---|---|---|---|")
     for r in table:
         al = r.get("acceptance", {}).get("acceptance_length")
         vs = r.get("acceptance_vs_bf16")
@@ -251,6 +260,7 @@ def report(table: list[dict], json_path: str | None, out: Path) -> None:
         print(f"| {r['model']} | {r['source']} | {r['mode']} | {r['n']} | "
               f"{'-' if al is None else f'{al:.2f}'} | {'-' if vs is None else f'{vs:.3f}'} | "
               f"{'-' if vs_st is None else f'{vs_st:.3f}'} | {part} | "
+              f"{', '.join(map(str, r.get('prompts_parted') or [])) or '-'} | "
               f"{r.get('draft_attention_backend') or '-'} | {r['status']} |")
     summary = [{k: v for k, v in r.items() if k != "outputs"} for r in table]
     (Path(json_path) if json_path else out / "mtp-matrix.json").write_text(

@@ -39,6 +39,18 @@ def test_parting_and_its_gap():
     assert p["gap"] == pytest.approx(0.03)
 
 
+def test_prompts_parted_by_length():
+    base = {"outputs": [{"prompt_len": 40, "tokens": [5, 6]},
+                        {"prompt_len": 128, "tokens": [5, 6]},
+                        {"prompt_len": 160, "tokens": [5, 6]}]}
+    spec = {"outputs": [{"prompt_len": 40, "tokens": [5, 6]},
+                        {"prompt_len": 128, "tokens": [5, 7]},
+                        {"prompt_len": 160, "tokens": [4, 6]}]}
+    assert matrix.prompts_parted(base, spec) == [128, 160]
+    assert matrix.prompts_parted(base, base) == []
+    assert matrix.prompts_parted(run([5, 6]), run([5, 7])) == [0]
+
+
 def test_checks():
     near_tie = [{"5": -0.1, "9": -2.0}, {"6": -0.70, "8": -0.72}, {"7": -0.1, "9": -2.0}]
     clear = [{"5": -0.1, "9": -2.0}, {"6": -0.1, "8": -2.0}, {"7": -0.1, "9": -2.0}]
