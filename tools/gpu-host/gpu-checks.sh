@@ -66,8 +66,9 @@ for stage in $stages; do
     install) ;;
     tests)
       # TESTS_TIMEOUT: 184 tests, 104 of them in 540 s alone on the H200, the other 81 in 564 s
-      # on an H100 (2026-12-06): detached, give it 1500; TESTS_PATHS: test files or ids instead of all of tests/; -v: a run cut by
-      # the call's time still names each test's result (-q kept only characters)
+      # on an H100 (2026-12-06): detached, give it 1500; TESTS_PATHS: test files or ids instead
+      # of all of tests/; -v: a run cut by the call's time still names each test's result (-q
+      # kept only characters)
       # shellcheck disable=SC2086
       timeout "${TESTS_TIMEOUT:-540}" python3 -m pytest ${TESTS_PATHS:-tests} -m gpu -v -s -p no:cacheprovider -p no:warnings \
         --ignore=tests/v1/attention/test_upstream_sparse_mla_backends.py \
