@@ -27,7 +27,8 @@ Checks (exit status 1 when one fails or a row did not run):
 - greedy output with MTP is the output without it (same model, source, mode),
   except at near-ties: at the first token where they part, the top-2 logprob gap
   of the run without MTP is under NEAR_TIE nats; the first parting is reported
-  with its gap, and the prompts that part by length; under batch invariance (mode `bi`) with no parting at all;
+  with its gap, and the prompts that part by length; under batch invariance
+  (mode `bi`) with no parting at all;
 - the acceptance length of each GGUF row within 10% of the bf16 file's at the same
   N and mode (eager where bf16 has no row in that mode), safetensors' reported beside;
   in mode `upstream` the bf16 file's, the same weights, within 5% of safetensors';
