@@ -41,9 +41,7 @@ def expected_experts(n_experts: int, top_k: int, tokens: int) -> float:
     return n_experts * (1.0 - (1.0 - top_k / n_experts) ** tokens)
 
 
-def step_bytes(layers: int, batch: int, depth: int,
-               cache_bytes: tuple[int, int] = (MLA_BYTES, INDEX_KEY_BYTES),
-               shape: str = "glm5") -> dict:
+def step_bytes(layers: int, batch: int, depth: int, shape: str = "glm5") -> dict:
     """The bytes a decode step of `batch` sequences at `depth` reads at least, by kind,
     on a GLM-5-shaped Q4_K_M file of `layers` layers (`shape`: synthetic.SHAPES)."""
     from vllm_gguf_plugin.gguf_model import synthetic
@@ -59,8 +57,8 @@ def step_bytes(layers: int, batch: int, depth: int,
             out["experts"] += t.nbytes * touched / shape.n_routed_experts
         else:
             out["weights"] += t.nbytes
-    mla, index_key = cache_bytes
-    out["cache"] = layers * batch * (min(depth, shape.index_topk) * mla + depth * index_key)
+    out["cache"] = layers * batch * (min(depth, shape.index_topk) * MLA_BYTES
+                                     + depth * INDEX_KEY_BYTES)
     out["total"] = sum(out.values())
     return out
 
