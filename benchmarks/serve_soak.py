@@ -20,7 +20,10 @@ A failure is a request that did not complete as asked: an HTTP or connection err
 timeout, a missing `[DONE]`, fewer choices than `n`, a text that holds its stop string.
 A stall is a stream silent for more than --stall-s seconds after its first chunk, or a
 span of more than --stall-s seconds in which requests were in flight and no stream got
-a chunk (what a livelocked kernel looks like: the GPU busy, no output). The GPU memory of the
+a chunk (what a livelocked kernel looks like: the GPU busy, no output). At a stall's start
+the report records its UTC time and the server's processes (state, CPU seconds, command
+line); --stall-signal SIG sends SIG to those of them that catch it (tools/gpu-host/stackdump
+makes the server's Python processes print their stacks). The GPU memory of the
 server's processes (nvidia-smi; the whole GPU's where it lists no process of the server)
 and the server's host RSS (its process tree) are sampled all along; growth
 is the last sample, after the load drained, against the first one under load. After
@@ -36,6 +39,7 @@ import concurrent.futures
 import json
 import os
 import random
+import signal
 import subprocess
 import threading
 import time
@@ -94,17 +98,24 @@ class Watch:
             self.in_flight -= 1
             self.last = time.monotonic()
 
-    def check(self, now: float, stall_s: float, t_start: float):
+    def check(self, now: float, stall_s: float, t_start: float) -> dict | None:
+        """Open, extend or close the current stall; the stall's row when this call opens it."""
         with self.lock:
             silent = now - self.last
             if self.in_flight > 0 and silent > stall_s:
+                opened = None
                 if self._open is None:
                     self._open = self.last
-                    self.stalls.append({"at_s": round(self.last - t_start, 1),
-                                        "in_flight": self.in_flight, "silent_s": silent})
+                    began = time.time() - silent
+                    opened = {"at_s": round(self.last - t_start, 1),
+                              "utc": time.strftime("%H:%M:%S", time.gmtime(began)),
+                              "in_flight": self.in_flight, "silent_s": silent}
+                    self.stalls.append(opened)
                 self.stalls[-1]["silent_s"] = round(silent, 1)
-            elif self._open is not None and silent <= stall_s:
+                return opened
+            if self._open is not None and silent <= stall_s:
                 self._open = None
+            return None
 
 
 def request(base_url: str, path: str, body: dict, timeout: float, watch: Watch | None,
@@ -192,6 +203,52 @@ def process_tree(pid: int | None) -> dict[int, int]:
         tree[p] = pages.get(p, 0)
         todo += children.get(p, [])
     return tree
+
+
+def processes(pids) -> list[dict]:
+    """What each process is doing: its state, CPU seconds so far and command line (a
+    compiler under the server, nvcc or ptxas, is a step held by a JIT build)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    out = []
+    for pid in sorted(pids):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                cmd = f.read().replace(b"\0", b" ").decode(errors="replace").strip()
+        except OSError:
+            continue
+        out.append({"pid": pid, "state": fields[0],
+                    "cpu_s": round((int(fields[11]) + int(fields[12])) / tick, 1),
+                    "cmd": cmd[:200]})
+    return out
+
+
+def catches(pid: int, sig: int) -> bool:
+    """Whether the process has a handler for the signal (/proc's SigCgt), so that sending
+    it cannot end the process."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("SigCgt:"):
+                    return bool(int(line.split()[1], 16) >> (sig - 1) & 1)
+    except (OSError, ValueError):
+        pass
+    return False
+
+
+def signal_catchers(pids, sig: int) -> list[int]:
+    """Send the signal to the processes that catch it (a stack dump, with
+    tools/gpu-host/stackdump on the server's PYTHONPATH); the others are left alone."""
+    sent = []
+    for pid in sorted(pids):
+        if catches(pid, sig):
+            try:
+                os.kill(pid, sig)
+                sent.append(pid)
+            except OSError:
+                pass
+    return sent
 
 
 def gpu_used_mib(pids) -> tuple[float | None, str]:
@@ -428,7 +485,12 @@ class Soak:
             next_sample = time.monotonic() + a.warmup_s
             while not stop_watch.wait(0.5):
                 now = time.monotonic()
-                self.watch.check(now, a.stall_s, self.t_start)
+                opened = self.watch.check(now, a.stall_s, self.t_start)
+                if opened is not None:  # what the server does while it stalls
+                    tree = process_tree(a.server_pid)
+                    opened["processes"] = processes(tree)
+                    if a.stall_signal:
+                        opened["signalled"] = signal_catchers(tree, a.stall_signal)
                 if now >= next_sample:
                     self.sample("load")
                     next_sample = now + a.sample_s
@@ -552,6 +614,11 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--vocab-range", type=int, nargs=2, default=[1000, 100000],
                    help="random prompt ids are drawn from [LO, HI)")
     p.add_argument("--stall-s", type=float, default=10.0)
+    p.add_argument("--stall-signal", type=lambda s: int(signal.Signals[s]) if not s.isdigit()
+                   else int(s), default=None,
+                   help="at each stall, send this signal number to the server's processes "
+                        "that catch it (a stack dump); the processes, their states and "
+                        "command lines are recorded at each stall in any case")
     p.add_argument("--timeout", type=float, default=600.0)
     p.add_argument("--warmup-s", type=float, default=60.0,
                    help="the first memory sample under load comes this long after the start")

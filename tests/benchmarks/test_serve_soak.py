@@ -26,6 +26,7 @@ class Handler(BaseHTTPRequestHandler):
     lock = threading.Lock()
     count = 0
     seen: list = []
+    frozen_until = 0.0
     protocol_version = "HTTP/1.1"
 
     def log_message(self, *args):
@@ -85,6 +86,11 @@ class Handler(BaseHTTPRequestHandler):
             for j, piece in enumerate(pieces):
                 if self.mode == "stall" and k == 30 and j == 1:
                     time.sleep(1.5)
+                if self.mode == "freeze":  # from the 30th request on, every stream waits
+                    with self.lock:
+                        if k == 30 and not Handler.frozen_until:
+                            Handler.frozen_until = time.monotonic() + 1.5
+                    time.sleep(max(0.0, Handler.frozen_until - time.monotonic()))
                 for i in range(body.get("n", 1)):
                     c = {"index": i, "finish_reason": finish if j == len(pieces) - 1 else None}
                     c.update({"delta": {"content": piece}} if chat else {"text": piece})
@@ -102,7 +108,7 @@ class Handler(BaseHTTPRequestHandler):
 def server():
     httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
     threading.Thread(target=httpd.serve_forever, daemon=True).start()
-    Handler.count, Handler.seen = 0, []
+    Handler.count, Handler.seen, Handler.frozen_until = 0, [], 0.0
     yield f"http://127.0.0.1:{httpd.server_address[1]}"
     httpd.shutdown()
 
@@ -193,10 +199,11 @@ def test_a_silent_server_is_a_stall():
     w = serve_soak.Watch()
     t0 = w.last
     w.enter()
-    w.check(t0 + 0.5, 1.0, t0)
+    assert w.check(t0 + 0.5, 1.0, t0) is None
     assert w.stalls == []
-    w.check(t0 + 3.0, 1.0, t0)
-    w.check(t0 + 5.0, 1.0, t0)
+    opened = w.check(t0 + 3.0, 1.0, t0)  # the row, once: where the soak looks at the server
+    assert w.check(t0 + 5.0, 1.0, t0) is None
+    assert w.stalls == [opened]
     assert len(w.stalls) == 1 and w.stalls[0]["in_flight"] == 1
     assert w.stalls[0]["silent_s"] == pytest.approx(5.0, abs=0.1)
     w.progress()
@@ -204,3 +211,53 @@ def test_a_silent_server_is_a_stall():
     w.leave()
     w.check(w.last + 9.0, 1.0, t0)  # nothing in flight: silence is no stall
     assert len(w.stalls) == 1
+
+
+def test_a_server_wide_stall_records_what_the_server_does(server, tmp_path):
+    """At a stall's start the report has its UTC time and the server's processes with their
+    command lines; --stall-signal reaches only the processes that catch it (here a Python
+    process with tools/gpu-host/stackdump on its path, which prints its stacks and runs on),
+    not its child that would die of it."""
+    import re
+    import signal
+    import subprocess
+    import sys
+    root = serve_soak.__file__.rsplit("/benchmarks/", 1)[0]
+    err = tmp_path / "server.err"
+    env = dict(os.environ, PYTHONPATH=f"{root}/tools/gpu-host/stackdump")
+    with open(err, "w") as f:
+        fake = subprocess.Popen(
+            [sys.executable, "-c", "import subprocess, time\n"
+             "child = subprocess.Popen(['sleep', '60'])\n"
+             "print('ready', flush=True)\n"
+             "time.sleep(60)"], env=env, stdout=subprocess.PIPE, stderr=f, text=True)
+    try:
+        assert fake.stdout.readline().strip() == "ready"
+        Handler.mode = "freeze"
+        args = serve_soak.parse([
+            "--base-url", server, "--model", "m", "--duration-s", "2.5", "--concurrency", "4",
+            "--server-pid", str(fake.pid), "--long-tokens", "20", "40",
+            "--history-tokens", "60", "--histories", "2", "--prefix-probes", "2",
+            "--stop-probes", "3", "--stall-s", "0.8", "--timeout", "10", "--warmup-s", "0.2",
+            "--sample-s", "0.3", "--drain-s", "0", "--max-rss-growth-mib", "1e6",
+            "--max-gpu-growth-mib", "1e6", "--stall-signal", "SIGUSR2"])
+        rep = serve_soak.Soak(args).run()
+        assert not rep["passed"] and len(rep["stalls"]) == 1
+        stall = rep["stalls"][0]
+        assert re.fullmatch(r"\d\d:\d\d:\d\d", stall["utc"])
+        cmds = {p["pid"]: p["cmd"] for p in stall["processes"]}
+        sleeper = [pid for pid, cmd in cmds.items() if cmd == "sleep 60"]
+        assert fake.pid in cmds and len(sleeper) == 1, cmds
+        assert stall["signalled"] == [fake.pid]
+        time.sleep(0.3)
+        assert fake.poll() is None  # both still run
+        os.kill(sleeper[0], 0)
+        assert "most recent call first" in err.read_text()
+        assert serve_soak.catches(fake.pid, signal.SIGUSR2)
+        assert not serve_soak.catches(sleeper[0], signal.SIGUSR2)
+    finally:
+        for p in serve_soak.process_tree(fake.pid):
+            if p != fake.pid:
+                os.kill(p, signal.SIGKILL)
+        fake.kill()
+        fake.wait()

@@ -37,7 +37,10 @@ shaped=/tmp/syn/glm5-synthetic-2L.gguf
 soak() {  # the server and the soak against it; the server's time to healthy in its log
   while [ ! -f $work/syn-2.done ] || [ ! -f $work/lane-1.done ]; do sleep 2; done
   local t0=$SECONDS
-  env "${as120[@]}" vllm serve "$shaped" --port 8100 --served-model-name glm5 \
+  # at a stall the client records the server's processes and has its Python stacks printed
+  # (stackdump, SIGUSR2); DeepGEMM prints each JIT build's compiler command, line-buffered
+  env "${as120[@]}" PYTHONPATH="$here/tools/gpu-host/stackdump${PYTHONPATH:+:$PYTHONPATH}" \
+    DG_JIT_PRINT_COMPILER_COMMAND=1 stdbuf -oL -eL vllm serve "$shaped" --port 8100 --served-model-name glm5 \
     --gpu-memory-utilization "${SOAK_UTIL:-0.35}" --enable-prompt-tokens-details \
     --jit-monitor-verbose --disable-uvicorn-access-log > $work/soak-server.log 2>&1 < /dev/null &
   local pid=$!
@@ -47,7 +50,8 @@ soak() {  # the server and the soak against it; the server's time to healthy in 
   done
   echo "soak server healthy after $((SECONDS - t0)) s" >> $work/progress
   python3 -m benchmarks.serve_soak --base-url http://127.0.0.1:8100 --model glm5 \
-    --duration-s "${SOAK_S:-1200}" --timeout 120 --server-pid $pid --json $work/soak.json --md $work/soak.md \
+    --duration-s "${SOAK_S:-1200}" --timeout 120 --server-pid $pid --stall-signal SIGUSR2 \
+    --json $work/soak.json --md $work/soak.md \
     > $work/soak.log 2>&1
   echo "soak rc=$?" >> $work/progress
   kill $pid; wait $pid
@@ -122,7 +126,7 @@ case "${1:?start|wait}" in
       touch $work/syn.done
       ls -la /tmp/syn /tmp/syn/cold >> $work/syn.log; df -h /tmp >> $work/syn.log" \
       > /dev/null 2>&1 < /dev/null &
-    setsid bash -c "$(declare -f soak); $(declare -p keep work shaped as120); soak" \
+    setsid bash -c "$(declare -f soak); $(declare -p here keep work shaped as120); soak" \
       > /dev/null 2>&1 < /dev/null &
     n=0
     for lane in "before ${BEFORE:-none}" "${JOBS:-bi cold}" "${JOBS2:-selfcheck tiny tests}" "after ${AFTER:-none}"; do
@@ -143,9 +147,10 @@ case "${1:?start|wait}" in
       sleep 30
     done
     cat $work/progress; cat $work/soak.md $work/cold.md 2>/dev/null
-    # kernels compiled while serving (every one: --jit-monitor-verbose) and 10-s spans with no token
-    grep -E "jit_monitor.py.*during inference|generation throughput: 0.0 " $work/soak-server.log \
-      2>/dev/null | cut -c1-220 | tail -40
+    # kernels compiled while serving (every one: --jit-monitor-verbose), 10-s spans with no
+    # token, DeepGEMM's builds and the stack dumps taken at stalls
+    grep -E "jit_monitor.py.*during inference|generation throughput: 0.0 |Running NVCC|NVRTC|most recent call first" \
+      $work/soak-server.log 2>/dev/null | cut -c1-220 | tail -40
     mkdir -p "$out/serve"
     cp $work/*.json $work/*.md $work/progress $work/soak-server.log "$out/serve/" 2>/dev/null
     for f in $work/*.log $work/tiny-*.out $work/bi/*.log; do [ -f "$f" ] && tail -c 20000 "$f" > "$out/serve/$(basename "$f").tail"; done
