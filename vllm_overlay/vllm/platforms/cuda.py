@@ -781,7 +781,8 @@ class NvmlCudaPlatform(CudaPlatformBase):
             return None
 
     @classmethod
-    @with_nvml_context
+    # overlay: no NVML session of its own: the capability read it calls opens one on a
+    # miss and is cached, and the sparse indexer asks this per layer of each eager step
     def has_device_capability(
         cls,
         capability: tuple[int, int] | int,
