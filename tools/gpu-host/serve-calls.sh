@@ -6,7 +6,9 @@
 # vllm_gguf_plugin.gguf_model.synthetic (llama.cpp's tensor types, random valid blocks: in a
 # minute, where llama.cpp's converter takes several), the 2-layer one twice: the soak's server
 # maps one, and a mapped page cannot be evicted for a cold start (SYN=2: the 2-layer file
-# alone, for a soak with no cold start). One device call each:
+# alone, for a soak with no cold start; SOAK_GGUF=FILE: the soak serves that written file and
+# none is written, e.g. `deep`'s 2-layer file in /dev/shm while its 10-layer one fills the
+# disk). One device call each:
 #   start   starts, detached: the files; `vllm serve` of the 2-layer one as on SM120 (SOAK_UTIL of the GPU) and
 #           benchmarks/serve_soak.py against it for SOAK_S seconds; beside the soak, in two
 #           lanes (JOBS, default "bi cold", and JOBS2, default "selfcheck tiny tests", each one
@@ -32,7 +34,8 @@ export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 VLLM_NO_USAGE_
 # shellcheck disable=SC1091
 source /tmp/site/env.sh || { echo "no /tmp/site: run llama-compare-calls.sh stages first" >&2; exit 3; }
 as120=(VLLM_TEST_REPORT_CAPABILITY=12.0 VLLM_TEST_REPORT_SHARED_MEM=101376)
-shaped=/tmp/syn/glm5-synthetic-2L.gguf
+shaped=${SOAK_GGUF:-/tmp/syn/glm5-synthetic-2L.gguf}
+syn=${SYN:-2 3}; [ -n "${SOAK_GGUF:-}" ] && syn=none
 
 soak() {  # the server and the soak against it; the server's time to healthy in its log
   while [ ! -f $work/syn-2.done ] || [ ! -f $work/lane-1.done ]; do sleep 2; done
@@ -119,10 +122,11 @@ case "${1:?start|wait}" in
     mkdir -p $work /tmp/syn/cold; : > $work/progress
     python3 -c "import vllm_report_capability" 2> /dev/null || pip install -q --no-deps \
       --no-build-isolation --target /tmp/site tests/plugins/vllm_report_capability > /dev/null 2>&1
-    setsid bash -c "for l in ${SYN:-2 3}; do
+    setsid bash -c "for l in ${syn#none}; do
         python3 -m vllm_gguf_plugin.gguf_model.synthetic /tmp/syn/glm5-synthetic-\${l}L.gguf \
           --layers \$l >> $work/syn.log 2>&1; touch $work/syn-\$l.done
-      done; [ '${SYN:-2 3}' = 2 ] || cp /tmp/syn/glm5-synthetic-2L.gguf /tmp/syn/cold/
+      done; case '$syn' in 2) ;; none) touch $work/syn-2.done ;;
+        *) cp /tmp/syn/glm5-synthetic-2L.gguf /tmp/syn/cold/ ;; esac
       touch $work/syn.done
       ls -la /tmp/syn /tmp/syn/cold >> $work/syn.log; df -h /tmp >> $work/syn.log" \
       > /dev/null 2>&1 < /dev/null &
