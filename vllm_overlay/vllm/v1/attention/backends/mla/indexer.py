@@ -896,7 +896,15 @@ def build_prefill_chunk_metadata(
     )
 
 
-@triton.jit
+# overlay: one binary for every slice; a new alignment or value class of these compiled
+# a variant in the middle of serving, holding every request in flight
+@triton.jit(
+    do_not_specialize=[
+        "uncompressed_seq_lens_ptr",
+        "query_slice_start",
+        "query_slice_stop",
+    ]
+)
 def _build_prefill_chunk_metadata_kernel(
     # Inputs
     query_start_loc_ptr,
