@@ -17,7 +17,8 @@ llama-bench from tools/gpu-host/build-llama-cpp-cuda.sh (CUDA, the pinned sdist)
   `-p 512,8192 -n 0` (ubatch 512 and 2048, the faster counts) and token generation
   `-p 0 -n GEN -d 0,8192` (batch 1: llama-bench decodes one sequence), `-r 3`;
   avg_ts is tokens/s.
-- the overlay: offline `vllm.LLM` on the same file, CUDA graphs on (the default), one
+- the overlay: offline `vllm.LLM` on the same file, CUDA graphs up to 512 tokens (as
+  `vllm serve` captures by default), one
   subprocess per path as benchmarks/glm5_throughput.py runs them:
   `portable`: TRITON_MLA_SPARSE + the portable (Triton) indexer, fp16 (the SM120 path,
   forced); `upstream`: vLLM's own choice on the H200 (FLASH_ATTN_MLA_SPARSE + DeepGEMM
@@ -506,6 +507,9 @@ def worker(args) -> None:
               enable_prefix_caching=True, disable_log_stats=False,
               max_num_seqs=max(args.batches), max_num_batched_tokens=max(longest, 8192) + 64,
               seed=0, gpu_memory_utilization=0.85,
+              # CUDA graphs up to 512 tokens, as `vllm serve`'s defaults capture (max_num_seqs
+              # alone would cap them at twice the largest batch: pp512 eager)
+              compilation_config={"max_cudagraph_capture_size": 512},
               attention_config={"backend": settings["backend"]} if settings["backend"] else None,
               profiler_config=profiler)
 
