@@ -574,6 +574,9 @@ def markdown(r: dict) -> str:
     rows = [("duration under load", f"{r['duration_s']:.0f} s, {r['concurrency']} clients"),
             ("requests served / failed", f"{r['requests_ok']} / {r['requests_failed']}"),
             ("stalls (server-wide / in a stream)", f"{len(r['stalls'])} / {r['stream_stalls']}"),
+            ("server-wide stalls: UTC start, silent s, processes signalled",
+             ", ".join(f"{s.get('utc')} {s['silent_s']} s {len(s.get('signalled', []))}"
+                       for s in r["stalls"]) or "-"),
             ("TTFT p50 / p99", f"{r['ttft_p50_s']} / {r['ttft_p99_s']} s"),
             ("inter-token p50 / p99 / max", f"{r['itl_p50_s']} / {r['itl_p99_s']} / "
                                             f"{r['itl_max_s']} s"),

@@ -254,6 +254,7 @@ def test_a_server_wide_stall_records_what_the_server_does(server, tmp_path):
         os.kill(sleeper[0], 0)
         assert "most recent call first" in err.read_text()
         assert serve_soak.catches(fake.pid, signal.SIGUSR2)
+        assert f"{stall['utc']} {stall['silent_s']} s 1" in serve_soak.markdown(rep)
         assert not serve_soak.catches(sleeper[0], signal.SIGUSR2)
     finally:
         for p in serve_soak.process_tree(fake.pid):
