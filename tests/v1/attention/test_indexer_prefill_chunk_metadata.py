@@ -16,22 +16,11 @@ import json
 import pytest
 
 
-def real_triton():
-    """Triton itself (vllm.triton_utils hands out a placeholder without a GPU driver)."""
-    import triton
-    import triton.language as tl
-    import triton.language.extra.libdevice as tldevice
-
-    from vllm import triton_utils
-
-    triton_utils.HAS_TRITON = True
-    triton_utils.triton, triton_utils.tl, triton_utils.tldevice = triton, tl, tldevice
-    return triton
-
-
 def specializations() -> dict:
     """Distinct specializations over the argument classes of the kernel's call, for the
     kernel as vLLM has it and for its function plainly jitted (run in a plain process)."""
+    from tests.v1.attention.test_triton_mla_sparse_targets import real_triton
+
     triton = real_triton()
     import torch
     from triton.backends.nvidia.compiler import CUDABackend
