@@ -81,7 +81,8 @@ def test_kernel_warmup_calls_it(monkeypatch):
     for name in ("warm_v1_block_table_kernels", "qwen_triton_warmup",
                  "deepseek_v4_mhc_warmup", "sparse_mla_triton_warmup_if_needed",
                  "flashinfer_sparse_mla_decode_autotune_warmup",
-                 "deepseek_v4_sparse_mla_attention_warmup", "cutedsl_warmup"):
+                 "deepseek_v4_sparse_mla_attention_warmup", "mla_prefill_warmup",
+                 "cutedsl_warmup"):
         monkeypatch.setattr(kernel_warmup, name, lambda *a, **k: None)
     # its model module needs vLLM's compiled ops
     monkeypatch.setitem(sys.modules, "vllm.model_executor.warmup.minimax_m3_msa_warmup",

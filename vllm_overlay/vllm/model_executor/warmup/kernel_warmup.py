@@ -25,6 +25,9 @@ from vllm.model_executor.warmup.flashinfer_sparse_mla_warmup import (
     deepseek_v4_sparse_mla_attention_warmup,
     flashinfer_sparse_mla_decode_autotune_warmup,
 )
+from vllm.model_executor.warmup.mla_prefill_warmup import (  # overlay: see below
+    mla_prefill_warmup,
+)
 from vllm.model_executor.warmup.qwen_triton_warmup import qwen_triton_warmup
 from vllm.model_executor.warmup.sparse_mla_triton_warmup import (
     sparse_mla_triton_warmup_if_needed,
@@ -98,6 +101,9 @@ def kernel_warmup(worker: "Worker"):
 
     # Run next so input-prep kernels JIT against pristine runner state.
     sparse_mla_triton_warmup_if_needed(worker)
+    # overlay: MLA's prefill attention, which no dummy run reaches (on SM120 the
+    # driver compiles FlashAttention 2's PTX at its first launch)
+    mla_prefill_warmup(worker)
     flashinfer_sparse_mla_decode_autotune_warmup(worker)
     deepseek_v4_sparse_mla_attention_warmup(worker)
 
