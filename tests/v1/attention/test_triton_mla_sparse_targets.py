@@ -196,7 +196,7 @@ def compile_indexer(arch: int) -> list[dict]:
             ("prefill", il._mqa_logits_kernel, prefill,
              {"H": 32, "D": 128, "BLOCK_M": 4, "BLOCK_N": 128}, 8),
             ("decode", il._paged_mqa_logits_kernel, decode,
-             {"NEXT_N": 1, "H": 32, "D": 128, "BS": 64, "SPLITS": 16}, 4),
+             {"NEXT_N": 1, "H": 32, "D": 128, "BS": 64}, 4),
         ):
             consts = dict(consts, UPCAST=dots == "16bit", ASM=True, KEYS16=keys16)
             kernel = compile_kernel(fn, arch, sig, consts, aligned_args(sig),

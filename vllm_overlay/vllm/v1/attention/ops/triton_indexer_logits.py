@@ -229,7 +229,10 @@ def f32_to_e4m3(x, dtype: tl.constexpr):
     return x.to(dtype)
 
 
-@triton.jit
+# A prefill's token and key counts (and the logits' row stride, the key count) take
+# every value while serving: specialized, each class Triton tells apart (1, a multiple
+# of 16, neither) compiles at its first launch while every request waits.
+@triton.jit(do_not_specialize=["M", "N", "stride_om"])
 def _mqa_logits_kernel(
     Q,
     K,
@@ -380,13 +383,15 @@ def _paged_mqa_logits_kernel(
     H: tl.constexpr,
     D: tl.constexpr,
     BS: tl.constexpr,
-    SPLITS: tl.constexpr,
     UPCAST: tl.constexpr,
     ASM: tl.constexpr,
     KEYS16: tl.constexpr,
 ):
     r = tl.program_id(0)
     split = tl.program_id(1)
+    # the grid's splits, not a constant: a mixed batch's decode rows (eager) take
+    # every count, and a constant would compile once per count under load
+    splits = tl.num_programs(1)
     seq_len = tl.load(SEQ_LENS + r)
     req = r // NEXT_N
     offs_h = tl.arange(0, H)
@@ -397,7 +402,7 @@ def _paged_mqa_logits_kernel(
         # 16-bit dots: q and the keys are e4m3 bytes, as fp16 they carry 2^-8 each
         q = e4m3_bytes_to_f16(q, ASM)
     w = tl.load(W + r.to(tl.int64) * stride_wr + offs_h)
-    for blk in range(split, tl.cdiv(seq_len, BS), SPLITS):
+    for blk in range(split, tl.cdiv(seq_len, BS), splits):
         phys = tl.load(BLOCK_TABLE + req.to(tl.int64) * stride_bt + blk).to(tl.int64)
         base = phys * stride_block  # elements (fp8: bytes)
         k = tl.load(KV_VALUES + base + offs_t[:, None] * D + offs_d[None, :])
@@ -480,7 +485,6 @@ def triton_paged_mqa_logits(
         H=H,
         D=D,
         BS=bs,
-        SPLITS=splits,
         UPCAST=upcast,
         ASM=q.is_cuda and current_platform.is_cuda(),
         KEYS16=keys16,
