@@ -89,14 +89,17 @@ def worker(layers, dtype=torch.float16, pooling=False):
     return SimpleNamespace(model_runner=runner, vllm_config=config)
 
 
-def test_each_distinct_backend_runs_both_prefill_kernels(fa2):
-    make, calls, _ = fa2
+def test_each_distinct_backend_runs_both_prefill_kernels(fa2, monkeypatch):
+    make, calls, fa_prefill = fa2
     glm = make(8, **GLM)
     smaller = make(4, **GLM)  # fewer heads a rank: another launch shape
     layers = [SimpleNamespace(prefill_backend=b) for b in (glm, make(8, **GLM), smaller)]
     layers.append(SimpleNamespace(prefill_backend=None))  # a sparse layer without one
     layers.append(SimpleNamespace())  # not an MLA layer
     assert glm.requires_v_padding
+    # the layers' backends run as they were built (FA2 here), not as a backend built
+    # now would be
+    monkeypatch.setattr(fa_prefill, "get_flash_attn_version", lambda **kw: 3)
 
     mpw.mla_prefill_warmup(worker(layers))
 

@@ -12,6 +12,7 @@ each, while every request in flight waits. Running each MLA prefill backend once
 compilation before serving; the driver caches the result for the next start.
 """
 
+import copy
 import time
 from typing import TYPE_CHECKING
 
@@ -70,7 +71,10 @@ def warm_up_prefill_backend(
         MLACommonPrefillMetadata,
     )
 
-    backend = backend.clone()  # the layer's own keeps no warm-up metadata
+    # a shallow copy keeps the layer's settings (FlashAttention version, functions)
+    # and takes the warm-up's metadata in its own attribute; clone() would construct
+    # anew, outside the engine's config context
+    backend = copy.copy(backend)
     n, m = query_tokens, context_tokens
     heads = backend.num_heads
     qk_dim = backend.qk_nope_head_dim + backend.qk_rope_head_dim
