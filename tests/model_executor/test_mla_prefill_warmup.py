@@ -4,7 +4,7 @@ prefill backend runs once as MLA's prefill calls it (new tokens causal, with and
 their log-sum-exp; a chunk of cached context unmasked), here vLLM's FlashAttention
 prefill backend as on SM120 (FlashAttention 2, V padded), on a CPU stand-in for
 `flash_attn_varlen_func` that checks each call's sequence bounds against its tensors
-and computes the attention those bounds describe."""
+(and returns the attention they describe, as the kernel would)."""
 
 import importlib
 import math

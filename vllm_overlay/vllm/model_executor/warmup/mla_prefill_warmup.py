@@ -8,8 +8,9 @@ at the first real prefill. Where a kernel's binary holds no machine code for the
 GPU, its first launch waits for the driver to compile its PTX: vLLM's
 FlashAttention 2, the prefill kernel on SM120, ships sm_80 code and compute_80
 PTX only, so there every prefill kernel file compiles in the driver, 10-30 s
-each, while every request in flight waits. Running each MLA prefill backend once on a small batch moves that
-compilation before serving; the driver caches the result for the next start.
+each, while every request in flight waits. Running each MLA prefill backend once
+on a small batch moves that compilation before serving; the driver caches the
+result for the next start.
 """
 
 import copy
