@@ -309,21 +309,34 @@ def test_ratios_against_targets():
     assert got[("decode_b1", 0)]["ratio"] == pytest.approx(1.2)
     assert got[("decode_b1", 0)]["meets_target"] is True
     assert got[("decode_b1", 8192)]["ratio"] == pytest.approx(0.5)
+    assert got[("decode_b1", 8192)]["target"] == 1.2  # at depth 8192: 1.2x
     assert got[("decode_b1", 8192)]["meets_target"] is False
-    # batch 32's aggregate against llama-batched-bench's at 32: 200/80 < 3, 400/130 >= 3
+    # batch 32's aggregate against llama-batched-bench's at 32, no target of its own
     assert got[("decode_b32_aggregate", 0)]["ratio"] == pytest.approx(2.5)
-    assert got[("decode_b32_aggregate", 0)]["meets_target"] is False
     assert got[("decode_b32_aggregate", 8192)]["ratio"] == pytest.approx(400 / 130)
-    assert got[("decode_b32_aggregate", 8192)]["meets_target"] is True
     assert got[("decode_b8_aggregate", 0)]["ratio"] == pytest.approx(500 / 160)
-    assert got[("decode_b8_aggregate", 0)]["target"] is None
+    assert all(got[(f"decode_b{b}_aggregate", d)]["target"] is None
+               for b in (8, 32) for d in (0, 8192))
+    # 32 sequences against llama.cpp's best at the depth: batch 8 at depth 0 (160 over
+    # tg's 100 and batch 32's 80): 200/160 < 3; batch 32 at 8192 (130 over 80 and 100)
+    best0, best8k = got[("decode_b32_vs_best", 0)], got[("decode_b32_vs_best", 8192)]
+    assert (best0["llama_batch"], best0["llama_tok_s"]) == (8, 160.0)
+    assert best0["ratio"] == pytest.approx(1.25) and best0["meets_target"] is False
+    assert (best8k["llama_batch"], best8k["llama_tok_s"]) == (32, 130.0)
+    assert best8k["ratio"] == pytest.approx(400 / 130) and best8k["meets_target"] is True
     assert got[("prefill", 512)]["ratio"] == pytest.approx(2.0)  # against the best ubatch
+    assert got[("prefill", 512)]["target"] == 1.0
+    assert got[("prefill", 8192)]["target"] == 1.5
     assert got[("prefill", 8192)]["meets_target"] is False
-    assert len(got) == 8
+    assert len(got) == 10
     md = bench.markdown({"paths": {"portable": {"settings": "x", "ratios": list(got.values())},
                                    "upstream": {"error": "boom", "ratios": []}}})
-    assert "| decode batch 32 at depth 8192 | 400.0 | 130.0 | 3.08 | >= 3x: met |" in md
-    assert "| prefill 8192 | 1750.0 | 3500.0 | 0.50 | >= 1x: not met |" in md
+    assert "| decode batch 32 at depth 8192 | 400.0 | 130.0 | 3.08 | - |" in md
+    assert ("| decode batch 32 at depth 8192, llama.cpp's best (batch 32) | 400.0 | 130.0 | "
+            "3.08 | >= 3x: met |") in md
+    assert ("| decode batch 32 at depth 0, llama.cpp's best (batch 8) | 200.0 | 160.0 | "
+            "1.25 | >= 3x: not met |") in md
+    assert "| prefill 8192 | 1750.0 | 3500.0 | 0.50 | >= 1.5x: not met |" in md
     assert "**upstream**: failed" in md
     # a case llama.cpp did not measure, or a run without it, keeps the overlay's figure
     figures = {"prefill": {512: 900.0}, "decode": {0: {1: 120.0, 8: 500.0}}}
@@ -380,8 +393,9 @@ def test_llama_figures_from_an_earlier_report(tmp_path):
     ours = {"prefill": {512: 1000.0}, "decode": {0: {1: 50.0, 32: 1200.0}}}
     got = {(r["name"], r.get("depth", r.get("prompt"))): r["ratio"]
            for r in bench.ratios(llama, ours)}
+    # llama.cpp's best at depth 0: batch 32's 400 (tg 100, batch 8 300)
     assert got == {("decode_b1", 0): 0.5, ("decode_b32_aggregate", 0): 3.0,
-                   ("prefill", 512): 0.5}
+                   ("decode_b32_vs_best", 0): 3.0, ("prefill", 512): 0.5}
     gguf.write_bytes(b"GGUF" + bytes(61))
     with pytest.raises(SystemExit, match="65|64 bytes"):
         bench.llama_from(str(earlier), str(gguf))
