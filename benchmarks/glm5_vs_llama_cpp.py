@@ -692,6 +692,31 @@ def depth_model(reports: list[dict], project: int = 78) -> dict:
         ours = fitted([case_ms(r["paths"][path]["figures"]) for r in reports])
         out["paths"][path] = {c: {**line, "ratio": theirs[c]["projected"] / line["projected"]}
                               for c, line in ours.items() if c in theirs}
+    out["vs_best"] = projected_vs_best(theirs, out["paths"])
+    return out
+
+
+def projected_vs_best(theirs: dict, paths: dict) -> dict:
+    """Issue 69's 32-sequence target at the projected depth: each path's projected
+    tokens/s at 32 sequences over llama.cpp's best projected aggregate at that depth
+    (its fastest decode case there), as `ratios` gives it for one file."""
+    case = re.compile(r"decode batch (\d+) at depth (\d+)")
+    best: dict[int, tuple[int, float]] = {}
+    for c, line in theirs.items():
+        m = case.fullmatch(c)
+        if m and line["projected"] > 0:
+            batch, depth = int(m[1]), int(m[2])
+            tok_s = 1e3 * batch / line["projected"]
+            if tok_s > best.get(depth, (0, 0.0))[1]:
+                best[depth] = (batch, tok_s)
+    out = {}
+    for path, cases in paths.items():
+        for depth, (batch, tok_s) in sorted(best.items()):
+            ours = cases.get(f"decode batch 32 at depth {depth}")
+            if ours is not None and ours["projected"] > 0:
+                out.setdefault(path, []).append(_ratio(
+                    "decode_b32_vs_best", {"depth": depth, "batch": 32, "llama_batch": batch},
+                    32e3 / ours["projected"], tok_s))
     return out
 
 
@@ -720,6 +745,10 @@ def depth_model_markdown(result: dict) -> str:
             lines.append(f"| {c} | {t['fixed']:.3f} + {t['per_layer']:.3f} | "
                          f"{v['fixed']:.3f} + {v['per_layer']:.3f} | {t['projected']:.2f} | "
                          f"{v['projected']:.2f} | {v['ratio']:.2f} | {worst:+.1%} |")
+        for r in result.get("vs_best", {}).get(path, []):
+            lines.append(f"\n32 sequences at depth {r['depth']} over llama.cpp's best at {n} "
+                         f"layers (its batch {r['llama_batch']}): {r['ratio']:.2f}x, "
+                         f"target {r['target']:g}x: {'met' if r['meets_target'] else 'not met'}")
         lines.append("")
     return "\n".join(lines)
 

@@ -630,8 +630,16 @@ def test_depth_model():
     points = {2: 2.4, 3: 2.65, 10: 4.0}
     fixed, per = bench.linear_fit(points)
     assert sum(ms - fixed - per * n for n, ms in points.items()) == pytest.approx(0.0, abs=1e-12)
+    # 32 sequences against llama.cpp's best projected aggregate: its batch 32 (400 tok/s
+    # over batch 1's 41.8), ours 32 / 43 ms
+    (vs,) = got["vs_best"]["portable"]
+    assert (vs["depth"], vs["llama_batch"]) == (0, 32)
+    assert vs["llama_tok_s"] == pytest.approx(400.0)
+    assert vs["ratio"] == pytest.approx(32e3 / 43.0 / 400.0) and vs["meets_target"] is False
     md = bench.depth_model_markdown(got)
     assert "| prefill 512 | 5.000 + 2.000 | 10.000 + 1.000 | 161.00 | 88.00 | 1.83 | +0.0% |" in md
+    assert ("32 sequences at depth 0 over llama.cpp's best at 78 layers (its batch 32): "
+            "1.86x, target 3x: not met") in md
     with pytest.raises(ValueError, match="different depths"):
         bench.depth_model(reports[:1])
     with pytest.raises(ValueError, match="different depths"):
