@@ -139,14 +139,18 @@ def test_a_failing_backend_is_named_and_serving_goes_on(fa2, monkeypatch, caplog
     assert "no kernel image" in caplog.text
 
 
-def test_kernel_warmup_calls_it(monkeypatch):
-    called = []
-    monkeypatch.setattr(kernel_warmup, "mla_prefill_warmup", called.append)
+def test_kernel_warmup_calls_it_last(monkeypatch):
+    """Called from vLLM's kernel warm-up (before CUDA graph capture), after upstream's
+    CuTeDSL warm-up, which compiles FA4's MLA prefill on SM100: those kernels are
+    built by then and the warm-up only runs them."""
+    order = []
+    monkeypatch.setattr(kernel_warmup, "mla_prefill_warmup",
+                        lambda w: order.append(("mla_prefill", w)))
+    monkeypatch.setattr(kernel_warmup, "cutedsl_warmup", lambda: order.append(("cutedsl",)))
     for name in ("warm_v1_block_table_kernels", "qwen_triton_warmup",
                  "deepseek_v4_mhc_warmup", "sparse_mla_triton_warmup_if_needed",
                  "flashinfer_sparse_mla_decode_autotune_warmup",
-                 "deepseek_v4_sparse_mla_attention_warmup", "token_count_warmup",
-                 "cutedsl_warmup"):
+                 "deepseek_v4_sparse_mla_attention_warmup", "token_count_warmup"):
         monkeypatch.setattr(kernel_warmup, name, lambda *a, **k: None)
     # its model module needs vLLM's compiled ops
     monkeypatch.setitem(sys.modules, "vllm.model_executor.warmup.minimax_m3_msa_warmup",
@@ -161,9 +165,9 @@ def test_kernel_warmup_calls_it(monkeypatch):
             model_config=None,
             compilation_config=SimpleNamespace(cudagraph_capture_sizes=[]),
             kernel_config=SimpleNamespace(enable_flashinfer_autotune=False,
-                                          enable_cutedsl_warmup=False)))
+                                          enable_cutedsl_warmup=True)))
     kernel_warmup.kernel_warmup(w)
-    assert called == [w]
+    assert order == [("cutedsl",), ("mla_prefill", w)]
 
 
 def fatbin_entries(path) -> dict[str, int]:

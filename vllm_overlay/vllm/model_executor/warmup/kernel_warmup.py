@@ -101,9 +101,6 @@ def kernel_warmup(worker: "Worker"):
 
     # Run next so input-prep kernels JIT against pristine runner state.
     sparse_mla_triton_warmup_if_needed(worker)
-    # overlay: MLA's prefill attention, which no dummy run reaches (on SM120 the
-    # driver compiles FlashAttention 2's PTX at its first launch)
-    mla_prefill_warmup(worker)
     flashinfer_sparse_mla_decode_autotune_warmup(worker)
     deepseek_v4_sparse_mla_attention_warmup(worker)
 
@@ -170,6 +167,11 @@ def kernel_warmup(worker: "Worker"):
 
     if worker.vllm_config.kernel_config.enable_cutedsl_warmup:
         cutedsl_warmup()
+
+    # overlay: MLA's prefill attention, which no dummy run reaches (on SM120 the
+    # driver compiles FlashAttention 2's PTX at its first launch); last, so that
+    # the kernels upstream warms (FA4's CuTeDSL ones) are compiled already
+    mla_prefill_warmup(worker)
 
 
 def _flashinfer_autotune_skip_ops(runner: "GPUModelRunner") -> set[str] | None:
