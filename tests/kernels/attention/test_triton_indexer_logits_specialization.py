@@ -25,27 +25,18 @@ FP8 = torch.float8_e4m3fn
 def specializations() -> dict:
     """Distinct specializations of the prefill kernel over the classes of its counts,
     as vLLM has it and its function plainly jitted (run in a plain process)."""
-    from tests.v1.attention.test_triton_mla_sparse_targets import real_triton
+    from tests.v1.attention.test_triton_mla_sparse_targets import specialization_counts
 
-    triton = real_triton()
-    from triton.backends.nvidia.compiler import CUDABackend
-    from triton.runtime.jit import create_function_from_signature
-
-    kernel = il._mqa_logits_kernel
-    buf = torch.zeros(64, dtype=torch.int32)
-    ptr = buf[:16]
-    found = {}
-    for name, jitted in (("vllm", kernel), ("plain", triton.jit(kernel.fn))):
-        bind = create_function_from_signature(jitted.signature, jitted.params, CUDABackend)
-        keys = set()
-        for m in (1, 16, 21):  # a chunk's tokens
-            for n in (1, 16, 21):  # its keys, and the logits' row stride
-                _, spec, _ = bind(ptr, ptr, ptr, ptr, ptr, ptr, ptr, m, n,
-                                  8192, 128, 128, 64, n, H=64, D=128, BLOCK_M=2,
-                                  BLOCK_N=128, UPCAST=False, ASM=True, KEYS16=False)
-                keys.add(repr(spec))
-        found[name] = len(keys)
-    return found
+    ptr = torch.zeros(64, dtype=torch.int32)[:16]
+    calls = [
+        # a chunk's tokens m; its keys n, also the logits' row stride
+        ((ptr, ptr, ptr, ptr, ptr, ptr, ptr, m, n, 8192, 128, 128, 64, n),
+         {"H": 64, "D": 128, "BLOCK_M": 2, "BLOCK_N": 128, "UPCAST": False, "ASM": True,
+          "KEYS16": False})
+        for m in (1, 16, 21)
+        for n in (1, 16, 21)
+    ]
+    return specialization_counts(il._mqa_logits_kernel, calls)
 
 
 @pytest.fixture(scope="module")

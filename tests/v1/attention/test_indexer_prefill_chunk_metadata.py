@@ -19,38 +19,30 @@ import pytest
 def specializations() -> dict:
     """Distinct specializations over the argument classes of the kernel's call, for the
     kernel as vLLM has it and for its function plainly jitted (run in a plain process)."""
-    from tests.v1.attention.test_triton_mla_sparse_targets import real_triton
+    from tests.v1.attention.test_triton_mla_sparse_targets import (
+        real_triton,
+        specialization_counts,
+    )
 
-    triton = real_triton()
+    real_triton()
     import torch
-    from triton.backends.nvidia.compiler import CUDABackend
-    from triton.runtime.jit import create_function_from_signature
 
     from vllm.v1.attention.backends.mla import indexer
 
-    kernel = indexer._build_prefill_chunk_metadata_kernel
     buf = torch.zeros(64, dtype=torch.int32)  # 64-byte aligned storage
     aligned, offset = buf[:16], buf[1:17]
     assert aligned.data_ptr() % 16 == 0 and offset.data_ptr() % 16 != 0
     calls = [
         # the slice of uncompressed_seq_lens, query_slice_start, query_slice_stop:
         # integers of each class (16 divides, equal to 1, neither)
-        (seq_lens, start, stop)
+        ((aligned, seq_lens, aligned, aligned, aligned, aligned, aligned, start, stop, 0, 1, 1),
+         {"BLOCK_SIZE": 1024, "COMPRESS_RATIO": 1})
         for seq_lens in (aligned, offset)
         for start in (0, 1, 5)
         for stop in (1, 16, 21)
         if stop >= start
     ]
-    found = {}
-    for name, jitted in (("vllm", kernel), ("plain", triton.jit(kernel.fn))):
-        bind = create_function_from_signature(jitted.signature, jitted.params, CUDABackend)
-        keys = set()
-        for seq_lens, start, stop in calls:
-            _, spec, _ = bind(aligned, seq_lens, aligned, aligned, aligned, aligned, aligned,
-                              start, stop, 0, 1, 1, BLOCK_SIZE=1024, COMPRESS_RATIO=1)
-            keys.add(repr(spec))
-        found[name] = len(keys)
-    return found
+    return specialization_counts(indexer._build_prefill_chunk_metadata_kernel, calls)
 
 
 @pytest.fixture(scope="module")

@@ -81,6 +81,21 @@ def real_triton():
     return triton
 
 
+def specialization_counts(kernel, calls) -> dict:
+    """Distinct specializations Triton's own binder gives over `calls` ((args, kwargs)
+    each), for `kernel` as vLLM has it and for its function plainly jitted: what would
+    compile one binary each at its first launch (run in a plain process)."""
+    triton = real_triton()
+    from triton.backends.nvidia.compiler import CUDABackend
+    from triton.runtime.jit import create_function_from_signature
+
+    found = {}
+    for name, jitted in (("vllm", kernel), ("plain", triton.jit(kernel.fn))):
+        bind = create_function_from_signature(jitted.signature, jitted.params, CUDABackend)
+        found[name] = len({repr(bind(*args, **kwargs)[1]) for args, kwargs in calls})
+    return found
+
+
 def compile_kernel(fn, arch, sig, consts, aligned, options):
     """Compile a Triton function for `arch` as the JIT would for 16-byte aligned
     pointers and strides; returns the compiled kernel."""
