@@ -8,13 +8,12 @@ prefill backend as on SM120 (FlashAttention 2, V padded), on a CPU stand-in for
 
 import importlib
 import math
-import sys
 from types import SimpleNamespace
 
 import pytest
 import torch
 
-from vllm.model_executor.warmup import kernel_warmup
+from tests.model_executor.test_token_count_warmup import run_kernel_warmup
 from vllm.model_executor.warmup import mla_prefill_warmup as mpw
 from vllm.v1.attention.backends import fa_utils
 
@@ -144,29 +143,9 @@ def test_kernel_warmup_calls_it_last(monkeypatch):
     CuTeDSL warm-up, which compiles FA4's MLA prefill on SM100: those kernels are
     built by then and the warm-up only runs them."""
     order = []
-    monkeypatch.setattr(kernel_warmup, "mla_prefill_warmup",
-                        lambda w: order.append(("mla_prefill", w)))
-    monkeypatch.setattr(kernel_warmup, "cutedsl_warmup", lambda: order.append(("cutedsl",)))
-    for name in ("warm_v1_block_table_kernels", "qwen_triton_warmup",
-                 "deepseek_v4_mhc_warmup", "sparse_mla_triton_warmup_if_needed",
-                 "flashinfer_sparse_mla_decode_autotune_warmup",
-                 "deepseek_v4_sparse_mla_attention_warmup", "token_count_warmup"):
-        monkeypatch.setattr(kernel_warmup, name, lambda *a, **k: None)
-    # its model module needs vLLM's compiled ops
-    monkeypatch.setitem(sys.modules, "vllm.model_executor.warmup.minimax_m3_msa_warmup",
-                        SimpleNamespace(minimax_m3_msa_warmup=lambda *a: None))
-    monkeypatch.setattr(kernel_warmup.current_platform, "has_device_capability",
-                        lambda *a: False, raising=False)
-    w = SimpleNamespace(
-        use_v2_model_runner=True, get_model=lambda: torch.nn.Module(),
-        model_runner=SimpleNamespace(is_pooling_model=False, attn_groups=[]),
-        scheduler_config=SimpleNamespace(max_num_batched_tokens=8),
-        vllm_config=SimpleNamespace(
-            model_config=None,
-            compilation_config=SimpleNamespace(cudagraph_capture_sizes=[]),
-            kernel_config=SimpleNamespace(enable_flashinfer_autotune=False,
-                                          enable_cutedsl_warmup=True)))
-    kernel_warmup.kernel_warmup(w)
+    w = run_kernel_warmup(monkeypatch, {
+        "mla_prefill_warmup": lambda w: order.append(("mla_prefill", w)),
+        "cutedsl_warmup": lambda: order.append(("cutedsl",))}, cutedsl=True)
     assert order == [("cutedsl",), ("mla_prefill", w)]
 
 

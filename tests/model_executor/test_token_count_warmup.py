@@ -75,15 +75,18 @@ def test_nothing_listed_runs_nothing():
     assert runs == []
 
 
-def test_kernel_warmup_calls_it(monkeypatch):
-    called = []
-    monkeypatch.setattr(kernel_warmup, "token_count_warmup", called.append)
-    for name in ("warm_v1_block_table_kernels", "qwen_triton_warmup",
-                 "deepseek_v4_mhc_warmup", "sparse_mla_triton_warmup_if_needed",
-                 "flashinfer_sparse_mla_decode_autotune_warmup",
-                 "deepseek_v4_sparse_mla_attention_warmup", "mla_prefill_warmup",
-                 "cutedsl_warmup"):
-        monkeypatch.setattr(kernel_warmup, name, lambda *a, **k: None)
+KERNEL_WARMUPS = ("warm_v1_block_table_kernels", "qwen_triton_warmup", "deepseek_v4_mhc_warmup",
+                  "sparse_mla_triton_warmup_if_needed",
+                  "flashinfer_sparse_mla_decode_autotune_warmup",
+                  "deepseek_v4_sparse_mla_attention_warmup", "token_count_warmup",
+                  "mla_prefill_warmup", "cutedsl_warmup")
+
+
+def run_kernel_warmup(monkeypatch, replaced: dict, cutedsl: bool = False):
+    """vLLM's kernel_warmup on a stand-in worker, each warm-up it calls stubbed: those in
+    `replaced` by the given callables, the rest by no-ops. Returns the worker."""
+    for name in KERNEL_WARMUPS:
+        monkeypatch.setattr(kernel_warmup, name, replaced.get(name, lambda *a, **k: None))
     # its model module needs vLLM's compiled ops
     monkeypatch.setitem(sys.modules, "vllm.model_executor.warmup.minimax_m3_msa_warmup",
                         SimpleNamespace(minimax_m3_msa_warmup=lambda *a: None))
@@ -97,8 +100,14 @@ def test_kernel_warmup_calls_it(monkeypatch):
             model_config=None,
             compilation_config=SimpleNamespace(cudagraph_capture_sizes=[]),
             kernel_config=SimpleNamespace(enable_flashinfer_autotune=False,
-                                          enable_cutedsl_warmup=False)))
+                                          enable_cutedsl_warmup=cutedsl)))
     kernel_warmup.kernel_warmup(w)
+    return w
+
+
+def test_kernel_warmup_calls_it(monkeypatch):
+    called = []
+    w = run_kernel_warmup(monkeypatch, {"token_count_warmup": called.append})
     assert called == [w]
 
 
