@@ -107,11 +107,11 @@ def indexer_cache_16bit() -> bool:
 def _fp8_dot_supported() -> bool:
     """fp8 tensor-core dots, and e4m3 as a Triton type: compute capability 8.9+.
 
-    Read from `get_device_capability`, which the platform caches, not through
-    `has_device_capability`: vLLM's NVML platform opens and shuts NVML at every call of
-    that one (`with_nvml_context`), and this runs per indexer layer and step (the
-    Triton logits, the decode queries' padding). Same answer: has_device_capability
-    compares this capability."""
+    Read from `get_device_capability`, which the platform caches: this runs per indexer
+    layer and step (the Triton logits, the decode queries' padding), and vLLM 0.26.0's
+    NVML platform opened and shut NVML at every `has_device_capability` call (the
+    overlay's `cuda.py` no longer does). Same answer: has_device_capability compares
+    this capability."""
     capability = current_platform.get_device_capability()
     return capability is not None and capability.to_int() >= 89
 
