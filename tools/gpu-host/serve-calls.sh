@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # SPDX-License-Identifier: Apache-2.0
 # Serving for a long time on the GPU host (issue 70), after llama-compare-calls.sh's `first`
-# (SETS=none: llama.cpp's build alone), parts and `stages` (the bundle installed in /tmp/site).
+# (SETS=none: llama.cpp's build alone), parts and `stages` (the bundle installed in /tmp/site),
+# or, with no llama-server wanted, after the parts in /tmp/parts and gpu-checks.sh's install.
 # The files are GLM-5-shaped 2- and 3-layer Q4_K_M GGUFs written by
 # vllm_gguf_plugin.gguf_model.synthetic (llama.cpp's tensor types, random valid blocks: in a
 # minute, where llama.cpp's converter takes several), the 2-layer one twice: the soak's server
@@ -10,7 +11,8 @@
 # none is written, e.g. `deep`'s 2-layer file in /dev/shm while its 10-layer one fills the
 # disk). One device call each:
 #   start   starts, detached: the files; `vllm serve` of the 2-layer one as on SM120 (SOAK_UTIL of the GPU) and
-#           benchmarks/serve_soak.py against it for SOAK_S seconds; beside the soak, in two
+#           benchmarks/serve_soak.py against it for SOAK_S seconds (0: no server, the lanes
+#           run at once with the GPU to themselves, e.g. JOBS=cold alone); beside the soak, in two
 #           lanes (JOBS, default "bi cold", and JOBS2, default "selfcheck tiny tests", each one
 #           job after the other; "none": no job): serve-check.sh on the file
 #           as on SM120 under VLLM_BATCH_INVARIANT=1; benchmarks/serve_cold_start.py on the
@@ -32,13 +34,14 @@ export VLLM_OVERLAY_LLAMA_CPP=/tmp/llama-cpp VLLM_OVERLAY_LLAMA_QUANTIZE=/tmp/ll
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 VLLM_NO_USAGE_STATS=1 \
   DO_NOT_TRACK=1 TVM_FFI_DISABLE_TORCH_C_DLPACK=1 VLLM_USE_FLASHINFER_SAMPLER=0
 # shellcheck disable=SC1091
-source /tmp/site/env.sh || { echo "no /tmp/site: run llama-compare-calls.sh stages first" >&2; exit 3; }
+source /tmp/site/env.sh || { echo "no /tmp/site: install the bundle first" >&2; exit 3; }
 as120=(VLLM_TEST_REPORT_CAPABILITY=12.0 VLLM_TEST_REPORT_SHARED_MEM=101376)
 shaped=${SOAK_GGUF:-/tmp/syn/glm5-synthetic-2L.gguf}
 syn=${SYN:-2 3}; [ -n "${SOAK_GGUF:-}" ] && syn=none
 
 soak() {  # the server and the soak against it; the server's time to healthy in its log
   while [ ! -f $work/syn-2.done ] || [ ! -f $work/lane-1.done ]; do sleep 2; done
+  [ "${SOAK_S:-1200}" = 0 ] && { echo "no soak" > $work/soak.done; return; }
   local t0=$SECONDS
   # at a stall the client records the server's processes and has its Python stacks printed
   # (stackdump, SIGUSR2); DeepGEMM prints each JIT build's compiler command, line-buffered
@@ -70,7 +73,8 @@ job() {  # one job beside the soak
         env "${as120[@]}" timeout 900 bash tools/gpu-host/serve-check.sh $work/bi > $work/bi.log 2>&1 ;;
     cold)
       while [ ! -f $work/syn.done ]; do sleep 5; done
-      while ! grep -q "^rc=" $keep/llama/build.log 2> /dev/null; do sleep 5; done
+      # llama-server beside vLLM where `first` started llama.cpp's side; vLLM alone without it
+      while [ -d $keep/llama ] && ! grep -q "^rc=" $keep/llama/build.log 2> /dev/null; do sleep 5; done
       local server=() lib=/tmp/llama-cpp-cuda/bin
       [ -x $lib/llama-server ] && server=(--llama-server $lib/llama-server)
       [ -e /tmp/llama-cpp-cuda/cublas/libcublas.so ] \
@@ -142,7 +146,7 @@ case "${1:?start|wait}" in
         for j in $lane; do job \$j; done; touch $work/lane-$n.done" \
         > /dev/null 2>&1 < /dev/null &
     done
-    sleep 20; cat $work/progress; tail -n 2 $keep/llama/build.log ;;
+    sleep 20; cat $work/progress; tail -n 2 $keep/llama/build.log 2> /dev/null ;;
   wait)
     while [ $SECONDS -lt $((call_s - 15)) ]; do
       [ -f $work/soak.done ] && [ "$(ls $work/lane-*.done 2> /dev/null | wc -l)" = 4 ] && break
