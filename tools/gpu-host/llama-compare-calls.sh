@@ -12,10 +12,12 @@
 # Then one device call each, back to back (the machine goes 30 s after a call returns):
 #   first       carry .bundle/part-05 .bundle/SHA256SUMS .bundle/install.sh .llama-src .llama-bin
 #               (.llama-cuda in place of .llama-src, if made: 41 MiB, the call's 64 MiB allow
-#               only one of the two beside part-05):
+#               only one of the two beside part-05; with .llama-cuda they came to 63.5 MiB with
+#               the checkout on 2026-12-06: where they do not fit, leave part-05 out and send
+#               `part 5` in a call of its own):
 #               unpacks them outside the checkout, starts llama-side.sh (CUDA build; the 2- and
 #               3-layer Q4_K_M files; SETS=2L: the 2-layer one alone)
-#   part N      carry .bundle/part-0N, for N in 0 1 2 3 4
+#   part N      carry .bundle/part-0N, for N in 0 1 2 3 4 (and 5 where `first` left it out)
 #   stages      gpu-checks.sh's stages: install; the Marlin MoE GPU tests (or the files in
 #               MARLIN_TESTS; MARLIN_S seconds; MARLIN_S=0 skips them); ggufops, the
 #               MoE kernel benchmark (MOE_TYPES, MOE_TOKENS, MOE_BM, MOE_S seconds; MOE_S=0
@@ -109,7 +111,8 @@ EOF
     ls -la .llama-cuda ;;
   first)
     mkdir -p /tmp/parts $keep/llama /tmp/llama-cpp
-    cp .bundle/part-05 .bundle/SHA256SUMS .bundle/install.sh /tmp/parts/ || exit 1
+    cp .bundle/SHA256SUMS .bundle/install.sh /tmp/parts/ || exit 1
+    [ -f .bundle/part-05 ] && cp .bundle/part-05 /tmp/parts/  # else `part 5` brings it
     tar -xJf .llama-bin/llama-cpp.tar.xz -C /tmp/llama-cpp || exit 1
     built=()  # prepare-cuda's binaries, carried: no build on the host, no source needed
     if [ -f .llama-cuda/llama-cpp-cuda.tar.xz ]; then
