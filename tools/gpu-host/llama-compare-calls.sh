@@ -12,9 +12,8 @@
 # Then one device call each, back to back (the machine goes 30 s after a call returns):
 #   first       carry .bundle/part-05 .bundle/SHA256SUMS .bundle/install.sh .llama-src .llama-bin
 #               (.llama-cuda in place of .llama-src, if made: 41 MiB, the call's 64 MiB allow
-#               only one of the two beside part-05; with .llama-cuda they came to 63.5 MiB with
-#               the checkout on 2026-12-06: where they do not fit, leave part-05 out and send
-#               `part 5` in a call of its own):
+#               only one of the two beside part-05, and barely: docs/gpu-host.md; where they
+#               do not fit, leave part-05 out and send `part 5` in a call of its own):
 #               unpacks them outside the checkout, starts llama-side.sh (CUDA build; the 2- and
 #               3-layer Q4_K_M files; SETS=2L: the 2-layer one alone)
 #   part N      carry .bundle/part-0N, for N in 0 1 2 3 4 (and 5 where `first` left it out)

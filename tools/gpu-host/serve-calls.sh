@@ -38,10 +38,11 @@ source /tmp/site/env.sh || { echo "no /tmp/site: install the bundle first" >&2; 
 as120=(VLLM_TEST_REPORT_CAPABILITY=12.0 VLLM_TEST_REPORT_SHARED_MEM=101376)
 shaped=${SOAK_GGUF:-/tmp/syn/glm5-synthetic-2L.gguf}
 syn=${SYN:-2 3}; [ -n "${SOAK_GGUF:-}" ] && syn=none
+soak_s=${SOAK_S:-1200}
 
 soak() {  # the server and the soak against it; the server's time to healthy in its log
   while [ ! -f $work/syn-2.done ] || [ ! -f $work/lane-1.done ]; do sleep 2; done
-  [ "${SOAK_S:-1200}" = 0 ] && { echo "no soak" > $work/soak.done; return; }
+  [ "$soak_s" = 0 ] && { echo "no soak" > $work/soak.done; return; }
   local t0=$SECONDS
   # at a stall the client records the server's processes and has its Python stacks printed
   # (stackdump, SIGUSR2); DeepGEMM prints each JIT build's compiler command, line-buffered
@@ -56,7 +57,7 @@ soak() {  # the server and the soak against it; the server's time to healthy in 
   done
   echo "soak server healthy after $((SECONDS - t0)) s" >> $work/progress
   python3 -m benchmarks.serve_soak --base-url http://127.0.0.1:8100 --model glm5 \
-    --duration-s "${SOAK_S:-1200}" --timeout 120 --server-pid $pid --stall-signal SIGUSR2 \
+    --duration-s "$soak_s" --timeout 120 --server-pid $pid --stall-signal SIGUSR2 \
     --json $work/soak.json --md $work/soak.md \
     > $work/soak.log 2>&1
   echo "soak rc=$?" >> $work/progress
@@ -134,7 +135,7 @@ case "${1:?start|wait}" in
       touch $work/syn.done
       ls -la /tmp/syn /tmp/syn/cold >> $work/syn.log; df -h /tmp >> $work/syn.log" \
       > /dev/null 2>&1 < /dev/null &
-    setsid bash -c "$(declare -f soak); $(declare -p here keep work shaped as120); soak" \
+    setsid bash -c "$(declare -f soak); $(declare -p here keep work shaped as120 soak_s); soak" \
       > /dev/null 2>&1 < /dev/null &
     n=0
     for lane in "before ${BEFORE:-none}" "${JOBS:-bi cold}" "${JOBS2:-selfcheck tiny tests}" "after ${AFTER:-none}"; do
