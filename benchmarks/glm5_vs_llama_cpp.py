@@ -6,7 +6,7 @@
         [--paths portable upstream sm120 portable-gguf-moe portable-keys16
                  upstream-keys16]
         [--prompts 512 8192] [--depths 0 8192] [--batches 1 8 32] [--gen 128] [--profile]
-        [--profile-batch 1] [--llama-profile NCU]
+        [--profile-batch 1 [32 ...]] [--llama-profile NCU]
     python -m benchmarks.glm5_vs_llama_cpp --per-layer SHALLOW.json DEEP.json [--md out.md]
     python -m benchmarks.glm5_vs_llama_cpp --depth-model A.json B.json [C.json ...]
         [--project 78] [--md out.md]
@@ -43,9 +43,9 @@ Issue 69's targets (ratios in the report, overlay / llama.cpp; `TARGETS`): decod
 batch 1 >= 1x llama.cpp's tg at depth 0, >= 1.2x at 8192; 32 sequences >= 3x llama.cpp's
 best aggregate at the depth (its fastest of tg and llama-batched-bench's batches); prefill
 >= 1x llama.cpp's pp at 512 tokens, >= 1.5x at 8192. `--profile` profiles, after
-the timed rows, 17 steps at batch 1 (`--profile-batch B`: B) and the shallowest depth (a
-1-token prompt at depth 0: every step decodes one token a sequence) and one prefill of the
-shortest prompt per path, through
+the timed rows, 17 steps at batch 1 (`--profile-batch B [B ...]`: at each B) and the
+shallowest depth (a 1-token prompt at depth 0: every step decodes one token a sequence) and
+one prefill of the shortest prompt per path, through
 vLLM's own torch profiler (`profiler_config`, so the engine keeps its separate process, as
 in the timed rows) and reports GPU time per step and its shares: MoE, the other quantized
 products, 16-bit GEMMs, attention and the indexer by kernel name (the kernel table is kept
@@ -412,9 +412,12 @@ def markdown(results: dict) -> str:
         if loads:
             lines.append(f"\nThe host's load (1-minute average) over the rows: "
                          f"{min(loads):.1f}-{max(loads):.1f}")
-        if res.get("profile_decode"):
-            pd = res["profile_decode"]
-            lines.append(f"\nGPU time of a decode step (batch {pd.get('batch', 1)}, "
+        # one profiled batch a report before --profile-batch took several
+        decodes = res.get("profile_decodes") or ([res["profile_decode"]]
+                                                 if res.get("profile_decode") else [])
+        for k, pd in enumerate(decodes):
+            gap = "" if k else "\n"
+            lines.append(f"{gap}GPU time of a decode step (batch {pd.get('batch', 1)}, "
                          f"depth {pd['depth']}), "
                          f"{pd['gpu_us_per_step']:.0f} us: {_shares(pd['shares'])}")
             if pd.get("host_us_per_step"):
@@ -432,7 +435,7 @@ def markdown(results: dict) -> str:
             lines.append(f"llama.cpp {kind} profile: failed, see the JSON report")
         else:
             at = f" at batch {prof['batch']}" if prof.get("batch", 1) > 1 else ""
-            lines.append(f"llama.cpp {kind}{at} (ncu, {prof['launches']} launches over "
+            lines.append(f"llama.cpp {kind.split()[0]}{at} (ncu, {prof['launches']} launches over "
                          f"{prof['steps']} steps, {prof['gpu_us_per_step']:.0f} us a step): "
                          f"{_shares(prof['shares'])}")
     return "\n".join(lines)
@@ -569,11 +572,14 @@ def worker(args) -> None:
                     "host_us_per_step": host_sections(events, steps)}
 
         # depth 0: 1-token prompts, so that every profiled step decodes one token a sequence
-        n, batch = max(min(args.depths), 1), args.profile_batch
-        run(n, batch, 1, 999)  # the prompts into the prefix cache
+        n = max(min(args.depths), 1)
         try:
-            result["profile_decode"] = {"depth": min(args.depths), "batch": batch,
-                                        **profiled(lambda: run(n, batch, 17, 999), 17)}
+            result["profile_decodes"] = []
+            for batch in args.profile_batch:
+                run(n, batch, 1, 999)  # the prompts into the prefix cache
+                result["profile_decodes"].append(
+                    {"depth": min(args.depths), "batch": batch,
+                     **profiled(lambda: run(n, batch, 17, 999), 17)})
             prompt = min(args.prompts)
             result["profile_prefill"] = {"prompt": prompt,  # a new prompt: a whole prefill
                                          **profiled(lambda: run(prompt, 1, 1, 1999), 1)}
@@ -803,9 +809,9 @@ def main(argv=None):
     p.add_argument("--gen", type=int, default=128)
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--profile", action="store_true")
-    p.add_argument("--profile-batch", type=int, default=1,
-                   help="sequences of the profiled decode steps (llama.cpp's: "
-                        "llama-batched-bench's from 2)")
+    p.add_argument("--profile-batch", type=int, nargs="+", default=[1],
+                   help="sequences of the profiled decode steps, one profile each "
+                        "(llama.cpp's: llama-batched-bench's from 2)")
     p.add_argument("--llama-profile", default=None, metavar="NCU",
                    help="Nsight Compute (ncu) to profile llama-bench's decode and prefill")
     p.add_argument("--path", default=None, help=argparse.SUPPRESS)
@@ -827,9 +833,9 @@ def main(argv=None):
         p.error("--gguf is required")
     if args.llama_from and (args.llama_bench or args.llama_batched_bench):
         p.error("--llama-from takes llama.cpp's figures instead of running llama.cpp")
-    if args.profile_batch > max(args.batches, default=1):
+    if max(args.profile_batch) > max(args.batches, default=1):
         p.error("--profile-batch above the largest of --batches (the engine's max_num_seqs)")
-    if args.llama_profile and args.profile_batch > 1 and not args.llama_batched_bench:
+    if args.llama_profile and max(args.profile_batch) > 1 and not args.llama_batched_bench:
         p.error("--profile-batch above 1 profiles llama.cpp through --llama-batched-bench")
     from vllm_gguf_plugin.gguf_model import config_from_gguf
 
@@ -851,10 +857,17 @@ def main(argv=None):
         report["llama_cpp"] = {"commands": cmds, "rows": rows, "figures": llama}
         save()
     if args.llama_profile and args.llama_bench:
-        profiles = llama_profiles(args.llama_profile, llama_profile_runs(
-            args.llama_bench, args.gguf, min(args.prompts), args.profile_batch,
-            args.llama_batched_bench, shlex.split(args.llama_bench_args)))
-        profiles["decode"]["batch"] = args.profile_batch
+        runs, batches = {}, {}
+        for batch in args.profile_batch:  # "decode", or "decode bB" a batch where several
+            kind = "decode" if len(args.profile_batch) == 1 else f"decode b{batch}"
+            batch_runs = llama_profile_runs(
+                args.llama_bench, args.gguf, min(args.prompts), batch,
+                args.llama_batched_bench, shlex.split(args.llama_bench_args))
+            runs[kind], batches[kind] = batch_runs["decode"], batch
+        runs["prefill"] = batch_runs["prefill"]
+        profiles = llama_profiles(args.llama_profile, runs)
+        for kind, batch in batches.items():
+            profiles[kind]["batch"] = batch
         report.setdefault("llama_cpp", {})["profiles"] = profiles
         save()
     if args.llama_batched_bench:
@@ -876,7 +889,7 @@ def main(argv=None):
                    "--reps", str(args.reps),
                    "--prompts", *map(str, args.prompts),
                    "--depths", *map(str, args.depths), "--batches", *map(str, args.batches),
-                   *(["--profile", "--profile-batch", str(args.profile_batch)]
+                   *(["--profile", "--profile-batch", *map(str, args.profile_batch)]
                      if args.profile else [])]
             env = dict(os.environ, **path_env(path))
             res = subprocess.run(cmd, capture_output=True, text=True, env=env)

@@ -15,6 +15,8 @@
 
 import json
 import math
+import subprocess
+import types
 from pathlib import Path
 
 import pytest
@@ -293,6 +295,51 @@ def test_profile_batch_arguments(capsys):
         bench.main([*base, "--profile-batch", "32", "--llama-profile", "ncu",
                     "--llama-bench", "llama-bench"])
     assert "through --llama-batched-bench" in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # any of several
+        bench.main([*base, "--profile-batch", "1", "64"])
+    assert "largest of --batches" in capsys.readouterr().err
+
+
+def test_several_profiled_batches(monkeypatch, tmp_path):
+    """--profile-batch 1 32: llama.cpp profiled at each batch (llama-bench at 1,
+    llama-batched-bench at 32, each kind keyed by its batch) and the prefill once, and every
+    path's worker asked for both batches."""
+    profiled, workers, real_run = {}, [], subprocess.run
+
+    def fake_profiles(ncu, runs):
+        profiled.update(runs)
+        return {kind: {"launches": 1, "steps": steps, "gpu_us_per_step": 1.0, "shares": {}}
+                for kind, (_, steps) in runs.items()}
+
+    def fake_run(cmd, **kw):
+        if "--path" in cmd:
+            workers.append(cmd)
+            Path(cmd[cmd.index("--out") + 1]).write_text(json.dumps({"rows": []}))
+            return subprocess.CompletedProcess(cmd, 0, "", "")
+        if cmd[0] == "llama-batched-bench":
+            return subprocess.CompletedProcess(cmd, 0, BATCHED, "")
+        return real_run(cmd, **kw)  # what vLLM's imports run
+
+    monkeypatch.setattr(bench, "llama_profiles", fake_profiles)
+    monkeypatch.setattr(bench, "run_llama_bench", lambda args: ([], []))
+    monkeypatch.setattr(bench.subprocess, "run", fake_run)
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"")
+    import vllm_gguf_plugin.gguf_model as gm
+    monkeypatch.setattr(gm, "config_from_gguf",
+                        lambda f: types.SimpleNamespace(num_hidden_layers=10))
+    report = bench.main(["--gguf", str(gguf), "--paths", "sm120", "--batches", "1", "32",
+                         "--profile", "--profile-batch", "1", "32", "--llama-profile", "ncu",
+                         "--llama-bench", "llama-bench", "--llama-batched-bench",
+                         "llama-batched-bench", "--prompts", "512", "--depths", "0"])
+    assert set(profiled) == {"decode b1", "decode b32", "prefill"}
+    assert profiled["decode b1"][0][0] == "llama-bench"
+    assert profiled["decode b32"][0][0] == "llama-batched-bench"
+    profiles = report["llama_cpp"]["profiles"]
+    assert (profiles["decode b1"]["batch"], profiles["decode b32"]["batch"]) == (1, 32)
+    (cmd,) = workers
+    at = cmd.index("--profile-batch")
+    assert cmd[at + 1:at + 3] == ["1", "32"]
 
 
 def test_ratios_against_targets():
@@ -371,6 +418,22 @@ def test_ratios_against_targets():
                                               "gpu_us_per_step": 7900.0, "shares": shares}}}})
     assert "GPU time of a decode step (batch 32, depth 0), 5100 us" in md
     assert "llama.cpp decode at batch 32 (ncu, 900 launches over 10 steps, 7900 us" in md
+    # several profiled batches (--profile-batch 1 32): a line each, both engines
+    md = bench.markdown({"paths": {"sm120": {
+        "settings": "x", "ratios": [], "profile_decodes": [
+            {"depth": 0, "batch": 1, "gpu_us_per_step": 3300.0, "shares": shares,
+             "host_us_per_step": host},
+            {"depth": 0, "batch": 32, "gpu_us_per_step": 20100.0, "shares": shares}]}},
+        "llama_cpp": {"profiles": {
+            "decode b1": {"launches": 800, "steps": 9, "batch": 1, "gpu_us_per_step": 3600.0,
+                          "shares": shares},
+            "decode b32": {"launches": 900, "steps": 10, "batch": 32,
+                           "gpu_us_per_step": 41000.0, "shares": shares}}}})
+    assert "\nGPU time of a decode step (batch 1, depth 0), 3300 us" in md
+    assert "\nGPU time of a decode step (batch 32, depth 0), 20100 us" in md
+    assert md.count("Host work of a decode step") == 1
+    assert "llama.cpp decode (ncu, 800 launches over 9 steps, 3600 us a step)" in md
+    assert "llama.cpp decode at batch 32 (ncu, 900 launches over 10 steps, 41000 us" in md
     # cases only one side measured are left out
     only_depth0 = bench.vllm_figures(rows[2:3])
     assert bench.ratios({"prefill": {}, "decode": {8192: 100.0}}, only_depth0) == []

@@ -27,7 +27,8 @@
 #   compare 2L  (then compare 3L, compare 3Lq6) waits for the accuracy stage and the file,
 #               runs glm5_vs_llama_cpp.py (PATHS_VS, REPS, BATCHES; PROFILE=1: both sides profiled
 #               (the overlay with the CPU us of vLLM's host sections a step),
-#               NCU, the decode steps at PROFILE_BATCH sequences, default 1), and
+#               NCU, the decode steps at each of PROFILE_BATCH's sequences, default 1;
+#               PROMPTS and DEPTHS: the benchmark's, default "512 8192" and "0 8192"), and
 #               --per-layer for 2L against each 3-layer report present (3L adds a Q4_K
 #               MoE layer, 3Lq6 a Q4_K/Q6_K one, as the 2-layer file's); with
 #               MORE=1, PATHS_VS against the llama.cpp figures of the call before
@@ -189,7 +190,8 @@ EOF
     name=$which llama=(--llama-bench /tmp/llama-cpp-cuda/bin/llama-bench
       --llama-batched-bench /tmp/llama-cpp-cuda/bin/llama-batched-bench
       ${PROFILE:+--llama-profile "${NCU:-/usr/local/cuda/bin/ncu}"})
-    profile=(${PROFILE:+--profile --profile-batch "${PROFILE_BATCH:-1}"})
+    # shellcheck disable=SC2206
+    profile=(${PROFILE:+--profile --profile-batch ${PROFILE_BATCH:-1}})
     if [ -n "${MORE:-}" ]; then  # more paths against the first call's llama.cpp run
       [ -f $keep/vs/$which.json ] || { echo "no compare $which on this machine yet" >&2; exit 3; }
       name=$which-more llama=(--llama-from $keep/vs/$which.json)
@@ -197,7 +199,7 @@ EOF
     # shellcheck disable=SC2086
     timeout $((call_s - SECONDS)) python3 -m benchmarks.glm5_vs_llama_cpp --gguf "$f" \
       "${llama[@]}" --paths ${PATHS_VS:-portable} --reps "${REPS:-2}" "${profile[@]}" \
-      --batches ${BATCHES:-1 8 32} \
+      --batches ${BATCHES:-1 8 32} --prompts ${PROMPTS:-512 8192} --depths ${DEPTHS:-0 8192} \
       --json $keep/vs/$name.json --md $keep/vs/$name.md > $keep/vs/$name.log 2>&1
     echo "compare rc=$?"; cp $keep/vs/$name.* "$out/vs/"
     cat $keep/vs/$name.md 2>/dev/null || tail -30 $keep/vs/$name.log
