@@ -453,8 +453,9 @@ KERNEL_CLASSES = (
     ("attention", re.compile(r"sparse_mla|flash_?mla|mla_|attn|attention|flash_fwd", re.I)),
     ("moe", re.compile(r"moe|expert|grouped_topk|topk_softmax|topk_sigmoid|ggml.*_id|"
                        r"mul_mat_vec_q_moe|marlin_moe", re.I)),
+    # _q4_k_kernel, _q6_k_kernel: the plugin's Triton dequantization before a 16-bit GEMM
     ("quantized", re.compile(r"mul_mat_vec_q|mul_mat_q|mmvq|mmq|dequantize|quantize_q8_1|"
-                             r"quantize_mmq|gemm_q|_gemm_iq", re.I)),
+                             r"quantize_mmq|gemm_q|_gemm_iq|^_q\d_k_kernel", re.I)),
     ("gemm16", re.compile(r"gemm|cutlass|cublas|xmma|nvjet|matmul", re.I)),
 )
 

@@ -4,7 +4,8 @@
     python -m benchmarks.serve_cold_start --gguf 2L.gguf 3L.gguf \
         [--llama-server BIN] [--as-capability 12.0:101376] --json cold.json --md cold.md
 
-For each file, in turn: vLLM cold (fresh vLLM, Triton, Inductor and DeepGEMM caches),
+For each file, in turn: vLLM cold (fresh vLLM, Triton, Inductor, DeepGEMM and CUDA driver
+JIT caches),
 vLLM warm (the caches the cold start filled), and with --llama-server llama.cpp's
 server, cold and warm. "Cold" also evicts the file from the page cache first
 (posix_fadvise DONTNEED, no root needed; a page another process maps stays); "warm"
@@ -37,6 +38,8 @@ VLLM_PHASES = {
     "compile_s": r"torch\.compile took ([\d.]+) s in total",
     "graph_capture_s": r"Graph capturing finished in ([\d.]+) secs",
     "engine_init_s": r"init engine \(.*?\) took ([\d.]+) s",
+    "profile_run_s": r"Initial profiling/warmup run took ([\d.]+) s",
+    "mla_prefill_warmup_s": r"Warmed up the MLA prefill kernels \(.*?\) in ([\d.]+) s",
 }
 
 
@@ -104,11 +107,13 @@ def vllm_phases(log_text: str) -> dict:
 
 
 def fresh_caches(root: Path) -> dict:
-    """Environment variables pointing every compile and JIT cache into `root`."""
+    """Environment variables pointing every compile and JIT cache into `root`, the CUDA
+    driver's too (its PTX compilations: on SM120 FA2's prefill kernels, tens of seconds)."""
     root.mkdir(parents=True, exist_ok=True)
     return {"VLLM_CACHE_ROOT": str(root / "vllm"), "TRITON_CACHE_DIR": str(root / "triton"),
             "TORCHINDUCTOR_CACHE_DIR": str(root / "inductor"),
-            "DG_JIT_CACHE_DIR": str(root / "deep_gemm"), "FLASHINFER_WORKSPACE_BASE": str(root)}
+            "DG_JIT_CACHE_DIR": str(root / "deep_gemm"), "FLASHINFER_WORKSPACE_BASE": str(root),
+            "CUDA_CACHE_PATH": str(root / "nv")}
 
 
 def run(args) -> dict:

@@ -505,6 +505,7 @@ def test_kernel_classes_of_both_engines():
              "void mul_mat_q<(ggml_type)14, 64, false>(...)": "quantized",
              "void quantize_mmq_q8_1<(mmq_q8_1_ds_layout)1>(...)": "quantized",
              "dequantize_block_q4_K": "quantized",
+             "_q4_k_kernel": "quantized", "_q6_k_kernel": "quantized",
              "moe_vec_q4_K_q8_1": "moe",
              "void flash_attn_ext_f16<576, 512, 4, 8, 64, 1, false>(...)": "attention",
              "sm90_xmma_gemm_bf16bf16_bf16f32": "gemm16",

@@ -61,9 +61,13 @@ def test_vllm_phases_from_its_log():
         "(EngineCore pid=1) INFO 12-05 [gpu_model_runner.py:6845] Graph capturing finished in "
         "9 secs, took 0.52 GiB",
         "(EngineCore pid=1) INFO 12-05 [core.py:341] init engine (profile, create kv cache, "
-        "warmup model) took 48.07 s (compilation: 21.50 s)"])
+        "warmup model) took 48.07 s (compilation: 21.50 s)",
+        "(EngineCore pid=1) INFO 12-06 [monitor.py:81] Initial profiling/warmup run took 54.50 s",
+        "(EngineCore pid=1) INFO 12-06 [mla_prefill_warmup.py:155] Warmed up the MLA prefill "
+        "kernels (FLASH_ATTN) in 31.02 s."])
     assert serve_cold_start.vllm_phases(log) == {
-        "load_s": 12.345678, "compile_s": 21.5, "graph_capture_s": 9.0, "engine_init_s": 48.07}
+        "load_s": 12.345678, "compile_s": 21.5, "graph_capture_s": 9.0, "engine_init_s": 48.07,
+        "profile_run_s": 54.5, "mla_prefill_warmup_s": 31.02}
     assert serve_cold_start.vllm_phases("nothing") == dict.fromkeys(serve_cold_start.VLLM_PHASES)
 
 
@@ -72,3 +76,13 @@ def test_evict_drops_a_file_from_the_page_cache(tmp_path):
     f.write_bytes(b"\0" * (1 << 20))
     assert serve_cold_start.evict(f) is True
     assert f.read_bytes() == b"\0" * (1 << 20)  # the file itself is untouched
+
+
+def test_a_cold_start_has_every_cache_fresh(tmp_path):
+    """Every compile and JIT cache a start fills points under the cold start's own folder,
+    the CUDA driver's PTX cache included (a kept one hid 31 s of FA2 compilation as on
+    SM120 from the second file's "cold" start)."""
+    env = serve_cold_start.fresh_caches(tmp_path / "c")
+    assert {"VLLM_CACHE_ROOT", "TRITON_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR",
+            "DG_JIT_CACHE_DIR", "CUDA_CACHE_PATH"} <= set(env)
+    assert all(v.startswith(str(tmp_path / "c")) for v in env.values())
