@@ -5,8 +5,7 @@
         [--llama-server BIN] [--as-capability 12.0:101376] --json cold.json --md cold.md
 
 For each file, in turn: vLLM cold (fresh vLLM, Triton, Inductor, DeepGEMM and CUDA driver
-JIT caches),
-vLLM warm (the caches the cold start filled), and with --llama-server llama.cpp's
+JIT caches), vLLM warm (the caches the cold start filled), and with --llama-server llama.cpp's
 server, cold and warm. "Cold" also evicts the file from the page cache first
 (posix_fadvise DONTNEED, no root needed; a page another process maps stays); "warm"
 reads it from the page cache the start before filled. Each start is timed until
@@ -108,7 +107,8 @@ def vllm_phases(log_text: str) -> dict:
 
 def fresh_caches(root: Path) -> dict:
     """Environment variables pointing every compile and JIT cache into `root`, the CUDA
-    driver's too (its PTX compilations: on SM120 FA2's prefill kernels, tens of seconds)."""
+    driver's too (its PTX compilations, tens of seconds on a new machine: FA2's prefill
+    kernels on SM120, vLLM's Marlin MoE on SM90)."""
     root.mkdir(parents=True, exist_ok=True)
     return {"VLLM_CACHE_ROOT": str(root / "vllm"), "TRITON_CACHE_DIR": str(root / "triton"),
             "TORCHINDUCTOR_CACHE_DIR": str(root / "inductor"),
