@@ -858,16 +858,17 @@ def main(argv=None):
         report["llama_cpp"] = {"commands": cmds, "rows": rows, "figures": llama}
         save()
     if args.llama_profile and args.llama_bench:
-        runs, batches = {}, {}
-        for batch in args.profile_batch:  # "decode", or "decode bB" a batch where several
-            kind = "decode" if len(args.profile_batch) == 1 else f"decode b{batch}"
-            batch_runs = llama_profile_runs(
-                args.llama_bench, args.gguf, min(args.prompts), batch,
-                args.llama_batched_bench, shlex.split(args.llama_bench_args))
-            runs[kind], batches[kind] = batch_runs["decode"], batch
-        runs["prefill"] = batch_runs["prefill"]
+        def profile_runs(batch):
+            return llama_profile_runs(args.llama_bench, args.gguf, min(args.prompts), batch,
+                                      args.llama_batched_bench, shlex.split(args.llama_bench_args))
+
+        # "decode", or "decode bB" a batch where several; the prefill's run has no batch
+        kinds = {("decode" if len(args.profile_batch) == 1 else f"decode b{batch}"): batch
+                 for batch in args.profile_batch}
+        runs = {kind: profile_runs(batch)["decode"] for kind, batch in kinds.items()}
+        runs["prefill"] = profile_runs(1)["prefill"]
         profiles = llama_profiles(args.llama_profile, runs)
-        for kind, batch in batches.items():
+        for kind, batch in kinds.items():
             profiles[kind]["batch"] = batch
         report.setdefault("llama_cpp", {})["profiles"] = profiles
         save()
