@@ -13,8 +13,10 @@ Each figure is µs a call, the best of --repeats runs of --number calls:
 - the launch records for a batch-1 GLM-5 step as on SM120 (`sparse_mla_launch`, the GGUF
   `dense_launch` and `moe_launch`): chosen once (the overlay's) and their rules run at
   every call (before ae67450).
-Where vLLM's platform is not the NVML one (no NVIDIA driver), the NVML rows are left out
-and the report says why. docs/kernels.md says how often a step asks each.
+A GPU host's benchmark: the sparse MLA rules need Triton, which vLLM swaps for a
+placeholder where it finds no GPU driver (the CPU tests run them under Triton's
+interpreter). Where vLLM's CUDA platform is not the NVML one, the NVML rows are left out
+and the report says why. docs/kernels.md says how often a step asks each call.
 """
 
 import argparse
